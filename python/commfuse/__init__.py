@@ -1,0 +1,35 @@
+"""commfuse: fused, overlapped collective matmuls for JAX ``shard_map`` programs.
+
+Inside a ``jax.shard_map`` body::
+
+    y = commfuse.all_gather_matmul(x, w, "tp")        # == all_gather(x, "tp", tiled=True) @ w
+    z = commfuse.matmul_reduce_scatter(h, w2, "tp")   # == psum_scatter(h @ w2, "tp", tiled=True)
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import reference
+from ._all_gather_matmul import all_gather_matmul
+from ._matmul_reduce_scatter import matmul_reduce_scatter
+from ._native import LIBRARY_PATH, set_timeout_ms as _set_timeout_ms
+
+__version__ = "0.1.0"
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "configure", "reference"]
+
+
+def configure(*, timeout_s: float | None = None) -> None:
+    """Sets the deadline, in seconds, of every wait across devices.
+
+    A rank that waits longer (because a peer never reached the op) fails with
+    DEADLINE_EXCEEDED, naming the ranks that never arrived. ``None`` goes back
+    to the environment variable ``COMMFUSE_TIMEOUT_S`` (default 60).
+    """
+    if timeout_s is None:
+        _set_timeout_ms(0)
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or timeout_s <= 0:
+        raise ValueError(f"commfuse.configure: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    _set_timeout_ms(max(1, round(timeout_s * 1000)))

@@ -1,0 +1,279 @@
+//! In-process point-to-point transfers between the device calls of one
+//! execution. The N calls of one op meet in a session keyed by their group,
+//! call site, run id and how many times this site already ran in this run
+//! (a site inside `lax.scan` runs once per iteration). A send copies the
+//! block into a pooled buffer and drops it in the receiver's mailbox; a
+//! receive waits for it, with the call's deadline.
+#![forbid(unsafe_code)]
+
+use crate::error::{Error, Result};
+use crate::exec::Wait;
+use crate::plan::Tag;
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Identifies the N calls that make up one op execution.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SessionKey {
+    /// Device ids of the group, in rank order.
+    pub group: Vec<i64>,
+    pub site: i64,
+    pub run: i64,
+    pub sequence: u64,
+}
+
+/// Names for error messages.
+#[derive(Debug, Clone)]
+pub struct CallInfo {
+    pub op: &'static str,
+    pub rank: usize,
+    pub timeout: Duration,
+}
+
+type MailboxKey = (usize, usize, Tag); // (to, from, tag)
+
+struct State {
+    arrived: Vec<bool>,
+    active: usize,
+    mailbox: HashMap<MailboxKey, Vec<u64>>,
+}
+
+struct Session {
+    state: Mutex<State>,
+    delivered: Condvar,
+}
+
+/// One rank's handle on its session; leaving (drop) tidies the session up.
+pub struct Endpoint {
+    key: SessionKey,
+    session: Arc<Session>,
+    info: CallInfo,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not poison every later call.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn registry() -> &'static Mutex<HashMap<SessionKey, Arc<Session>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<SessionKey, Arc<Session>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Per (device, call site): the last run seen and how often the site ran in it.
+/// (device, call site) -> (run id, calls so far in that run).
+type SequenceCounts = HashMap<(i64, i64), (i64, u64)>;
+
+pub fn next_sequence(device: i64, site: i64, run: i64) -> u64 {
+    static COUNTS: OnceLock<Mutex<SequenceCounts>> = OnceLock::new();
+    let mut counts = lock(COUNTS.get_or_init(Default::default));
+    let entry = counts.entry((device, site)).or_insert((run, 0));
+    if entry.0 == run {
+        let sequence = entry.1;
+        entry.1 += 1;
+        sequence
+    } else {
+        *entry = (run, 1);
+        0
+    }
+}
+
+impl Endpoint {
+    pub fn join(key: SessionKey, info: CallInfo) -> Endpoint {
+        let n = key.group.len();
+        let session = lock(registry())
+            .entry(key.clone())
+            .or_insert_with(|| {
+                Arc::new(Session {
+                    state: Mutex::new(State { arrived: vec![false; n], active: 0, mailbox: HashMap::new() }),
+                    delivered: Condvar::new(),
+                })
+            })
+            .clone();
+        {
+            let mut state = lock(&session.state);
+            state.arrived[info.rank] = true;
+            state.active += 1;
+        }
+        session.delivered.notify_all();
+        Endpoint { key, session, info }
+    }
+
+    pub fn send(&self, to: usize, tag: Tag, data: &[u8]) {
+        let mut message = pool::take(data.len());
+        bytemuck::cast_slice_mut::<u64, u8>(&mut message)[..data.len()].copy_from_slice(data);
+        let previous = lock(&self.session.state).mailbox.insert((to, self.info.rank, tag), message);
+        if let Some(stale) = previous {
+            pool::give_back(stale);
+        }
+        self.session.delivered.notify_all();
+    }
+
+    pub fn recv(&self, from: usize, tag: Tag, dst: &mut [u8], wait: &Wait) -> Result<()> {
+        let key = (self.info.rank, from, tag);
+        let mut state = lock(&self.session.state);
+        let message = loop {
+            if let Some(m) = state.mailbox.remove(&key) {
+                break m;
+            }
+            if wait.cancelled() {
+                return Err(Error::Internal("cancelled because another lane failed".into()));
+            }
+            let now = Instant::now();
+            if now >= wait.deadline {
+                return Err(self.timeout(&state, from, tag));
+            }
+            // Wake up now and then to notice a cancellation by another lane.
+            let slice = (wait.deadline - now).min(Duration::from_millis(50));
+            state = self.session.delivered.wait_timeout(state, slice).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        drop(state);
+        let bytes = bytemuck::cast_slice::<u64, u8>(&message);
+        let result = if bytes.len() >= dst.len() {
+            dst.copy_from_slice(&bytes[..dst.len()]);
+            Ok(())
+        } else {
+            Err(Error::Internal(format!("message from rank {from} has {} bytes, expected {}", bytes.len(), dst.len())))
+        };
+        pool::give_back(message);
+        result
+    }
+
+    fn timeout(&self, state: &State, from: usize, tag: Tag) -> Error {
+        let CallInfo { op, rank, timeout } = &self.info;
+        let SessionKey { group, site, run, .. } = &self.key;
+        let missing: Vec<usize> = (0..group.len()).filter(|&r| !state.arrived[r]).collect();
+        let devices: Vec<i64> = missing.iter().map(|&r| group[r]).collect();
+        let why = if missing.is_empty() {
+            format!("every rank arrived, so rank {from} failed or stalled before step {}", tag.step)
+        } else {
+            format!("ranks {missing:?} (devices {devices:?}) never arrived")
+        };
+        Error::DeadlineExceeded(format!(
+            "{op} (call site {site}, run {run}): rank {rank} of {} (device {}) waited {:.1} s for rank {from} \
+             (device {}); {why}. Every rank of the axis must reach the op (check lax.cond/while branches), or \
+             raise the deadline with COMMFUSE_TIMEOUT_S / commfuse.configure(timeout_s=...)",
+            group.len(),
+            group[*rank],
+            timeout.as_secs_f64(),
+            group[from],
+        ))
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let mut registry = lock(registry());
+        let mut state = lock(&self.session.state);
+        state.active -= 1;
+        if state.active == 0 {
+            // Everyone who came has left: drop the session and any unread messages
+            // (there are some only after a failure).
+            for (_, message) in state.mailbox.drain() {
+                pool::give_back(message);
+            }
+            if registry.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.session)) {
+                registry.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Message buffers, reused across calls so the hot path does not allocate
+/// once the pool holds enough of them. Words keep them 8-byte aligned.
+mod pool {
+    use super::lock;
+    use std::sync::{Mutex, OnceLock};
+
+    const KEEP: usize = 256;
+
+    fn buffers() -> &'static Mutex<Vec<Vec<u64>>> {
+        static POOL: OnceLock<Mutex<Vec<Vec<u64>>>> = OnceLock::new();
+        POOL.get_or_init(Default::default)
+    }
+
+    pub fn take(bytes: usize) -> Vec<u64> {
+        let words = bytes.div_ceil(8);
+        let mut pool = lock(buffers());
+        let mut buffer = match pool.iter().position(|b| b.capacity() >= words) {
+            Some(i) => pool.swap_remove(i),
+            None => pool.pop().unwrap_or_default(),
+        };
+        drop(pool);
+        buffer.resize(words, 0);
+        buffer
+    }
+
+    pub fn give_back(buffer: Vec<u64>) {
+        let mut pool = lock(buffers());
+        if pool.len() < KEEP {
+            pool.push(buffer);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Direction;
+    use std::sync::atomic::AtomicBool;
+
+    fn key(site: i64) -> SessionKey {
+        SessionKey { group: vec![10, 11, 12], site, run: 1, sequence: 0 }
+    }
+
+    fn info(rank: usize) -> CallInfo {
+        CallInfo { op: "test_op", rank, timeout: Duration::from_millis(200) }
+    }
+
+    fn tag(step: usize) -> Tag {
+        Tag { direction: Direction::Forward, step }
+    }
+
+    #[test]
+    fn a_message_reaches_its_receiver_across_threads() {
+        let cancelled = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let a = Endpoint::join(key(1), info(0));
+                a.send(1, tag(0), &[1, 2, 3, 4, 5]);
+            });
+            let b = Endpoint::join(key(1), info(1));
+            let wait = Wait::for_test(Instant::now() + Duration::from_secs(5), &cancelled);
+            let mut dst = [0u8; 5];
+            b.recv(0, tag(0), &mut dst, &wait).unwrap();
+            assert_eq!(dst, [1, 2, 3, 4, 5]);
+        });
+    }
+
+    #[test]
+    fn a_missing_rank_gives_a_deadline_error_naming_it() {
+        let cancelled = AtomicBool::new(false);
+        let a = Endpoint::join(key(2), info(0));
+        let wait = Wait::for_test(Instant::now() + Duration::from_millis(100), &cancelled);
+        let start = Instant::now();
+        let e = a.recv(2, tag(0), &mut [0u8; 4], &wait).unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(2));
+        let Error::DeadlineExceeded(message) = e else { panic!("{e:?}") };
+        assert!(message.contains("ranks [1, 2] (devices [11, 12]) never arrived"), "{message}");
+    }
+
+    #[test]
+    fn sessions_are_removed_when_everyone_left() {
+        {
+            let _a = Endpoint::join(key(3), info(0));
+            let _b = Endpoint::join(key(3), info(1));
+            assert!(lock(registry()).contains_key(&key(3)));
+        }
+        assert!(!lock(registry()).contains_key(&key(3)));
+    }
+
+    #[test]
+    fn sequence_numbers_count_per_run() {
+        assert_eq!(next_sequence(900, 1, 7), 0);
+        assert_eq!(next_sequence(900, 1, 7), 1);
+        assert_eq!(next_sequence(901, 1, 7), 0);
+        assert_eq!(next_sequence(900, 1, 8), 0);
+    }
+}

@@ -1,0 +1,2 @@
+//! Backends: what one step does on a device. The executor is shared.
+pub mod cpu;

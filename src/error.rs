@@ -1,0 +1,48 @@
+//! The one error type of the library, mapped to XLA FFI error codes at the edge.
+
+use std::fmt;
+
+/// Every failure a handler can report. The variant decides the XLA error code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// Bad operands or attributes: the message names the argument and what was expected.
+    InvalidArgument(String),
+    /// A library or feature that is not available in this build or on this machine.
+    Unimplemented(String),
+    /// A wait across devices passed its deadline.
+    DeadlineExceeded(String),
+    /// A driver or internal failure (with the raw code where there is one).
+    Internal(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn message(&self) -> &str {
+        match self {
+            Error::InvalidArgument(m) | Error::Unimplemented(m) | Error::DeadlineExceeded(m) | Error::Internal(m) => m,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self {
+            Error::InvalidArgument(_) => "invalid argument",
+            Error::Unimplemented(_) => "unimplemented",
+            Error::DeadlineExceeded(_) => "deadline exceeded",
+            Error::Internal(_) => "internal error",
+        };
+        write!(f, "commfuse: {kind}: {}", self.message())
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// `bail!(InvalidArgument, "x must be ...")` returns early with that error.
+#[macro_export]
+macro_rules! bail {
+    ($kind:ident, $($fmt:tt)+) => {
+        return Err($crate::error::Error::$kind(format!($($fmt)+)))
+    };
+}

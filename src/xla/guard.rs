@@ -1,0 +1,227 @@
+//! The wrapper every `extern "C"` handler goes through: answers XLA's metadata
+//! probe, skips stages other than EXECUTE, catches panics and turns errors
+//! into `XLA_FFI_Error`s. Nothing here may unwind into XLA.
+
+use std::any::Any;
+use std::ffi::CString;
+use std::io::Write;
+use std::mem::{offset_of, size_of};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+
+use super::{error_code, sys, Frame};
+use crate::error::{Error, Result};
+
+/// Runs a handler body for one call, named after the closure's enclosing
+/// function in panic messages. See [`handle_named`].
+///
+/// # Safety
+/// As [`handle_named`].
+pub unsafe fn handle<F>(call_frame: *mut sys::XLA_FFI_CallFrame, body: F) -> *mut sys::XLA_FFI_Error
+where
+    F: FnOnce(&mut Frame<'_>) -> Result<()>,
+{
+    // SAFETY: forwarded contract.
+    unsafe { handle_named(handler_name::<F>(), call_frame, body) }
+}
+
+/// Runs `body` for one call of the handler `name`:
+/// - the metadata probe (a Metadata extension in `extension_start`) is
+///   answered with our API version and no traits, without running `body`;
+/// - stages other than EXECUTE return success without running `body`;
+/// - an `Err` or a panic from `body` becomes an `XLA_FFI_Error`.
+///
+/// # Safety
+/// `call_frame` must be what XLA passed to the handler (or built like it).
+pub unsafe fn handle_named<F>(name: &str, call_frame: *mut sys::XLA_FFI_CallFrame, body: F) -> *mut sys::XLA_FFI_Error
+where
+    F: FnOnce(&mut Frame<'_>) -> Result<()>,
+{
+    // SAFETY: forwarded contract.
+    let api = match unsafe { preflight(name, call_frame) } {
+        Preflight::Done(result) => return result,
+        Preflight::Execute(api) => api,
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `preflight` checked this is a full call frame, which XLA
+        // keeps alive for the call.
+        let mut frame = unsafe { Frame::from_raw(call_frame) }?;
+        body(&mut frame)
+    }));
+    let err = match outcome {
+        Ok(Ok(())) => return ptr::null_mut(),
+        Ok(Err(e)) => e,
+        Err(payload) => {
+            let msg = format!("panic in {name}: {}", panic_message(payload.as_ref()));
+            drop_quietly(payload);
+            Error::Internal(msg)
+        }
+    };
+    // SAFETY: `api` is the call frame's table, checked non-null.
+    unsafe { create_error(api, &err, name) }
+}
+
+/// What to do with a call before any handler code runs.
+enum Preflight {
+    /// Answered already (probe, other stage, malformed frame): return this.
+    Done(*mut sys::XLA_FFI_Error),
+    /// An EXECUTE call with a full call frame and this API table.
+    Execute(*const sys::XLA_FFI_Api),
+}
+
+/// Answers the metadata probe, skips non-EXECUTE stages and checks the
+/// call frame is complete.
+///
+/// # Safety
+/// As [`handle_named`].
+unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame) -> Preflight {
+    // A call frame that cannot even carry an error back means XLA and this
+    // library disagree about the ABI: carrying on could corrupt memory.
+    if cf.is_null() {
+        fatal(name, "null call frame");
+    }
+    // SAFETY: `cf` is XLA's call frame; each field is read through the raw
+    // pointer only after `struct_size` shows it is there (the struct XLA
+    // passes stops before `future`, so no reference to the whole is formed).
+    unsafe {
+        let size = (*cf).struct_size;
+        let has = |end: usize| size >= end;
+        let api_end = offset_of!(sys::XLA_FFI_CallFrame, api) + size_of::<*const ()>();
+        let api = if has(api_end) { (*cf).api } else { ptr::null() };
+
+        let ext_end = offset_of!(sys::XLA_FFI_CallFrame, extension_start) + size_of::<*const ()>();
+        if has(ext_end) {
+            if let Some(ext) = find_metadata((*cf).extension_start) {
+                return Preflight::Done(answer_probe(ext, api));
+            }
+        }
+
+        if api.is_null() {
+            fatal(name, "call frame without an API table");
+        }
+        let full = sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize;
+        if !has(full) {
+            let msg = format!("call frame has struct_size {size}, expected at least {full}");
+            return Preflight::Done(create_error(api, &Error::Internal(msg), name));
+        }
+        if (*cf).stage != sys::XLA_FFI_ExecutionStage_EXECUTE {
+            return Preflight::Done(ptr::null_mut());
+        }
+        Preflight::Execute(api)
+    }
+}
+
+/// The function a closure was written in, from its type name
+/// (`crate::ops::ag_matmul::{{closure}}` -> `crate::ops::ag_matmul`).
+fn handler_name<F>() -> &'static str {
+    let mut name = std::any::type_name::<F>();
+    while let Some(outer) = name.strip_suffix("::{{closure}}") {
+        name = outer;
+    }
+    name
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s
+    } else {
+        "(non-string panic payload)"
+    }
+}
+
+/// Drops a panic payload; a payload whose destructor panics again is leaked
+/// rather than let unwind into XLA.
+fn drop_quietly(payload: Box<dyn Any + Send>) {
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
+    }
+}
+
+/// The Metadata extension in the chain starting at `ext`, if any.
+///
+/// # Safety
+/// `ext` must be null or the head of a chain of live extensions.
+unsafe fn find_metadata(mut ext: *mut sys::XLA_FFI_Extension_Base) -> Option<*mut sys::XLA_FFI_Extension_Base> {
+    // The bound only guards against a corrupted (cyclic) chain.
+    for _ in 0..64 {
+        if ext.is_null() {
+            return None;
+        }
+        // SAFETY: a live extension, per the contract.
+        unsafe {
+            if (*ext).type_ == sys::XLA_FFI_Extension_Metadata {
+                return Some(ext);
+            }
+            ext = (*ext).next;
+        }
+    }
+    None
+}
+
+/// Fills in the metadata XLA asks for when the backend starts: the API
+/// version we were built against, and no traits (in particular we do not
+/// claim command-buffer compatibility: our calls block and synchronise).
+///
+/// # Safety
+/// `ext` must be a live Metadata extension; `api` null or XLA's table.
+unsafe fn answer_probe(ext: *mut sys::XLA_FFI_Extension_Base, api: *const sys::XLA_FFI_Api) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: sizes are checked before each struct is read or written.
+    unsafe {
+        let ext = ext as *mut sys::XLA_FFI_Metadata_Extension;
+        let md = if (*ext).extension_base.struct_size >= sys::XLA_FFI_Metadata_Extension_STRUCT_SIZE as usize {
+            (*ext).metadata
+        } else {
+            ptr::null_mut()
+        };
+        if md.is_null() || (*md).struct_size < sys::XLA_FFI_Metadata_STRUCT_SIZE as usize {
+            // XLA's probe passes no API table, so there is usually no way to
+            // report this; XLA then rejects the unfilled metadata itself.
+            if api.is_null() {
+                return ptr::null_mut();
+            }
+            let err = Error::Internal("malformed metadata extension".into());
+            return create_error(api, &err, "metadata probe");
+        }
+        (*md).api_version = sys::XLA_FFI_Api_Version {
+            struct_size: sys::XLA_FFI_Api_Version_STRUCT_SIZE as usize,
+            extension_start: ptr::null_mut(),
+            major_version: sys::XLA_FFI_API_MAJOR as i32,
+            minor_version: sys::XLA_FFI_API_MINOR as i32,
+        };
+        (*md).traits = 0;
+    }
+    ptr::null_mut()
+}
+
+/// Builds the `XLA_FFI_Error` for `err` (XLA copies the message and owns the
+/// returned error).
+///
+/// # Safety
+/// `api` must be XLA's API table.
+unsafe fn create_error(api: *const sys::XLA_FFI_Api, err: &Error, name: &str) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: `api_fn!` checks the table has the field.
+    let Some(create) = (unsafe { api_fn!(api, XLA_FFI_Error_Create) }) else {
+        fatal(name, &format!("cannot report an error (no XLA_FFI_Error_Create): {err}"));
+    };
+    // An interior NUL would cut the C string short: replace it.
+    let message = CString::new(err.to_string().replace('\0', "\u{fffd}")).unwrap_or_default();
+    let mut args = sys::XLA_FFI_Error_Create_Args {
+        struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
+        extension_start: ptr::null_mut(),
+        message: message.as_ptr(),
+        errc: error_code(err),
+    };
+    // SAFETY: `args` is complete and outlives the call; XLA copies `message`.
+    unsafe { create(&mut args) }
+}
+
+/// Gives up when XLA and this library cannot talk at all: returning success
+/// would hide the failure and leave results unwritten, and unwinding into
+/// C is undefined behaviour.
+fn fatal(name: &str, msg: &str) -> ! {
+    // Ignore write errors: there is nowhere left to report them.
+    let _ = writeln!(std::io::stderr(), "commfuse: fatal in handler {name}: {msg}");
+    std::process::abort()
+}

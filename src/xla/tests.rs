@@ -1,0 +1,577 @@
+//! Tests of the call-frame layer on synthetic call frames: a fake API table
+//! records the errors handlers create, and every pointer a frame holds points
+//! into an arena the test owns.
+
+use std::ffi::{CStr, CString};
+use std::ptr;
+
+use super::{error_code, handle, sys, Frame};
+use crate::dtype::DType;
+use crate::error::Error;
+
+// ---- a fake XLA ----------------------------------------------------------
+
+/// What `XLA_FFI_Error_Create` of the fake API hands out.
+struct FakeError {
+    code: sys::XLA_FFI_Error_Code,
+    message: CString,
+}
+
+unsafe extern "C" fn fake_error_create(args: *mut sys::XLA_FFI_Error_Create_Args) -> *mut sys::XLA_FFI_Error {
+    let (code, message) = unsafe { ((*args).errc, CStr::from_ptr((*args).message).to_owned()) };
+    Box::into_raw(Box::new(FakeError { code, message })) as *mut sys::XLA_FFI_Error
+}
+
+unsafe extern "C" fn fake_error_get_message(args: *mut sys::XLA_FFI_Error_GetMessage_Args) {
+    unsafe {
+        let err = (*args).error as *const FakeError;
+        (*args).message = (*err).message.as_ptr();
+    }
+}
+
+unsafe extern "C" fn fake_error_destroy(args: *mut sys::XLA_FFI_Error_Destroy_Args) {
+    drop(unsafe { Box::from_raw((*args).error as *mut FakeError) });
+}
+
+const DEVICE_ORDINAL: i32 = 2049;
+const RUN_ID: i64 = 0x5eed;
+
+unsafe extern "C" fn fake_device_ordinal(args: *mut sys::XLA_FFI_DeviceOrdinal_Get_Args) -> *mut sys::XLA_FFI_Error {
+    unsafe { (*args).device_ordinal = DEVICE_ORDINAL };
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn fake_run_id(args: *mut sys::XLA_FFI_RunId_Get_Args) -> *mut sys::XLA_FFI_Error {
+    unsafe { (*args).run_id = RUN_ID };
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn failing_run_id(_: *mut sys::XLA_FFI_RunId_Get_Args) -> *mut sys::XLA_FFI_Error {
+    let msg = c"no run id here";
+    let mut args = sys::XLA_FFI_Error_Create_Args {
+        struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
+        message: msg.as_ptr(),
+        errc: sys::XLA_FFI_Error_Code_UNAVAILABLE,
+        ..Default::default()
+    };
+    unsafe { fake_error_create(&mut args) }
+}
+
+fn fake_api() -> sys::XLA_FFI_Api {
+    sys::XLA_FFI_Api {
+        struct_size: sys::XLA_FFI_Api_STRUCT_SIZE as usize,
+        XLA_FFI_Error_Create: Some(fake_error_create),
+        XLA_FFI_Error_GetMessage: Some(fake_error_get_message),
+        XLA_FFI_Error_Destroy: Some(fake_error_destroy),
+        XLA_FFI_DeviceOrdinal_Get: Some(fake_device_ordinal),
+        XLA_FFI_RunId_Get: Some(fake_run_id),
+        ..Default::default()
+    }
+}
+
+/// Code and message of an error a handler returned (and frees it); `None` for success.
+fn take_error(e: *mut sys::XLA_FFI_Error) -> Option<(sys::XLA_FFI_Error_Code, String)> {
+    if e.is_null() {
+        return None;
+    }
+    let err = unsafe { Box::from_raw(e as *mut FakeError) };
+    Some((err.code, err.message.to_string_lossy().into_owned()))
+}
+
+// ---- synthetic call frames -------------------------------------------------
+
+/// Owns heap allocations by raw pointer, so the pointers stored in a call
+/// frame stay valid (and unaliased by any `Box`) until the arena is dropped.
+#[derive(Default)]
+struct Arena {
+    drops: Vec<Box<dyn FnOnce()>>,
+}
+
+impl Arena {
+    fn alloc<T: 'static>(&mut self, value: T) -> *mut T {
+        let p = Box::into_raw(Box::new(value));
+        self.drops.push(Box::new(move || drop(unsafe { Box::from_raw(p) })));
+        p
+    }
+
+    /// A vector's elements, owned by the arena: (pointer, length).
+    fn slice<T: 'static>(&mut self, v: Vec<T>) -> (*mut T, usize) {
+        let len = v.len();
+        let v = self.alloc(v);
+        (unsafe { (*v).as_mut_ptr() }, len)
+    }
+
+    /// A byte span naming `s` (arena-owned copy, not NUL-terminated).
+    fn span(&mut self, s: &str) -> *mut sys::XLA_FFI_ByteSpan {
+        let (ptr, len) = self.slice(s.as_bytes().to_vec());
+        self.alloc(sys::XLA_FFI_ByteSpan { ptr: ptr as *const _, len })
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        while let Some(d) = self.drops.pop() {
+            d();
+        }
+    }
+}
+
+enum Attr {
+    I64(i64),
+    I32(i32),
+    F32(f32),
+    I64s(Vec<i64>),
+    Str(&'static str),
+}
+
+fn elem_size(dtype: u32) -> usize {
+    match dtype {
+        sys::XLA_FFI_DataType_F64 | sys::XLA_FFI_DataType_S64 => 8,
+        sys::XLA_FFI_DataType_F32 | sys::XLA_FFI_DataType_S32 => 4,
+        sys::XLA_FFI_DataType_F16 | sys::XLA_FFI_DataType_BF16 => 2,
+        _ => 1,
+    }
+}
+
+/// A call to build: operands and results as (XLA dtype, dims), attributes.
+struct Call {
+    args: Vec<(u32, Vec<i64>)>,
+    rets: Vec<(u32, Vec<i64>)>,
+    attrs: Vec<(&'static str, Attr)>,
+    stage: sys::XLA_FFI_ExecutionStage,
+}
+
+impl Default for Call {
+    fn default() -> Self {
+        Call { args: vec![], rets: vec![], attrs: vec![], stage: sys::XLA_FFI_ExecutionStage_EXECUTE }
+    }
+}
+
+struct Built {
+    frame: *mut sys::XLA_FFI_CallFrame,
+    api: *mut sys::XLA_FFI_Api,
+    arg_bufs: Vec<*mut sys::XLA_FFI_Buffer>,
+    ret_bufs: Vec<*mut sys::XLA_FFI_Buffer>,
+    _arena: Arena,
+}
+
+impl Call {
+    fn build(mut self) -> Built {
+        let mut arena = Arena::default();
+        let api = arena.alloc(fake_api());
+
+        let mut buffers = |list: &[(u32, Vec<i64>)]| {
+            let mut bufs = vec![];
+            for (n, (dtype, dims)) in list.iter().enumerate() {
+                let elems: i64 = dims.iter().product();
+                let len = elems.max(0) as usize * elem_size(*dtype);
+                // A recognisable pattern, different for every buffer.
+                let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + n * 13) as u8).collect();
+                let (data, _) = arena.slice(bytes);
+                let (dims, rank) = arena.slice(dims.clone());
+                bufs.push(arena.alloc(sys::XLA_FFI_Buffer {
+                    struct_size: sys::XLA_FFI_Buffer_STRUCT_SIZE as usize,
+                    extension_start: ptr::null_mut(),
+                    dtype: *dtype,
+                    data: data as *mut _,
+                    rank: rank as i64,
+                    dims,
+                }));
+            }
+            bufs
+        };
+        let arg_bufs = buffers(&self.args);
+        let ret_bufs = buffers(&self.rets);
+
+        let args = {
+            let (types, n) = arena.slice(vec![sys::XLA_FFI_ArgType_BUFFER; arg_bufs.len()]);
+            let ptrs = arg_bufs.iter().map(|&b| b as *mut std::ffi::c_void).collect();
+            let (ptrs, _) = arena.slice::<*mut std::ffi::c_void>(ptrs);
+            let struct_size = sys::XLA_FFI_Args_STRUCT_SIZE as usize;
+            sys::XLA_FFI_Args { struct_size, size: n as i64, types, args: ptrs, ..Default::default() }
+        };
+        let rets = {
+            let (types, n) = arena.slice(vec![sys::XLA_FFI_RetType_BUFFER; ret_bufs.len()]);
+            let ptrs = ret_bufs.iter().map(|&b| b as *mut std::ffi::c_void).collect();
+            let (ptrs, _) = arena.slice::<*mut std::ffi::c_void>(ptrs);
+            let struct_size = sys::XLA_FFI_Rets_STRUCT_SIZE as usize;
+            sys::XLA_FFI_Rets { struct_size, size: n as i64, types, rets: ptrs, ..Default::default() }
+        };
+
+        // XLA sorts attributes by name.
+        self.attrs.sort_by_key(|(name, _)| *name);
+        let (mut types, mut names, mut values) = (vec![], vec![], vec![]);
+        for (name, attr) in self.attrs {
+            names.push(arena.span(name));
+            let scalar = |arena: &mut Arena, dtype, value: *mut std::ffi::c_void| {
+                arena.alloc(sys::XLA_FFI_Scalar { dtype, value }) as *mut std::ffi::c_void
+            };
+            let (ty, value) = match attr {
+                Attr::I64(v) => {
+                    let v = arena.alloc(v) as *mut _;
+                    (sys::XLA_FFI_AttrType_SCALAR, scalar(&mut arena, sys::XLA_FFI_DataType_S64, v))
+                }
+                Attr::I32(v) => {
+                    let v = arena.alloc(v) as *mut _;
+                    (sys::XLA_FFI_AttrType_SCALAR, scalar(&mut arena, sys::XLA_FFI_DataType_S32, v))
+                }
+                Attr::F32(v) => {
+                    let v = arena.alloc(v) as *mut _;
+                    (sys::XLA_FFI_AttrType_SCALAR, scalar(&mut arena, sys::XLA_FFI_DataType_F32, v))
+                }
+                Attr::I64s(v) => {
+                    let (data, size) = arena.slice(v);
+                    let dtype = sys::XLA_FFI_DataType_S64;
+                    let array = arena.alloc(sys::XLA_FFI_Array { dtype, size, data: data as *mut _ });
+                    (sys::XLA_FFI_AttrType_ARRAY, array as *mut _)
+                }
+                Attr::Str(s) => (sys::XLA_FFI_AttrType_STRING, arena.span(s) as *mut _),
+            };
+            types.push(ty);
+            values.push(value);
+        }
+        let (types, n) = arena.slice(types);
+        let (names, _) = arena.slice(names);
+        let (values, _) = arena.slice(values);
+        let attrs = sys::XLA_FFI_Attrs {
+            struct_size: sys::XLA_FFI_Attrs_STRUCT_SIZE as usize,
+            size: n as i64,
+            types,
+            names,
+            attrs: values,
+            ..Default::default()
+        };
+
+        let frame = arena.alloc(sys::XLA_FFI_CallFrame {
+            // What XLA 0.10.2 passes: the struct up to `attrs`, without `future`.
+            struct_size: sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize,
+            extension_start: ptr::null_mut(),
+            api,
+            ctx: ptr::null_mut(),
+            stage: self.stage,
+            args,
+            rets,
+            attrs,
+            future: ptr::null_mut(),
+        });
+        Built { frame, api, arg_bufs, ret_bufs, _arena: arena }
+    }
+}
+
+impl Built {
+    fn frame(&self) -> Frame<'_> {
+        unsafe { Frame::from_raw(self.frame) }.expect("valid synthetic frame")
+    }
+
+    /// Runs `body` through `handle`, as an `extern "C"` handler would.
+    fn handle(&self, body: impl FnOnce(&mut Frame<'_>) -> crate::error::Result<()>) -> Option<(u32, String)> {
+        take_error(unsafe { handle(self.frame, body) })
+    }
+}
+
+fn f32_arg(dims: &[i64]) -> (u32, Vec<i64>) {
+    (sys::XLA_FFI_DataType_F32, dims.to_vec())
+}
+
+// ---- buffers ---------------------------------------------------------------
+
+#[test]
+fn decodes_operands_and_results() {
+    let built = Call {
+        args: vec![f32_arg(&[2, 3]), (sys::XLA_FFI_DataType_BF16, vec![4]), (sys::XLA_FFI_DataType_F64, vec![])],
+        rets: vec![(sys::XLA_FFI_DataType_F16, vec![5, 1])],
+        ..Default::default()
+    }
+    .build();
+    let mut frame = built.frame();
+    assert_eq!((frame.num_args(), frame.num_rets()), (3, 1));
+
+    let x = frame.arg(0, "x").unwrap();
+    assert_eq!((x.dtype, x.dims, x.data.len()), (DType::F32, &[2i64, 3][..], 24));
+    let expected: Vec<u8> = (0..24).map(|i| (i * 7) as u8).collect();
+    assert_eq!(x.data, &expected[..]);
+    assert_eq!(x.data.as_ptr(), unsafe { (*built.arg_bufs[0]).data } as *const u8);
+
+    let y = frame.arg(1, "y").unwrap();
+    assert_eq!((y.dtype, y.dims, y.data.len()), (DType::BF16, &[4i64][..], 8));
+    let s = frame.arg(2, "s").unwrap();
+    assert_eq!((s.dtype, s.dims.len(), s.data.len()), (DType::F64, 0, 8));
+
+    let out = frame.take_ret(0, "out").unwrap();
+    assert_eq!((out.dtype, out.dims, out.data.len()), (DType::F16, &[5i64, 1][..], 10));
+    out.data.fill(0xab);
+    let raw = unsafe { std::slice::from_raw_parts((*built.ret_bufs[0]).data as *const u8, 10) };
+    assert!(raw.iter().all(|&b| b == 0xab));
+}
+
+#[test]
+fn empty_buffer_may_have_null_data() {
+    let built = Call { args: vec![f32_arg(&[0, 8])], ..Default::default() }.build();
+    let x = built.arg_bufs[0];
+    unsafe { (*x).data = ptr::null_mut() };
+    let x = built.frame().arg(0, "x").unwrap();
+    assert_eq!((x.dims, x.data.len()), (&[0i64, 8][..], 0));
+}
+
+#[test]
+fn wrong_dtype_names_the_operand() {
+    let built = Call {
+        args: vec![(sys::XLA_FFI_DataType_S32, vec![3])],
+        rets: vec![(sys::XLA_FFI_DataType_PRED, vec![3])],
+        ..Default::default()
+    }
+    .build();
+    let mut frame = built.frame();
+    let err = frame.arg(0, "x").err().unwrap();
+    assert_eq!(
+        err,
+        Error::InvalidArgument("operand `x` has dtype int32; expected float32, float64, bfloat16 or float16".into())
+    );
+    let err = frame.take_ret(0, "out").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.starts_with("result `out` has dtype bool")), "{err}");
+}
+
+#[test]
+fn out_of_range_index_names_the_operand() {
+    let built = Call { args: vec![f32_arg(&[1])], ..Default::default() }.build();
+    let mut frame = built.frame();
+    let err = frame.arg(1, "w").err().unwrap();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("operand `w`") && m.contains("1 operands")),
+        "{err}"
+    );
+    let err = frame.take_ret(0, "out").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("result `out`")), "{err}");
+}
+
+#[test]
+fn negative_dimension_is_rejected() {
+    let built = Call { args: vec![f32_arg(&[2, -1])], ..Default::default() }.build();
+    let err = built.frame().arg(0, "x").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("operand `x` has bad shape")), "{err}");
+}
+
+#[test]
+fn raw_bytes_of_u8_workspace() {
+    let built = Call {
+        args: vec![(sys::XLA_FFI_DataType_U8, vec![16])],
+        rets: vec![f32_arg(&[2]), (sys::XLA_FFI_DataType_U8, vec![3, 100])],
+        ..Default::default()
+    }
+    .build();
+    let mut frame = built.frame();
+    assert_eq!(frame.arg_bytes(0, "blob").unwrap().len(), 16);
+    let ws = frame.ret_bytes(1, "workspace").unwrap();
+    assert_eq!(ws.len(), 300);
+    ws.fill(1);
+    // The typed accessor still refuses uint8.
+    assert!(frame.arg(0, "blob").is_err());
+}
+
+#[test]
+fn a_result_is_taken_at_most_once() {
+    let built = Call { rets: vec![f32_arg(&[4]), f32_arg(&[4])], ..Default::default() }.build();
+    let mut frame = built.frame();
+    let first = frame.take_ret(0, "out").unwrap();
+    let err = frame.take_ret(0, "out").err().unwrap();
+    assert!(matches!(&err, Error::Internal(m) if m.contains("result `out`") && m.contains("twice")), "{err}");
+    assert!(matches!(frame.ret_bytes(0, "out"), Err(Error::Internal(_))));
+    // Another result is still available, and the first stays usable.
+    let second = frame.ret_bytes(1, "other").unwrap();
+    second.fill(2);
+    first.data.fill(1);
+}
+
+#[test]
+fn a_result_aliasing_an_operand_is_refused() {
+    let built = Call { args: vec![f32_arg(&[4])], rets: vec![f32_arg(&[4])], ..Default::default() }.build();
+    let (x, out) = (built.arg_bufs[0], built.ret_bufs[0]);
+    unsafe { (*out).data = (*x).data };
+    let err = built.frame().take_ret(0, "out").err().unwrap();
+    assert!(matches!(&err, Error::Internal(m) if m.contains("shares memory with operand 0")), "{err}");
+}
+
+// ---- attributes --------------------------------------------------------------
+
+fn attr_call() -> Built {
+    Call {
+        attrs: vec![
+            ("site", Attr::I64(-7_000_000_000)),
+            ("small", Attr::I32(-5)),
+            ("scale", Attr::F32(0.5)),
+            ("axes", Attr::I64s(vec![3, 1, 2])),
+            ("empty", Attr::I64s(vec![])),
+            ("mode", Attr::Str("ring")),
+        ],
+        ..Default::default()
+    }
+    .build()
+}
+
+#[test]
+fn decodes_attributes() {
+    let built = attr_call();
+    let frame = built.frame();
+    assert_eq!(frame.attr_i64("site").unwrap(), -7_000_000_000);
+    assert_eq!(frame.attr_i64("small").unwrap(), -5);
+    assert_eq!(frame.attr_i64_array("axes").unwrap(), &[3, 1, 2]);
+    assert_eq!(frame.attr_i64_array("empty").unwrap(), &[] as &[i64]);
+    assert_eq!(frame.attr_str("mode").unwrap(), "ring");
+    assert!(frame.has_attr("mode") && !frame.has_attr("mod"));
+}
+
+#[test]
+fn missing_attribute_is_named() {
+    let built = attr_call();
+    let err = built.frame().attr_i64("chunks").err().unwrap();
+    assert_eq!(err, Error::InvalidArgument("missing attribute `chunks`".into()));
+    assert!(built.frame().attr_str("chunk").is_err());
+}
+
+#[test]
+fn wrong_attribute_kind_is_named() {
+    let built = attr_call();
+    let frame = built.frame();
+    let cases = [
+        (frame.attr_i64("mode").err(), "attribute `mode` is a string; expected an integer scalar"),
+        (frame.attr_i64("scale").err(), "attribute `scale` is a float32 scalar; expected an integer scalar"),
+        (frame.attr_i64_array("site").err(), "attribute `site` is a int64 scalar; expected an array of int64"),
+        (frame.attr_str("axes").err(), "attribute `axes` is an array of int64; expected a string"),
+    ];
+    for (err, msg) in cases {
+        assert_eq!(err, Some(Error::InvalidArgument(msg.into())));
+    }
+}
+
+// ---- API calls -----------------------------------------------------------------
+
+#[test]
+fn device_ordinal_and_run_id_come_from_the_api() {
+    let built = Call::default().build();
+    let frame = built.frame();
+    assert_eq!(frame.device_ordinal().unwrap(), DEVICE_ORDINAL);
+    assert_eq!(frame.run_id().unwrap(), RUN_ID);
+}
+
+#[test]
+fn api_errors_become_internal() {
+    let built = Call::default().build();
+    unsafe { (*built.api).XLA_FFI_RunId_Get = Some(failing_run_id) };
+    let err = built.frame().run_id().err().unwrap();
+    assert_eq!(err, Error::Internal("XLA_FFI_RunId_Get failed: no run id here".into()));
+
+    // An API table too short to have the function (an older XLA).
+    unsafe { (*built.api).struct_size = std::mem::offset_of!(sys::XLA_FFI_Api, XLA_FFI_RunId_Get) };
+    assert!(matches!(built.frame().device_ordinal(), Err(Error::Unimplemented(_))));
+}
+
+// ---- the handler wrapper ---------------------------------------------------------
+
+#[test]
+fn metadata_probe_is_answered_without_running_the_body() {
+    let mut metadata = sys::XLA_FFI_Metadata {
+        struct_size: sys::XLA_FFI_Metadata_STRUCT_SIZE as usize,
+        traits: 0xffff,
+        ..Default::default()
+    };
+    let mut ext = sys::XLA_FFI_Metadata_Extension {
+        extension_base: sys::XLA_FFI_Extension_Base {
+            struct_size: sys::XLA_FFI_Metadata_Extension_STRUCT_SIZE as usize,
+            type_: sys::XLA_FFI_Extension_Metadata,
+            next: ptr::null_mut(),
+        },
+        metadata: &mut metadata,
+    };
+    // Like XLA's probe: only the header of the call frame, no API table.
+    let mut frame = sys::XLA_FFI_CallFrame {
+        struct_size: sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize,
+        extension_start: &mut ext.extension_base,
+        ..Default::default()
+    };
+    let mut ran = false;
+    let err = unsafe {
+        handle(&mut frame, |_| {
+            ran = true;
+            Ok(())
+        })
+    };
+    assert!(err.is_null());
+    assert!(!ran);
+    assert_eq!(metadata.api_version.major_version, sys::XLA_FFI_API_MAJOR as i32);
+    assert_eq!(metadata.api_version.minor_version, sys::XLA_FFI_API_MINOR as i32);
+    assert_eq!(metadata.api_version.struct_size, sys::XLA_FFI_Api_Version_STRUCT_SIZE as usize);
+    assert_eq!(metadata.traits, 0);
+}
+
+#[test]
+fn other_stages_skip_the_body() {
+    for stage in [
+        sys::XLA_FFI_ExecutionStage_INSTANTIATE,
+        sys::XLA_FFI_ExecutionStage_PREPARE,
+        sys::XLA_FFI_ExecutionStage_INITIALIZE,
+    ] {
+        let built = Call { stage, ..Default::default() }.build();
+        let mut ran = false;
+        let err = built.handle(|_| {
+            ran = true;
+            Ok(())
+        });
+        assert_eq!(err, None);
+        assert!(!ran, "stage {stage}");
+    }
+}
+
+#[test]
+fn execute_runs_the_body() {
+    let built = Call { args: vec![f32_arg(&[2])], rets: vec![f32_arg(&[2])], ..Default::default() }.build();
+    let err = built.handle(|frame| {
+        let x = frame.arg(0, "x")?;
+        let out = frame.take_ret(0, "out")?;
+        out.data.copy_from_slice(x.data);
+        Ok(())
+    });
+    assert_eq!(err, None);
+    let (x, out) = unsafe { ((*built.arg_bufs[0]).data as *const u8, (*built.ret_bufs[0]).data as *const u8) };
+    assert_eq!(unsafe { std::slice::from_raw_parts(x, 8) }, unsafe { std::slice::from_raw_parts(out, 8) });
+}
+
+#[test]
+fn body_errors_are_reported_with_their_code() {
+    let cases = [
+        (Error::InvalidArgument("bad x".into()), sys::XLA_FFI_Error_Code_INVALID_ARGUMENT),
+        (Error::Unimplemented("no cuda".into()), sys::XLA_FFI_Error_Code_UNIMPLEMENTED),
+        (Error::DeadlineExceeded("rank 3 never arrived".into()), sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED),
+        (Error::Internal("oops".into()), sys::XLA_FFI_Error_Code_INTERNAL),
+    ];
+    for (e, code) in cases {
+        assert_eq!(error_code(&e), code);
+        let built = Call::default().build();
+        let expected = e.to_string();
+        assert_eq!(built.handle(move |_| Err(e)), Some((code, expected)));
+    }
+}
+
+#[test]
+fn frame_errors_reach_xla() {
+    let built = Call { args: vec![(sys::XLA_FFI_DataType_S32, vec![1])], ..Default::default() }.build();
+    let (code, msg) = built.handle(|frame| frame.arg(0, "x").map(drop)).unwrap();
+    assert_eq!(code, sys::XLA_FFI_Error_Code_INVALID_ARGUMENT);
+    assert!(msg.contains("operand `x` has dtype int32"), "{msg}");
+}
+
+#[test]
+fn a_panic_becomes_internal() {
+    let built = Call::default().build();
+    let (code, msg) = built.handle(|_| panic!("boom {}", 42)).unwrap();
+    assert_eq!(code, sys::XLA_FFI_Error_Code_INTERNAL);
+    assert!(msg.contains("panic in commfuse::xla::tests::a_panic_becomes_internal: boom 42"), "{msg}");
+}
+
+#[test]
+fn a_short_call_frame_is_an_error() {
+    let built = Call::default().build();
+    unsafe { (*built.frame).struct_size = std::mem::offset_of!(sys::XLA_FFI_CallFrame, attrs) };
+    let (code, msg) = built.handle(|_| Ok(())).unwrap();
+    assert_eq!(code, sys::XLA_FFI_Error_Code_INTERNAL);
+    assert!(msg.contains("struct_size"), "{msg}");
+}

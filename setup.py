@@ -17,6 +17,9 @@ setup(
             binding=Binding.NoBinding,
             features=features,
             py_limited_api=False,
+            # Always optimised: an editable (`pip install -e .`) debug build
+            # multiplies 100x slower.
+            debug=False,
         )
     ],
     zip_safe=False,

@@ -114,12 +114,17 @@ def test_w_not_2d(op_name, w_shape):
     _assert_names_rank(_msg(ei), "w")
 
 
-@pytest.mark.parametrize(
-    "x_shape,dim",
-    [((8, 4), 1), ((8, 4), 2), ((8, 4), 7), ((8, 4), -1), ((8, 8, 4), 2), ((8, 8, 4), 3)],
-    ids=["r2-last", "r2-2", "r2-7", "r2-neg1", "r3-last", "r3-3"],
-)
-@pytest.mark.parametrize("op_name", OP_NAMES)
+# Out of range for both ops; the last dim is out of range only for the gather
+# (matmul_reduce_scatter may scatter the result's columns).
+_OUT_OF_RANGE = [("r2-2", (8, 4), 2), ("r2-7", (8, 4), 7), ("r2-neg3", (8, 4), -3), ("r3-3", (8, 8, 4), 3)]
+_LAST_DIM = [("r2-last", (8, 4), 1), ("r2-neg1", (8, 4), -1), ("r3-last", (8, 8, 4), 2)]
+_DIM_CASES = [(op, shape, dim) for op in OP_NAMES for _, shape, dim in _OUT_OF_RANGE] + [
+    ("all_gather_matmul", shape, dim) for _, shape, dim in _LAST_DIM]
+_DIM_IDS = [f"{op}-{name}" for op in OP_NAMES for name, _, _ in _OUT_OF_RANGE] + [
+    f"all_gather_matmul-{name}" for name, _, _ in _LAST_DIM]
+
+
+@pytest.mark.parametrize("op_name,x_shape,dim", _DIM_CASES, ids=_DIM_IDS)
 def test_dimension_out_of_range(op_name, x_shape, dim):
     _, dim_kw = OPS[op_name]
     with pytest.raises(ValueError) as ei:

@@ -1,34 +1,28 @@
-//! The body of each fused op's handler: decode the call, check it, plan it,
+//! The body of the fused-op handler: decode the call, check it, plan it,
 //! meet the peers and run.
 #![forbid(unsafe_code)]
 
 use crate::backend::cpu::{self, transport};
 use crate::comm::Group;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::plan::{self, OpKind, Schedule, Workspace};
-use crate::problem::{Operand, Problem};
+use crate::plan::{self, Schedule, Workspace};
+use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
 use std::time::Instant;
 
-pub fn all_gather_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
-    run_cpu(OpKind::AllGatherMatmul, frame)
-}
-
-pub fn matmul_reduce_scatter_cpu(frame: &mut Frame<'_>) -> Result<()> {
-    run_cpu(OpKind::MatmulReduceScatter, frame)
-}
-
-fn run_cpu(op: OpKind, frame: &mut Frame<'_>) -> Result<()> {
+/// One device's call of a fused op on the CPU backend.
+pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
     let start = Instant::now();
+    let code = frame.attr_i64("kind")?;
+    let kind = OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))?;
     let x = frame.arg(0, "x")?;
     let w = frame.arg(1, "w")?;
     let out = frame.take_ret(0, "out")?;
     let workspace = frame.ret_bytes(1, "workspace")?;
 
     let site = frame.attr_i64("site")?;
-    let code = frame.attr_i64("schedule")?;
-    let schedule = Schedule::from_code(code)
-        .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {code}", op.name())))?;
+    let schedule = schedule(kind, frame.attr_i64("schedule")?)?;
     let device = i64::from(frame.device_ordinal()?);
     let group = Group::from_mesh(
         frame.attr_i64_array("mesh_devices")?,
@@ -36,16 +30,15 @@ fn run_cpu(op: OpKind, frame: &mut Frame<'_>) -> Result<()> {
         frame.attr_i64_array("axes")?,
         device,
     )?;
-    let operand = |dims, dtype| Operand { dims, dtype };
     let problem = Problem::new(
-        op,
-        operand(x.dims, x.dtype),
-        operand(w.dims, w.dtype),
-        operand(out.dims, out.dtype),
+        kind,
+        Operand { dims: x.dims, dtype: x.dtype },
+        Operand { dims: w.dims, dtype: w.dtype },
+        Operand { dims: out.dims, dtype: out.dtype },
         frame.attr_i64("dimension")?,
         group.size(),
     )?;
-    let plan = plan::plan(op, schedule, group.size(), group.rank);
+    let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
     let timeout = crate::config::timeout()?;
 
     let run = frame.run_id()?;
@@ -55,13 +48,46 @@ fn run_cpu(op: OpKind, frame: &mut Frame<'_>) -> Result<()> {
         site,
         run,
     };
-    let endpoint = transport::Endpoint::join(key, transport::CallInfo { op: op.name(), rank: group.rank, timeout });
+    let endpoint = transport::Endpoint::join(key, transport::CallInfo { op: kind.name(), rank: group.rank, timeout });
     let buffers = cpu::Buffers { x: x.data, w: w.data, out: out.data, workspace };
     cpu::run(&problem, &plan, buffers, &endpoint, start + timeout)
 }
 
+fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
+    Schedule::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {code}", kind.name())))
+}
+
+/// The shapes of one call as Python describes them at trace time.
+pub struct CallShapes<'a> {
+    pub kind: i64,
+    pub schedule: i64,
+    pub ranks: i64,
+    pub dimension: i64,
+    pub x: &'a [i64],
+    pub w: &'a [i64],
+    pub out: &'a [i64],
+    pub input: u32,
+    pub output: u32,
+}
+
 /// Workspace bytes a call needs; Python asks at trace time.
-pub fn workspace_bytes(op: OpKind, schedule: Schedule, ranks: usize, dims: &plan::Dims) -> usize {
+pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
+    let kind = OpKind::from_code(call.kind).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {}", call.kind)))?;
+    let schedule = schedule(kind, call.schedule)?;
+    let ranks = usize::try_from(call.ranks).ok().filter(|&r| r >= 1);
+    let ranks = ranks.ok_or_else(|| Error::InvalidArgument(format!("ranks must be >= 1, got {}", call.ranks)))?;
+    let dtype = |code: u32| {
+        DType::from_xla(code).ok_or_else(|| Error::InvalidArgument(format!("unsupported dtype code {code}")))
+    };
+    let (input, output) = (dtype(call.input)?, dtype(call.output)?);
+    let problem = Problem::new(
+        kind,
+        Operand { dims: call.x, dtype: input },
+        Operand { dims: call.w, dtype: input },
+        Operand { dims: call.out, dtype: output },
+        call.dimension,
+        ranks,
+    )?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
-    Workspace::layout(&plan::plan(op, schedule, ranks, 0), dims).total
+    Ok(Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total)
 }

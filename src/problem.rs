@@ -1,12 +1,84 @@
-//! One rank's problem: the operands' shapes checked against the op, and
-//! folded into blocks of rows (leading dims before the gathered or scattered
-//! dim become `outer` segments per block, so no transpose is ever needed).
+//! One rank's problem: which op, the operands' shapes checked against it, and
+//! its geometry — which GEMMs one plan step runs, on which strided views.
+//!
+//! Every op multiplies `x`-side data by `w`-side data. The plan moves blocks of
+//! the first operand (`x` here; the weights for FSDP-style gathers, which Python
+//! passes first) and this module says what "block j" means for each op.
 #![forbid(unsafe_code)]
 
 use crate::bail;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::plan::{Dims, OpKind};
+use crate::plan::{Buf, Pattern, Sizes};
+
+/// The fused ops, by what moves and where products land. Python picks the
+/// kind from the user's op and dimensions, and lays operands out as noted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// `all_gather(x, d) @ w`, d a row dim: x `[.., R.., k]` travels, output row blocks.
+    AllGatherMatmul,
+    /// `all_gather(x, -1) @ w`: x `[m, kb]` travels; `out += x_j @ w[rows j]`.
+    AllGatherMatmulContract,
+    /// `x @ all_gather(w, 1)`: operands (w `[k, c]`, x `[m, k]`); output column blocks.
+    MatmulAllGather,
+    /// `x @ all_gather(w, 0)`: operands (w `[kb, n]`, x `[m, N*kb]`); `out += x[:, j] @ w_j`.
+    MatmulAllGatherContract,
+    /// `psum_scatter(x @ w, d)`, d a row dim: partials of row blocks travel.
+    MatmulReduceScatter,
+    /// `psum_scatter(x @ w, -1)`: x `[m, k]`, w `[k, N*c]`; partials of column blocks travel.
+    MatmulReduceScatterCols,
+    /// `all_to_all(x) @ w` with x's blocks stacked `[N, C, k]`; output stacked `[N, C, n]`.
+    AllToAllMatmul,
+    /// Same, concatenating along the contraction: x `[N, m, kb]`, w `[N*kb, n]`, output `[m, n]`.
+    AllToAllMatmulContract,
+    /// `all_to_all(x @ w)` splitting rows: x stacked `[N, C, k]`, output stacked `[N, C, n]`.
+    MatmulAllToAll,
+    /// Same, splitting columns: x `[m, k]`, w `[k, N*c]`, output stacked `[N, m, c]`.
+    MatmulAllToAllCols,
+}
+
+impl OpKind {
+    /// The code Python passes in the `kind` attribute.
+    pub fn from_code(code: i64) -> Option<OpKind> {
+        use OpKind::*;
+        const ALL: [OpKind; 10] = [
+            AllGatherMatmul,
+            AllGatherMatmulContract,
+            MatmulAllGather,
+            MatmulAllGatherContract,
+            MatmulReduceScatter,
+            MatmulReduceScatterCols,
+            AllToAllMatmul,
+            AllToAllMatmulContract,
+            MatmulAllToAll,
+            MatmulAllToAllCols,
+        ];
+        usize::try_from(code).ok().and_then(|i| ALL.get(i).copied())
+    }
+
+    pub fn name(self) -> &'static str {
+        use OpKind::*;
+        match self {
+            AllGatherMatmul | AllGatherMatmulContract => "all_gather_matmul",
+            MatmulAllGather | MatmulAllGatherContract => "matmul_all_gather",
+            MatmulReduceScatter | MatmulReduceScatterCols => "matmul_reduce_scatter",
+            AllToAllMatmul | AllToAllMatmulContract => "all_to_all_matmul",
+            MatmulAllToAll | MatmulAllToAllCols => "matmul_all_to_all",
+        }
+    }
+
+    pub fn pattern(self) -> Pattern {
+        use OpKind::*;
+        match self {
+            AllGatherMatmul | MatmulAllGather => Pattern::Gather { accumulate: false },
+            AllGatherMatmulContract | MatmulAllGatherContract => Pattern::Gather { accumulate: true },
+            MatmulReduceScatter | MatmulReduceScatterCols => Pattern::Scatter,
+            AllToAllMatmul => Pattern::ExchangeThenMatmul { accumulate: false },
+            AllToAllMatmulContract => Pattern::ExchangeThenMatmul { accumulate: true },
+            MatmulAllToAll | MatmulAllToAllCols => Pattern::MatmulThenExchange,
+        }
+    }
+}
 
 /// Shapes and dtypes of one call's operands, as decoded from the frame.
 #[derive(Debug, Clone, Copy)]
@@ -15,130 +87,299 @@ pub struct Operand<'a> {
     pub dtype: DType,
 }
 
-/// A block of rows is `outer` segments of `seg_rows` rows. In an array that
-/// holds all N blocks, segment p of block j starts at row `(p*N + j)*seg_rows`;
-/// in an array of one block, at `p*seg_rows`.
+/// A strided matrix inside a buffer, in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct View {
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+}
+
+impl View {
+    fn rows(offset: usize, rows: usize, cols: usize) -> View {
+        View { offset, rows, cols, row_stride: cols }
+    }
+
+    /// One past the last element the view touches (0 if empty).
+    pub fn end(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            0
+        } else {
+            self.offset + (self.rows - 1) * self.row_stride + self.cols
+        }
+    }
+}
+
+/// Which buffer a GEMM operand reads: the step's `src` (x or a received
+/// block), or the second operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Src,
+    W,
+}
+
+/// One GEMM of a plan step: `dst (+)= lhs @ rhs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gemm {
+    pub lhs: (Side, View),
+    pub rhs: (Side, View),
+    pub dst: View,
+}
+
+/// Sizes of one problem, in the canonical names of each kind (see `OpKind`):
+/// `outer` segments of `seg` rows for row blocks, else one segment of `m` rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Problem {
-    pub op: OpKind,
+    pub kind: OpKind,
     pub ranks: usize,
-    pub outer: usize,
-    pub seg_rows: usize,
-    pub dims: Dims,
+    outer: usize,
+    /// Rows per segment (row kinds) or rows of the whole `m` dim.
+    seg: usize,
+    /// Contraction size of one product.
+    k: usize,
+    /// Columns of one product.
+    n: usize,
+    pub input: DType,
+    pub output: DType,
+    x_len: usize,
+    w_len: usize,
+    out_len: usize,
+}
+
+fn dims_usize(op: &str, arg: &str, dims: &[i64]) -> Result<Vec<usize>> {
+    dims.iter()
+        .map(|&d| usize::try_from(d).ok())
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| crate::error::Error::InvalidArgument(format!("{op}: `{arg}` has a negative dim: {dims:?}")))
 }
 
 impl Problem {
-    /// Checks `x`, `w` and `out` for `op` over `ranks` devices, gathering or
-    /// scattering `dimension` of `x` (and of the result).
-    pub fn new(op: OpKind, x: Operand, w: Operand, out: Operand, dimension: i64, ranks: usize) -> Result<Problem> {
-        let name = op.name();
-        let rank = x.dims.len();
-        let dim_name = match op {
-            OpKind::AllGatherMatmul => "gather_dimension",
-            OpKind::MatmulReduceScatter => "scatter_dimension",
-        };
-        if rank < 2 {
-            bail!(InvalidArgument, "{name}: `x` must have rank >= 2, got shape {:?}", x.dims);
-        }
-        if w.dims.len() != 2 {
-            bail!(InvalidArgument, "{name}: `w` must be 2-D, got shape {:?}", w.dims);
-        }
-        if x.dims.iter().chain(w.dims).any(|&d| d < 0) {
-            bail!(InvalidArgument, "{name}: negative dimension in `x` {:?} or `w` {:?}", x.dims, w.dims);
-        }
-        let (k, n) = (w.dims[0] as usize, w.dims[1] as usize);
-        if x.dims[rank - 1] as usize != k {
-            bail!(
-                InvalidArgument,
-                "{name}: `x` contracts its last dim ({}) with `w`'s first ({k}); they must be equal",
-                x.dims[rank - 1]
-            );
-        }
+    /// Checks the operands of `kind` over `ranks` devices; `dimension` is the
+    /// gathered or scattered dim of `x` (row kinds; ignored otherwise).
+    pub fn new(kind: OpKind, x: Operand, w: Operand, out: Operand, dimension: i64, ranks: usize) -> Result<Problem> {
+        use OpKind::*;
+        let name = kind.name();
         if x.dtype != w.dtype {
-            bail!(
-                InvalidArgument,
-                "{name}: `x` is {} but `w` is {}; they must have one dtype",
-                x.dtype.name(),
-                w.dtype.name()
-            );
+            bail!(InvalidArgument, "{name}: the operands are {} and {}; they must have one dtype", x.dtype.name(), w.dtype.name());
         }
-        if dimension < 0 || dimension as usize >= rank - 1 {
-            bail!(
-                InvalidArgument,
-                "{name}: `{dim_name}` must be in [0, {}) for `x` of rank {rank}, got {dimension}",
-                rank - 1
-            );
-        }
-        let d = dimension as usize;
-        let sizes: Vec<usize> = x.dims.iter().map(|&v| v as usize).collect();
-        let outer: usize = sizes[..d].iter().product();
-        let inner: usize = sizes[d + 1..rank - 1].iter().product();
-        let mut expected = sizes.clone();
-        expected[rank - 1] = n;
-        let seg_rows = match op {
-            OpKind::AllGatherMatmul => {
-                expected[d] *= ranks;
-                sizes[d] * inner
-            }
-            OpKind::MatmulReduceScatter => {
-                if sizes[d] % ranks != 0 {
-                    bail!(
-                        InvalidArgument,
-                        "{name}: `x` dim {d} ({}) must be divisible by the axis size {ranks}",
-                        sizes[d]
-                    );
+        let xd = dims_usize(name, "x", x.dims)?;
+        let wd = dims_usize(name, "w", w.dims)?;
+        let od = dims_usize(name, "out", out.dims)?;
+        let nr = ranks;
+        // (outer, seg, k, n, expected out dims)
+        let (outer, seg, k, n, expected): (usize, usize, usize, usize, Vec<usize>) = match kind {
+            AllGatherMatmul | MatmulReduceScatter => {
+                let rank = xd.len();
+                if rank < 2 {
+                    bail!(InvalidArgument, "{name}: `x` must have rank >= 2, got shape {:?}", x.dims);
                 }
-                expected[d] /= ranks;
-                sizes[d] / ranks * inner
+                if wd.len() != 2 || wd[0] != xd[rank - 1] {
+                    bail!(InvalidArgument, "{name}: `w` must be 2-D [{}, n] to contract `x` {:?}, got {:?}", xd[rank - 1], x.dims, w.dims);
+                }
+                let dim_name = if kind == AllGatherMatmul { "gather_dimension" } else { "scatter_dimension" };
+                if dimension < 0 || dimension as usize >= rank - 1 {
+                    bail!(InvalidArgument, "{name}: `{dim_name}` must be in [0, {}) for `x` of rank {rank}, got {dimension}", rank - 1);
+                }
+                let d = dimension as usize;
+                let outer: usize = xd[..d].iter().product();
+                let inner: usize = xd[d + 1..rank - 1].iter().product();
+                let mut expected = xd.clone();
+                expected[rank - 1] = wd[1];
+                let seg = if kind == AllGatherMatmul {
+                    expected[d] *= nr;
+                    xd[d] * inner
+                } else {
+                    if xd[d] % nr != 0 {
+                        bail!(InvalidArgument, "{name}: `x` dim {d} ({}) must be divisible by the axis size {nr}", xd[d]);
+                    }
+                    expected[d] /= nr;
+                    xd[d] / nr * inner
+                };
+                (outer, seg, wd[0], wd[1], expected)
+            }
+            _ => {
+                let two = |arg: &str, d: &[usize]| -> Result<(usize, usize)> {
+                    match d {
+                        [a, b] => Ok((*a, *b)),
+                        _ => bail!(InvalidArgument, "{name}: `{arg}` must be 2-D here, got shape {d:?}"),
+                    }
+                };
+                let three = |arg: &str, d: &[usize]| -> Result<(usize, usize)> {
+                    match d {
+                        [g, a, b] if *g == nr => Ok((*a, *b)),
+                        _ => bail!(InvalidArgument, "{name}: `{arg}` must be [{nr}, rows, cols] here, got shape {d:?}"),
+                    }
+                };
+                let divide = |what: &str, v: usize| -> Result<usize> {
+                    if v % nr != 0 {
+                        bail!(InvalidArgument, "{name}: {what} ({v}) must be divisible by the axis size {nr}");
+                    }
+                    Ok(v / nr)
+                };
+                let mismatch = |a: usize, b: usize| -> Result<()> {
+                    if a != b {
+                        bail!(InvalidArgument, "{name}: contraction sizes differ: {a} vs {b} (x {:?}, w {:?})", x.dims, w.dims);
+                    }
+                    Ok(())
+                };
+                match kind {
+                    AllGatherMatmulContract => {
+                        let (m, kb) = two("x", &xd)?;
+                        let (kw, n) = two("w", &wd)?;
+                        mismatch(kb * nr, kw)?;
+                        (1, m, kb, n, vec![m, n])
+                    }
+                    MatmulAllGather => {
+                        let (k, c) = two("w", &xd)?;
+                        let (m, kx) = two("x", &wd)?;
+                        mismatch(kx, k)?;
+                        (1, m, k, c, vec![m, nr * c])
+                    }
+                    MatmulAllGatherContract => {
+                        let (kb, n) = two("w", &xd)?;
+                        let (m, kx) = two("x", &wd)?;
+                        mismatch(kx, kb * nr)?;
+                        (1, m, kb, n, vec![m, n])
+                    }
+                    MatmulReduceScatterCols | MatmulAllToAllCols => {
+                        let (m, k) = two("x", &xd)?;
+                        let (kw, nw) = two("w", &wd)?;
+                        mismatch(k, kw)?;
+                        let c = divide("the columns of `w`", nw)?;
+                        let expected = if kind == MatmulAllToAllCols { vec![nr, m, c] } else { vec![m, c] };
+                        (1, m, k, c, expected)
+                    }
+                    AllToAllMatmul | MatmulAllToAll => {
+                        let (rows, k) = three("x", &xd)?;
+                        let (kw, n) = two("w", &wd)?;
+                        mismatch(k, kw)?;
+                        (1, rows, k, n, vec![nr, rows, n])
+                    }
+                    AllToAllMatmulContract => {
+                        let (m, kb) = three("x", &xd)?;
+                        let (kw, n) = two("w", &wd)?;
+                        mismatch(kb * nr, kw)?;
+                        (1, m, kb, n, vec![m, n])
+                    }
+                    AllGatherMatmul | MatmulReduceScatter => unreachable!(),
+                }
             }
         };
-        let expected: Vec<i64> = expected.into_iter().map(|v| v as i64).collect();
-        if out.dims != expected.as_slice() {
-            bail!(
-                InvalidArgument,
-                "{name}: result shape {:?} does not match the operands: expected {expected:?}",
-                out.dims
-            );
+        if od != expected {
+            bail!(InvalidArgument, "{name}: result shape {:?} does not match the operands: expected {expected:?}", out.dims);
         }
-        let dims = Dims { block_rows: outer * seg_rows, k, n, input: x.dtype, output: out.dtype };
-        Ok(Problem { op, ranks, outer, seg_rows, dims })
+        Ok(Problem {
+            kind,
+            ranks: nr,
+            outer,
+            seg,
+            k,
+            n,
+            input: x.dtype,
+            output: out.dtype,
+            x_len: xd.iter().product(),
+            w_len: wd.iter().product(),
+            out_len: od.iter().product(),
+        })
+    }
+
+    pub fn accumulator(&self) -> DType {
+        DType::accumulator(self.input, self.output)
+    }
+
+    /// Element counts for the workspace layout.
+    pub fn sizes(&self) -> Sizes {
+        use OpKind::*;
+        let (travel, partial) = match self.kind {
+            AllGatherMatmul => (self.x_len, 0),
+            AllGatherMatmulContract | MatmulAllGather | MatmulAllGatherContract => (self.x_len, 0),
+            AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.ranks, 0),
+            MatmulReduceScatter | MatmulReduceScatterCols => (0, self.out_len),
+            MatmulAllToAll | MatmulAllToAllCols => (0, self.out_len / self.ranks),
+        };
+        Sizes {
+            x: self.x_len,
+            w: self.w_len,
+            travel,
+            partial,
+            result: self.out_len,
+            out_view: self.out_len,
+            input: self.input,
+            output: self.output,
+        }
+    }
+
+    /// The GEMMs that compute the product for `block` from `src` into `dst`.
+    pub fn gemms(&self, block: usize, src: Buf, dst: Buf) -> Vec<Gemm> {
+        use OpKind::*;
+        let Problem { ranks: nr, outer, seg, k, n, .. } = *self;
+        let j = block;
+        // `x`-side data of block j: a part of x, or a whole (received or own) block.
+        let in_x = |offset: usize| if matches!(src, Buf::XBlock(_)) { offset } else { 0 };
+        let w_all = View::rows(0, k, n);
+        // A product's destination: a slot holds exactly one block.
+        let into = |offset_in_out: usize, rows: usize, cols: usize, row_stride: usize| match dst {
+            Buf::Slot(_) => View::rows(0, rows, cols),
+            _ => View { offset: offset_in_out, rows, cols, row_stride },
+        };
+        match self.kind {
+            AllGatherMatmul => (0..outer)
+                .map(|p| Gemm {
+                    lhs: (Side::Src, View::rows(p * seg * k, seg, k)),
+                    rhs: (Side::W, w_all),
+                    dst: into((p * nr + j) * seg * n, seg, n, n),
+                })
+                .collect(),
+            MatmulReduceScatter => (0..outer)
+                .map(|p| Gemm {
+                    lhs: (Side::Src, View::rows((p * nr + j) * seg * k, seg, k)),
+                    rhs: (Side::W, w_all),
+                    dst: match dst {
+                        Buf::Slot(_) | Buf::Out => View::rows(p * seg * n, seg, n),
+                        _ => unreachable!("scatter products go to a slot or the output"),
+                    },
+                })
+                .collect(),
+            AllGatherMatmulContract | AllToAllMatmulContract => vec![Gemm {
+                lhs: (Side::Src, View::rows(in_x(j * seg * k), seg, k)),
+                rhs: (Side::W, View::rows(j * k * n, k, n)),
+                dst: View::rows(0, seg, n),
+            }],
+            MatmulAllGather => vec![Gemm {
+                lhs: (Side::W, View::rows(0, seg, k)),
+                rhs: (Side::Src, View::rows(0, k, n)),
+                dst: into(j * n, seg, n, nr * n),
+            }],
+            MatmulAllGatherContract => vec![Gemm {
+                lhs: (Side::W, View { offset: j * k, rows: seg, cols: k, row_stride: nr * k }),
+                rhs: (Side::Src, View::rows(0, k, n)),
+                dst: View::rows(0, seg, n),
+            }],
+            MatmulReduceScatterCols | MatmulAllToAllCols => vec![Gemm {
+                lhs: (Side::Src, View::rows(0, seg, k)),
+                rhs: (Side::W, View { offset: j * n, rows: k, cols: n, row_stride: nr * n }),
+                dst: into(j * seg * n, seg, n, n),
+            }],
+            AllToAllMatmul | MatmulAllToAll => vec![Gemm {
+                lhs: (Side::Src, View::rows(in_x(j * seg * k), seg, k)),
+                rhs: (Side::W, w_all),
+                dst: into(j * seg * n, seg, n, n),
+            }],
+        }
+    }
+
+    /// The elements of the output a `Sum` into `dst` writes.
+    pub fn out_range(&self, dst: Buf) -> std::ops::Range<usize> {
+        match dst {
+            Buf::OutBlock(q) => {
+                let block = self.out_len / self.ranks;
+                q * block..(q + 1) * block
+            }
+            _ => 0..self.out_len,
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn op(dims: &[i64]) -> Operand<'_> {
-        Operand { dims, dtype: DType::F32 }
-    }
-
-    #[test]
-    fn folds_leading_dims_into_segments() {
-        // x [2, 3, 5, 8] gathered on dim 1 over 4 ranks -> out [2, 12, 5, 6].
-        let p =
-            Problem::new(OpKind::AllGatherMatmul, op(&[2, 3, 5, 8]), op(&[8, 6]), op(&[2, 12, 5, 6]), 1, 4).unwrap();
-        assert_eq!((p.outer, p.seg_rows, p.dims.block_rows), (2, 15, 30));
-        // x [2, 12, 5, 8] scattered on dim 1 over 4 ranks -> out [2, 3, 5, 6].
-        let p = Problem::new(OpKind::MatmulReduceScatter, op(&[2, 12, 5, 8]), op(&[8, 6]), op(&[2, 3, 5, 6]), 1, 4)
-            .unwrap();
-        assert_eq!((p.outer, p.seg_rows, p.dims.block_rows), (2, 15, 30));
-    }
-
-    #[test]
-    fn errors_name_the_argument() {
-        type Case<'a> = (OpKind, &'a [i64], &'a [i64], &'a [i64], i64, &'a str);
-        let cases: [Case; 6] = [
-            (OpKind::AllGatherMatmul, &[8], &[8, 6], &[8, 6], 0, "`x` must have rank >= 2"),
-            (OpKind::AllGatherMatmul, &[4, 8], &[8, 6, 1], &[16, 6], 0, "`w` must be 2-D"),
-            (OpKind::AllGatherMatmul, &[4, 7], &[8, 6], &[16, 6], 0, "contracts its last dim (7)"),
-            (OpKind::AllGatherMatmul, &[4, 8], &[8, 6], &[16, 6], 1, "`gather_dimension` must be in [0, 1)"),
-            (OpKind::MatmulReduceScatter, &[6, 8], &[8, 6], &[1, 6], 0, "divisible by the axis size 4"),
-            (OpKind::AllGatherMatmul, &[4, 8], &[8, 6], &[4, 6], 0, "expected [16, 6]"),
-        ];
-        for (kind, x, w, out, d, want) in cases {
-            let e = Problem::new(kind, op(x), op(w), op(out), d, 4).unwrap_err();
-            assert!(e.message().contains(want), "{e} should contain {want}");
-        }
-    }
-}
+mod tests;

@@ -1,20 +1,19 @@
 """all_gather_matmul: ``all_gather(x, axis, axis=gather_dimension, tiled=True) @ w``,
-with the gather decomposed into ring transfers that overlap the matmul."""
+with the gather decomposed into ring transfers that overlap the matmul.
+
+VJP: d/dx is matmul_reduce_scatter of dY with wᵀ; d/dw = Σ_j x_jᵀ @ dY_j is the
+contraction-gather loop (x_j travels, each step accumulates). Both fused."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
+
 from . import _fused
+from ._fused import Kind, Static
 
 OP = "all_gather_matmul"
-
-
-def _result_shape(x_shape, w_shape, dimension, ranks):
-    shape = list(x_shape[:-1]) + [w_shape[1]]
-    shape[dimension] *= ranks
-    return shape
-
-
-_PRIMITIVE = _fused.FusedPrimitive(OP, op_code=0, result_shape=_result_shape)
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", precision=None,
@@ -36,6 +35,26 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", p
     code = _fused.check_schedule(OP, schedule)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    out, _ = _PRIMITIVE.bind(x, w, out_dtype=out_dtype, dimension=dimension, schedule=code, axes=axes,
-                             ranks=ranks)
-    return out
+    return _gather_rows(x, w, Static(axes, ranks, dimension, code, out_dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_rows(x, w, static: Static):
+    return _fused.call_static(Kind.ALL_GATHER_MATMUL, x, w, static)
+
+
+def _gather_rows_fwd(x, w, static):
+    return _gather_rows(x, w, static), (x, w)
+
+
+def _gather_rows_bwd(static, residuals, dy):
+    x, w = residuals
+    d = static.dimension
+    dx = _fused.call_static(Kind.MATMUL_REDUCE_SCATTER, dy, w.T, static, out_dtype=x.dtype)
+    # dw = Σ_j x_jᵀ @ dY[block j]: x_jᵀ travels (gathered along its last dim).
+    dw = _fused.call_static(Kind.ALL_GATHER_MATMUL_CONTRACT, _fused.rows_2d(x, d).T, _fused.rows_2d(dy, d), static,
+                            dimension=0, out_dtype=w.dtype)
+    return dx, dw
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

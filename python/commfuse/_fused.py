@@ -4,10 +4,11 @@ device ids, batching). Each op's own rules live in its module."""
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from functools import partial
-from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +58,18 @@ def axis_group(op: str, axis_name) -> tuple[tuple[str, ...], int]:
     return names, math.prod(mesh.shape[name] for name in names)
 
 
-def normalize_dimension(op: str, arg: str, dimension, ndim: int) -> int:
-    """A gather/scatter dim: any dim but the last (contracted or output column) one."""
+def normalize_dimension(op: str, arg: str, dimension, ndim: int, *, allow_last: bool = False) -> int:
+    """A gather/scatter dim; the last (contracted or column) dim only if `allow_last`."""
     if not isinstance(dimension, (int, np.integer)) or isinstance(dimension, bool):
         raise TypeError(f"commfuse.{op}: {arg} must be an int, got {dimension!r}")
     d = int(dimension) + ndim if dimension < 0 else int(dimension)
-    if not 0 <= d < ndim - 1:
+    limit = ndim if allow_last else ndim - 1
+    if not 0 <= d < limit:
+        which = "any dim" if allow_last else "a dim other than the last"
         raise ValueError(
-            f"commfuse.{op}: {arg}={dimension} is out of range: it must name a dim of the rank-{ndim} "
-            f"array other than the last, i.e. be in [{-ndim}, {ndim - 1}) excluding -1")
+            f"commfuse.{op}: {arg}={dimension} is out of range: it must name {which} of the rank-{ndim} "
+            f"array, i.e. be in [{-ndim}, {limit - ndim if limit < ndim else ndim})"
+            f"{'' if allow_last else ' excluding -1'}")
     return d
 
 
@@ -111,82 +115,163 @@ def check_precision(op: str, precision) -> None:
             raise ValueError(f"commfuse.{op}: unknown precision {p!r}")
 
 
-class FusedPrimitive:
-    """The JAX primitive of one fused op: ``(x, w) -> (out, workspace)``.
+class Static(NamedTuple):
+    """The non-differentiable arguments of one fused op call."""
+    axes: tuple
+    ranks: int
+    dimension: int
+    schedule: int
+    out_dtype: np.dtype
 
-    The workspace result is scratch memory owned by XLA: the library never
-    allocates on the hot path. ``rebind`` re-issues the op for the batching
-    rule with x's batch dim folded into its leading dims.
-    """
 
-    def __init__(self, op: str, op_code: int, result_shape: Callable):
-        self.op = op
-        self.op_code = op_code
-        # (x_shape, w_shape, dimension, ranks) -> the result's shape.
-        self.result_shape = result_shape
-        self.prim = Primitive(f"commfuse_{op}")
-        self.prim.multiple_results = True
-        self.prim.def_abstract_eval(self._abstract_eval)
-        self.prim.def_impl(partial(_apply_primitive, self.prim))
-        mlir.register_lowering(self.prim, self._lower_cpu, platform="cpu")
-        for platform in ("cuda", "rocm"):
-            mlir.register_lowering(self.prim, partial(self._lower_unsupported, platform), platform=platform)
-        batching.primitive_batchers[self.prim] = self._batch
+# Layout helpers: the Rust kinds take canonical 2-D/3-D operands.
 
-    def bind(self, x, w, *, out_dtype, dimension, schedule, axes, ranks):
-        """Issues the op; returns (out, workspace)."""
-        block_rows = math.prod(x.shape[:-1]) // (ranks if self.op_code == 1 else 1)
-        workspace = _native.workspace_bytes(
-            self.op_code, schedule, ranks, block_rows, w.shape[0], w.shape[1],
-            DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
-        return self.prim.bind(
-            x, w, out_shape=tuple(self.result_shape(x.shape, w.shape, dimension, ranks)),
-            out_dtype=np.dtype(out_dtype), dimension=dimension, schedule=schedule, axes=tuple(axes),
-            ranks=ranks, workspace_bytes=workspace, site=next(_sites))
+def rows_2d(a, dimension: int = 0):
+    """`a` as a matrix whose rows run over `dimension` first (so its blocks along that dim are row blocks)."""
+    return jnp.moveaxis(a, dimension, 0).reshape(-1, a.shape[-1])
 
-    def _abstract_eval(self, x, w, *, out_shape, out_dtype, workspace_bytes, axes, **_):
-        # Typed as varying over the op's axes (and whatever x and w vary over),
-        # so a custom_vjp or out_specs see the truth (see XLA_FFI_NOTES, point 3).
-        # The workspace has x's rank, so it can share x's sharding.
-        varying = _varying(x) | _varying(w) | frozenset(axes)
-        workspace_shape = (1,) * (x.ndim - 1) + (workspace_bytes,)
-        return (_typed_like(x, out_shape, out_dtype, varying),
-                _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
 
-    def _lower_cpu(self, ctx, x, w, *, site, schedule, dimension, axes, **_):
-        mesh = _lowering_mesh(self.op, ctx)
-        lowering = jax.ffi.ffi_lowering(_native.target_name(self.op, "cpu"))
-        return lowering(
-            ctx, x, w,
-            site=int(site),
-            schedule=int(schedule),
-            dimension=int(dimension),
-            mesh_devices=np.asarray(mesh.device_ids, np.int64).reshape(-1),
-            mesh_shape=np.asarray(mesh.device_ids.shape, np.int64),
-            axes=np.asarray([mesh.axis_names.index(a) for a in axes], np.int64),
-        )
+def unrows_2d(a, shape, dimension: int = 0):
+    """Inverse of rows_2d for a result of `shape`."""
+    moved = (shape[dimension],) + tuple(s for i, s in enumerate(shape) if i != dimension)
+    return jnp.moveaxis(a.reshape(moved), 0, dimension)
 
-    def _lower_unsupported(self, platform, ctx, *args, **params):
+
+def stack_blocks(a, dimension: int, ranks: int):
+    """The `ranks` blocks of `a` along `dimension`, stacked first: [ranks, *block_shape]."""
+    shape = a.shape
+    split = shape[:dimension] + (ranks, shape[dimension] // ranks) + shape[dimension + 1:]
+    return jnp.moveaxis(a.reshape(split), dimension, 0)
+
+
+def concat_blocks(stacked, dimension: int):
+    """Inverse of stack_blocks: concatenates stacked[i] along `dimension`."""
+    ranks, block = stacked.shape[0], stacked.shape[1:]
+    moved = jnp.moveaxis(stacked, 0, dimension)
+    return moved.reshape(block[:dimension] + (ranks * block[dimension],) + block[dimension + 1:])
+
+
+def common(a, b):
+    """`a` and `b` in their promoted dtype (cotangents may differ from the primals)."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
+
+
+class Kind(enum.IntEnum):
+    """The Rust library's op kinds (`problem::OpKind`), with their operand layouts."""
+    ALL_GATHER_MATMUL = 0            # x [.., rows.., k] travels; w [k, n]
+    ALL_GATHER_MATMUL_CONTRACT = 1   # x [m, kb] travels; w [N*kb, n]; out [m, n]
+    MATMUL_ALL_GATHER = 2            # (w [k, c] travels, x [m, k]); out [m, N*c]
+    MATMUL_ALL_GATHER_CONTRACT = 3   # (w [kb, n] travels, x [m, N*kb]); out [m, n]
+    MATMUL_REDUCE_SCATTER = 4        # x [.., N*b.., k]; w [k, n]
+    MATMUL_REDUCE_SCATTER_COLS = 5   # x [m, k]; w [k, N*c]; out [m, c]
+    ALL_TO_ALL_MATMUL = 6            # x [N, C, k]; w [k, n]; out [N, C, n]
+    ALL_TO_ALL_MATMUL_CONTRACT = 7   # x [N, m, kb]; w [N*kb, n]; out [m, n]
+    MATMUL_ALL_TO_ALL = 8            # x [N, C, k]; w [k, n]; out [N, C, n]
+    MATMUL_ALL_TO_ALL_COLS = 9       # x [m, k]; w [k, N*c]; out [N, m, c]
+
+
+def result_shape(kind: Kind, x_shape, w_shape, dimension: int, ranks: int) -> tuple:
+    """The result's shape; mirrors the Rust checks (which also run per call)."""
+    K = Kind
+    if kind in (K.ALL_GATHER_MATMUL, K.MATMUL_REDUCE_SCATTER):
+        shape = list(x_shape[:-1]) + [w_shape[1]]
+        shape[dimension] = shape[dimension] * ranks if kind == K.ALL_GATHER_MATMUL else shape[dimension] // ranks
+        return tuple(shape)
+    if kind in (K.ALL_GATHER_MATMUL_CONTRACT, K.ALL_TO_ALL_MATMUL_CONTRACT):
+        return (x_shape[-2], w_shape[1])
+    if kind == K.MATMUL_ALL_GATHER:
+        return (w_shape[0], ranks * x_shape[1])
+    if kind == K.MATMUL_ALL_GATHER_CONTRACT:
+        return (w_shape[0], x_shape[1])
+    if kind == K.MATMUL_REDUCE_SCATTER_COLS:
+        return (x_shape[0], w_shape[1] // ranks)
+    if kind in (K.ALL_TO_ALL_MATMUL, K.MATMUL_ALL_TO_ALL):
+        return (ranks, x_shape[1], w_shape[1])
+    return (ranks, x_shape[0], w_shape[1] // ranks)
+
+
+def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype=None):
+    """`call` with the settings of a user's op (for its VJP's inner ops)."""
+    x, w = common(x, w)
+    return call(kind, x, w, out_dtype=static.out_dtype if out_dtype is None else out_dtype, schedule=static.schedule,
+                axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension)
+
+
+def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0):
+    """Issues one fused op (operands already checked and laid out for `kind`)."""
+    out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
+    workspace = _native.workspace_bytes(
+        int(kind), schedule, ranks, dimension, x.shape, w.shape, out_shape,
+        DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
+    out, _ = _PRIMITIVE.bind(
+        x, w, kind=Kind(kind), out_shape=tuple(out_shape), out_dtype=np.dtype(out_dtype), dimension=dimension,
+        schedule=schedule, axes=tuple(axes), ranks=ranks, workspace_bytes=workspace, site=next(_sites))
+    return out
+
+
+def _abstract_eval(x, w, *, out_shape, out_dtype, workspace_bytes, axes, **_):
+    # Typed as varying over the op's axes (and whatever x and w vary over), so
+    # a custom_vjp or out_specs see the truth (see XLA_FFI_NOTES, point 3). The
+    # workspace has x's rank, so it can share x's sharding.
+    varying = _varying(x) | _varying(w) | frozenset(axes)
+    workspace_shape = (1,) * (x.ndim - 1) + (workspace_bytes,)
+    return (_typed_like(x, out_shape, out_dtype, varying),
+            _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
+
+
+def _lower_cpu(ctx, x, w, *, kind, site, schedule, dimension, axes, **_):
+    mesh = _lowering_mesh(kind, ctx)
+    lowering = jax.ffi.ffi_lowering(_native.CPU_TARGET)
+    return lowering(
+        ctx, x, w,
+        kind=int(kind),
+        site=int(site),
+        schedule=int(schedule),
+        dimension=int(dimension),
+        mesh_devices=np.asarray(mesh.device_ids, np.int64).reshape(-1),
+        mesh_shape=np.asarray(mesh.device_ids.shape, np.int64),
+        axes=np.asarray([mesh.axis_names.index(a) for a in axes], np.int64),
+    )
+
+
+def _lower_unsupported(platform, ctx, *args, kind, **params):
+    raise NotImplementedError(
+        f"commfuse ({kind.name.lower()}) has no {platform.upper()} implementation in this build (the "
+        f"library was built {'with' if _native.CUDA_BUILT else 'without'} the `cuda` feature, and the CUDA "
+        f"backend is not available yet); run on CPU devices, or use commfuse.reference")
+
+
+def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, **_):
+    x, w = args
+    x_dim, w_dim = dims
+    if kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER) or w_dim is not batching.not_mapped:
         raise NotImplementedError(
-            f"commfuse.{self.op} has no {platform.upper()} implementation in this build "
-            f"(the library was built {'with' if _native.CUDA_BUILT else 'without'} the `cuda` feature, and "
-            f"the CUDA backend is not available yet); run on CPU devices or use commfuse.reference.{self.op}")
+            "vmap of this commfuse op is supported only over `x` of all_gather_matmul and "
+            "matmul_reduce_scatter with a row gather/scatter dimension (the batch dim becomes a leading "
+            "dim of x). Fold the batch into x's leading dims yourself, or loop with lax.map.")
+    x = jnp.moveaxis(x, x_dim, 0)
+    out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1)
+    # The unbatched result type wants its own workspace shape; nobody reads it.
+    workspace = jnp.zeros((1,) * (x.ndim - 2) + (workspace_bytes,), np.uint8)
+    return (out, workspace), (0, batching.not_mapped)
 
-    def _batch(self, args, dims, *, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, **_):
-        x, w = args
-        x_dim, w_dim = dims
-        if w_dim is not batching.not_mapped:
-            raise NotImplementedError(
-                f"vmap of commfuse.{self.op} over `w` is not supported: only `x` may carry a batch "
-                f"dimension (it is folded into x's leading dims). Map over x only, or loop over the "
-                f"weights with lax.map.")
-        x = jnp.moveaxis(x, x_dim, 0)
-        out, workspace = self.bind(x, w, out_dtype=out_dtype, dimension=dimension + 1, schedule=schedule,
-                                   axes=axes, ranks=ranks)
-        # The batched call's workspace is at least as large; the unbatched
-        # result type only needs its first bytes (nobody reads them).
-        return (out, workspace[..., :workspace_bytes].reshape((1,) * (x.ndim - 2) + (workspace_bytes,))), \
-            (0, batching.not_mapped)
+
+def _apply_primitive(*args, **params):
+    # Eager use (shard_map without jit): compile the one op, as JAX does.
+    from jax._src import dispatch
+
+    return dispatch.apply_primitive(_PRIMITIVE, *args, **params)
+
+
+_PRIMITIVE = Primitive("commfuse_collective_matmul")
+_PRIMITIVE.multiple_results = True
+_PRIMITIVE.def_abstract_eval(_abstract_eval)
+_PRIMITIVE.def_impl(_apply_primitive)
+mlir.register_lowering(_PRIMITIVE, _lower_cpu, platform="cpu")
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(_PRIMITIVE, partial(_lower_unsupported, _platform), platform=_platform)
+batching.primitive_batchers[_PRIMITIVE] = _batch
 
 
 def _varying(aval) -> frozenset:
@@ -207,16 +292,10 @@ def _typed_like(aval, shape, dtype, varying):
     return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False)
 
 
-def _apply_primitive(prim, *args, **params):
-    from jax._src import dispatch  # eager mode only; inside jit the lowering is used
-
-    return dispatch.apply_primitive(prim, *args, **params)
-
-
-def _lowering_mesh(op: str, ctx):
+def _lowering_mesh(kind, ctx):
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     if mesh is None or getattr(mesh, "device_ids", None) is None:
         raise ValueError(
-            f"commfuse.{op} must be lowered inside a jax.shard_map over a concrete mesh "
+            f"commfuse ({kind.name.lower()}) must be lowered inside a jax.shard_map over a concrete mesh "
             f"(found axis context {type(ctx.module_context.axis_context).__name__})")
     return mesh

@@ -1,21 +1,22 @@
 """matmul_reduce_scatter: ``psum_scatter(x @ w, axis, scatter_dimension=..., tiled=True)``,
 with the reduce-scatter decomposed into ring transfers of partial sums that
-overlap the matmul of the next partial."""
+overlap the matmul of the next partial. Scattering the last dim (columns) is
+the data-parallel gradient reduce-scatter of a column split.
+
+VJP: d/dx is all_gather_matmul of dY with wᵀ (rows), or the contraction
+gather (columns); d/dw is the contraction gather of x with dY (rows) or a
+column gather (columns). All fused."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
+
 from . import _fused
+from ._fused import Kind, Static
 
 OP = "matmul_reduce_scatter"
-
-
-def _result_shape(x_shape, w_shape, dimension, ranks):
-    shape = list(x_shape[:-1]) + [w_shape[1]]
-    shape[dimension] //= ranks
-    return shape
-
-
-_PRIMITIVE = _fused.FusedPrimitive(OP, op_code=1, result_shape=_result_shape)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="auto", precision=None,
@@ -24,24 +25,70 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
 
     Call inside a ``jax.shard_map`` body. ``x`` has rank >= 2 and contracts
     its last dim with ``w``'s first (``w`` is 2-D); ``scatter_dimension`` is
-    any dim of the result but the last, and its size must be divisible by
-    the axis size. Each rank computes the partial product of one block while
-    the running sum of the previous one travels to the next rank; only one
-    add is exposed at the tail.
+    any dim of the result, and its size must be divisible by the axis size.
+    Each rank computes the partial product of one block while the running sum
+    of the previous one travels to the next rank; only one add is exposed at
+    the tail.
 
     ``schedule``: "auto", "ring", "bidirectional", or "sequential" (multiply,
     then reduce-scatter: the unoverlapped baseline).
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
-    dimension = _fused.normalize_dimension(OP, "scatter_dimension", scatter_dimension, x.ndim)
-    if x.shape[dimension] % ranks:
+    dimension = _fused.normalize_dimension(OP, "scatter_dimension", scatter_dimension, x.ndim, allow_last=True)
+    size = w.shape[1] if dimension == x.ndim - 1 else x.shape[dimension]
+    if size % ranks:
         raise ValueError(
-            f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {x.shape[dimension]}, "
-            f"which is not divisible by the size {ranks} of axis {axis_name!r}")
+            f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {size}, which is not "
+            f"divisible by the size {ranks} of axis {axis_name!r}")
     code = _fused.check_schedule(OP, schedule)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    out, _ = _PRIMITIVE.bind(x, w, out_dtype=out_dtype, dimension=dimension, schedule=code, axes=axes,
-                             ranks=ranks)
-    return out
+    static = Static(axes, ranks, dimension, code, out_dtype)
+    if dimension == x.ndim - 1:
+        out = _scatter_cols(x.reshape(-1, x.shape[-1]), w, static)
+        return out.reshape(x.shape[:-1] + (out.shape[-1],))
+    return _scatter_rows(x, w, static)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scatter_rows(x, w, static: Static):
+    return _fused.call_static(Kind.MATMUL_REDUCE_SCATTER, x, w, static)
+
+
+def _scatter_rows_fwd(x, w, static):
+    return _scatter_rows(x, w, static), (x, w)
+
+
+def _scatter_rows_bwd(static, residuals, dy):
+    x, w = residuals
+    d = static.dimension
+    dx = _fused.call_static(Kind.ALL_GATHER_MATMUL, dy, w.T, static, out_dtype=x.dtype)
+    # dw = Σ_j x[block j]ᵀ @ dY_j: dY_j travels; x's block j is a column block of xᵀ.
+    dw = _fused.call_static(Kind.MATMUL_ALL_GATHER_CONTRACT, _fused.rows_2d(dy, d), _fused.rows_2d(x, d).T, static,
+                            dimension=0, out_dtype=w.dtype)
+    return dx, dw
+
+
+_scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scatter_cols(x, w, static: Static):
+    return _fused.call_static(Kind.MATMUL_REDUCE_SCATTER_COLS, x, w, static, dimension=0)
+
+
+def _scatter_cols_fwd(x, w, static):
+    return _scatter_cols(x, w, static), (x, w)
+
+
+def _scatter_cols_bwd(static, residuals, dy):
+    x, w = residuals
+    # dx = Σ_j dY_j @ w[:, cols j]ᵀ: dY_j travels, contracting with row block j of wᵀ.
+    dx = _fused.call_static(Kind.ALL_GATHER_MATMUL_CONTRACT, dy, w.T, static, dimension=0, out_dtype=x.dtype)
+    # dw[:, cols j] = xᵀ @ dY_j: a column gather of dY.
+    dw = _fused.call_static(Kind.MATMUL_ALL_GATHER, dy, x.T, static, dimension=0, out_dtype=w.dtype)
+    return dx, dw
+
+
+_scatter_cols.defvjp(_scatter_cols_fwd, _scatter_cols_bwd)

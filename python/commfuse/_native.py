@@ -11,7 +11,6 @@ import pathlib
 import jax
 
 _HERE = pathlib.Path(__file__).resolve().parent
-_TARGETS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 
 def _find_library() -> pathlib.Path:
@@ -36,32 +35,32 @@ def _find_library() -> pathlib.Path:
 LIBRARY_PATH = _find_library()
 lib = ctypes.CDLL(str(LIBRARY_PATH))
 
+_I64P = ctypes.POINTER(ctypes.c_int64)
 lib.commfuse_workspace_bytes.restype = ctypes.c_int64
-lib.commfuse_workspace_bytes.argtypes = [ctypes.c_int32, ctypes.c_int32] + [ctypes.c_int64] * 4 + [ctypes.c_int32] * 2
+lib.commfuse_workspace_bytes.argtypes = [ctypes.c_int64] * 4 + [_I64P, ctypes.c_size_t] * 3 + [
+    ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_set_timeout_ms.restype = None
 lib.commfuse_set_timeout_ms.argtypes = [ctypes.c_uint64]
 lib.commfuse_cuda_built.restype = ctypes.c_int32
 lib.commfuse_cuda_built.argtypes = []
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
+CPU_TARGET = "commfuse_collective_matmul_cpu"
+
+jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
 
 
-def target_name(op: str, platform: str) -> str:
-    return f"commfuse_{op}_{platform}"
-
-
-for _op in _TARGETS:
-    _name = target_name(_op, "cpu")
-    jax.ffi.register_ffi_target(_name, jax.ffi.pycapsule(getattr(lib, _name)), platform="cpu")
-
-
-def workspace_bytes(op_code: int, schedule_code: int, ranks: int, block_rows: int, k: int, n: int,
+def workspace_bytes(kind: int, schedule: int, ranks: int, dimension: int, x_shape, w_shape, out_shape,
                     input_code: int, output_code: int) -> int:
-    size = lib.commfuse_workspace_bytes(op_code, schedule_code, ranks, block_rows, k, n, input_code, output_code)
+    """Bytes of workspace the Rust plan needs for this call."""
+    def dims(shape):
+        return (ctypes.c_int64 * max(1, len(shape)))(*shape), len(shape)
+
+    error = ctypes.create_string_buffer(512)
+    size = lib.commfuse_workspace_bytes(kind, schedule, ranks, dimension, *dims(x_shape), *dims(w_shape),
+                                        *dims(out_shape), input_code, output_code, error, len(error))
     if size < 0:
-        raise ValueError(
-            f"commfuse: no workspace size for op {op_code}, schedule {schedule_code}, {ranks} ranks, "
-            f"block {block_rows}x{k}, n={n}, dtypes {input_code}->{output_code}")
+        raise ValueError(error.value.decode(errors="replace"))
     return size
 
 

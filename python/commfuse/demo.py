@@ -169,7 +169,7 @@ def run(args) -> int:
           f"  ({flops / med_f / 1e9:.1f} GFLOP/s)")
     print(f"median time unfused ({args.reps} reps):   {med_u * 1e3:9.2f} ms"
           f"  ({flops / med_u / 1e9:.1f} GFLOP/s)")
-    print(f"speedup unfused/fused:              {med_u / med_f:.3f}x")
+    print(f"ratio unfused/fused (speedup):      {med_u / med_f:.3f}x  (> 1: fused is faster)")
     return 0 if ok else 1
 
 

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 /// The work a backend does for one step. Called from one lane at a time per
 /// buffer: the plan guarantees no two running steps write the same buffer.
 pub trait Backend: Sync {
-    /// `dst = src @ w`.
-    fn matmul(&self, src: Buf, dst: Buf) -> Result<()>;
+    /// The product for `block` from `src` into (or, `accumulate`, onto) `dst`.
+    fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()>;
     /// `dst = Σ terms` (`dst` may be `terms[0]`).
     fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()>;
     /// Post the sends, then wait for every receive.
@@ -127,7 +127,7 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
 
 fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<()> {
     match action {
-        Action::Matmul { src, dst } => backend.matmul(*src, *dst),
+        Action::Matmul { block, src, dst, accumulate } => backend.matmul(*block, *src, *dst, *accumulate),
         Action::Sum { terms, dst } => backend.sum(terms, *dst),
         Action::Exchange { sends, recvs } => backend.exchange(sends, recvs, wait),
     }

@@ -1,21 +1,38 @@
-//! The plan generators: one loop per op, parametrised by how many blocks travel
-//! each way round the ring (ring: all forward; bidirectional: split in two).
+//! The plan generators: one loop per pattern. Ring loops are parametrised by
+//! how many blocks travel each way (ring: all forward; bidirectional: split).
 
 use super::*;
 
-/// The plan of `op` for `rank` of `n` under `schedule` (`Auto` is resolved here).
-pub fn plan(op: OpKind, schedule: Schedule, n: usize, rank: usize) -> Plan {
+/// The plan of `pattern` for `rank` of `n` under `schedule` (`Auto` is resolved here).
+pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan {
     assert!(n >= 1 && rank < n, "rank {rank} out of range for {n} ranks");
-    let schedule = schedule.resolve(n);
-    let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank };
-    match (op, schedule) {
-        (_, _) if n == 1 => b.single(op),
-        (OpKind::AllGatherMatmul, Schedule::Sequential) => b.gather_then_matmul(),
-        (OpKind::AllGatherMatmul, s) => b.gather_matmul_overlapped(chain_lengths(s, n)),
-        (OpKind::MatmulReduceScatter, Schedule::Sequential) => b.matmul_then_scatter(),
-        (OpKind::MatmulReduceScatter, s) => b.matmul_scatter_overlapped(chain_lengths(s, n)),
+    let schedule = schedule.resolve(n, pattern);
+    let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None };
+    let sequential = schedule == Schedule::Sequential;
+    match pattern {
+        Pattern::Gather { accumulate } => {
+            b.result = accumulate.then(|| b.slot(SlotKind::Result));
+            match () {
+                _ if n == 1 => b.local_product(Buf::X),
+                _ if sequential => b.gather_then_matmul(),
+                _ => b.gather_matmul_overlapped(chain_lengths(schedule, n)),
+            }
+        }
+        Pattern::Scatter if n == 1 => b.local_product(Buf::XBlock(0)),
+        Pattern::Scatter if sequential => b.matmul_then_scatter(),
+        Pattern::Scatter => b.matmul_scatter_overlapped(chain_lengths(schedule, n)),
+        Pattern::ExchangeThenMatmul { accumulate } => {
+            b.result = accumulate.then(|| b.slot(SlotKind::Result));
+            b.exchange_then_matmul(sequential);
+        }
+        Pattern::MatmulThenExchange => b.matmul_then_exchange(sequential),
     }
-    Plan { op, schedule, n, rank, slots: b.slots, steps: b.steps }
+    if let Some(result) = b.result {
+        // The sum is complete when the last product is in.
+        let last = b.steps.iter().rposition(|s| s.lane == Lane::Compute).expect("a product");
+        b.push(Lane::Compute, Action::Sum { terms: vec![Buf::Slot(result)], dst: Buf::Out }, vec![last]);
+    }
+    Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps }
 }
 
 /// (forward, backward): how many of the other N-1 blocks travel each way.
@@ -31,6 +48,8 @@ struct Builder {
     slots: Vec<SlotKind>,
     n: usize,
     rank: usize,
+    /// The accumulator slot of accumulating patterns.
+    result: Option<usize>,
 }
 
 impl Builder {
@@ -62,43 +81,53 @@ impl Builder {
         self.block(-1)
     }
 
-    fn single(&mut self, op: OpKind) {
-        let (src, dst) = match op {
-            OpKind::AllGatherMatmul => (Buf::X, Buf::OutBlock(0)),
-            OpKind::MatmulReduceScatter => (Buf::XBlock(0), Buf::Out),
+    /// The product of block `block` held in `src`: into its output block, or
+    /// added to the accumulator (the first product overwrites it).
+    fn product(&mut self, block: usize, src: Buf, deps: Vec<StepId>) -> StepId {
+        let action = match self.result {
+            Some(result) => {
+                let first = !self.steps.iter().any(|s| matches!(s.action, Action::Matmul { .. }));
+                Action::Matmul { block, src, dst: Buf::Slot(result), accumulate: !first }
+            }
+            None => Action::Matmul { block, src, dst: Buf::OutBlock(block), accumulate: false },
         };
-        self.push(Lane::Compute, Action::Matmul { src, dst }, vec![]);
+        self.push(Lane::Compute, action, deps)
     }
 
-    /// AG, overlapped. Step s sends the block each chain holds on and receives
-    /// the next, while the compute lane multiplies the blocks of step s. Step 0
-    /// multiplies local rows, so nothing waits at the head; the last blocks are
-    /// only multiplied, so no transfer is left at the tail.
+    /// One rank: the whole op is one local product.
+    fn local_product(&mut self, src: Buf) {
+        if src == Buf::X {
+            self.product(0, src, vec![]);
+        } else {
+            self.push(Lane::Compute, Action::Matmul { block: 0, src, dst: Buf::Out, accumulate: false }, vec![]);
+        }
+    }
+
+    /// Gather, overlapped. Step s sends the block each chain holds on and
+    /// receives the next, while the compute lane multiplies the blocks of
+    /// step s. Step 0 multiplies local data, so nothing waits at the head; the
+    /// last blocks are only multiplied, so no transfer is left at the tail.
     fn gather_matmul_overlapped(&mut self, (fwd, bwd): (usize, usize)) {
         // Double buffers per chain: block s+1 arrives while block s is still
         // being sent on and multiplied.
-        let fwd_slots = self.slots(SlotKind::InputRows, 2);
-        let bwd_slots = if bwd > 0 { self.slots(SlotKind::InputRows, 2) } else { vec![] };
-        let held = held_block;
+        let fwd_slots = self.slots(SlotKind::Input, 2);
+        let bwd_slots = if bwd > 0 { self.slots(SlotKind::Input, 2) } else { vec![] };
 
         let mut exchanges = vec![self.gather_exchange(0, bwd, &fwd_slots, &bwd_slots, vec![])];
-        self.push(Lane::Compute, Action::Matmul { src: Buf::X, dst: Buf::OutBlock(self.rank) }, vec![]);
-        let mut previous_matmuls = vec![];
+        self.product(self.rank, Buf::X, vec![]);
+        let mut previous_products = vec![];
         for s in 1..=fwd {
             if s < fwd {
-                // Exchange s receives into the slots of step s-1: wait for their matmuls.
-                let ex = self.gather_exchange(s, bwd, &fwd_slots, &bwd_slots, previous_matmuls);
+                // Exchange s receives into the slots of step s-1: wait for their products.
+                let ex = self.gather_exchange(s, bwd, &fwd_slots, &bwd_slots, previous_products);
                 exchanges.push(ex);
             }
             let arrived = exchanges[s - 1];
-            let mut matmuls = vec![];
-            let dst = Buf::OutBlock(self.block(-(s as isize)));
-            matmuls.push(self.push(Lane::Compute, Action::Matmul { src: held(&fwd_slots, s), dst }, vec![arrived]));
+            let mut products = vec![self.product(self.block(-(s as isize)), held_block(&fwd_slots, s), vec![arrived])];
             if s <= bwd {
-                let dst = Buf::OutBlock(self.block(s as isize));
-                matmuls.push(self.push(Lane::Compute, Action::Matmul { src: held(&bwd_slots, s), dst }, vec![arrived]));
+                products.push(self.product(self.block(s as isize), held_block(&bwd_slots, s), vec![arrived]));
             }
-            previous_matmuls = matmuls;
+            previous_products = products;
         }
     }
 
@@ -111,20 +140,19 @@ impl Builder {
         bwd_slots: &[usize],
         deps: Vec<StepId>,
     ) -> StepId {
-        let held = held_block;
-        let mut sends = vec![Transfer { peer: self.next(), buf: held(fwd_slots, s), tag: tag(Direction::Forward, s) }];
+        let mut sends = vec![Transfer { peer: self.next(), buf: held_block(fwd_slots, s), tag: tag(Direction::Forward, s) }];
         let mut recvs =
-            vec![Transfer { peer: self.prev(), buf: held(fwd_slots, s + 1), tag: tag(Direction::Forward, s) }];
+            vec![Transfer { peer: self.prev(), buf: held_block(fwd_slots, s + 1), tag: tag(Direction::Forward, s) }];
         if s < bwd {
-            sends.push(Transfer { peer: self.prev(), buf: held(bwd_slots, s), tag: tag(Direction::Backward, s) });
-            recvs.push(Transfer { peer: self.next(), buf: held(bwd_slots, s + 1), tag: tag(Direction::Backward, s) });
+            sends.push(Transfer { peer: self.prev(), buf: held_block(bwd_slots, s), tag: tag(Direction::Backward, s) });
+            recvs.push(Transfer { peer: self.next(), buf: held_block(bwd_slots, s + 1), tag: tag(Direction::Backward, s) });
         }
         self.push(Lane::Comm, Action::Exchange { sends, recvs }, deps)
     }
 
-    /// AG baseline: gather every block (N-1 ring steps), then multiply them all.
+    /// Gather baseline: gather every block (N-1 ring steps), then multiply them all.
     fn gather_then_matmul(&mut self) {
-        let slots = self.slots(SlotKind::InputRows, self.n - 1);
+        let slots = self.slots(SlotKind::Input, self.n - 1);
         let held = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(slots[s - 1]) };
         let mut last = 0;
         for s in 0..self.n - 1 {
@@ -133,32 +161,27 @@ impl Builder {
             last = self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![]);
         }
         for s in 0..self.n {
-            let dst = Buf::OutBlock(self.block(-(s as isize)));
-            self.push(Lane::Compute, Action::Matmul { src: held(s), dst }, vec![last]);
+            self.product(self.block(-(s as isize)), held(s), vec![last]);
         }
     }
 
-    /// RS, overlapped. Block b is accumulated along the forward chain by ranks
-    /// b-fwd..b-1 and along the backward chain by b+bwd..b+1, and ends at b. At
-    /// step s each chain multiplies its partial (no network wait), adds the sum
-    /// received at step s-1, and sends the result on. The last step multiplies
-    /// the own block while the last sums arrive: one add is exposed.
+    /// Scatter, overlapped. Block b is accumulated along the forward chain by
+    /// ranks b-fwd..b-1 and along the backward chain by b+bwd..b+1, and ends at
+    /// b. At step s each chain multiplies its partial (no network wait), adds
+    /// the sum received at step s-1, and sends the result on. The last step
+    /// multiplies the own block while the last sums arrive: one add is exposed.
     fn matmul_scatter_overlapped(&mut self, (fwd, bwd): (usize, usize)) {
-        let fwd_partial = self.slots(SlotKind::Accum, 2);
-        let fwd_in = self.slots(SlotKind::Accum, 2);
+        let fwd_partial = self.slots(SlotKind::Partial, 2);
+        let fwd_in = self.slots(SlotKind::Partial, 2);
         let (bwd_partial, bwd_in) =
-            if bwd > 0 { (self.slots(SlotKind::Accum, 2), self.slots(SlotKind::Accum, 2)) } else { (vec![], vec![]) };
-        let own = self.slot(SlotKind::Accum);
+            if bwd > 0 { (self.slots(SlotKind::Partial, 2), self.slots(SlotKind::Partial, 2)) } else { (vec![], vec![]) };
+        let own = self.slot(SlotKind::Partial);
 
         let mut exchanges: Vec<StepId> = vec![];
         for s in 0..fwd {
-            let mut ready =
-                vec![self.partial_sum(s, self.block((fwd - s) as isize), &fwd_partial, &fwd_in, &exchanges)];
-            let mut sends = vec![Transfer {
-                peer: self.next(),
-                buf: Buf::Slot(fwd_partial[s % 2]),
-                tag: tag(Direction::Forward, s),
-            }];
+            let mut ready = vec![self.partial_sum(s, self.block((fwd - s) as isize), &fwd_partial, &fwd_in, &exchanges)];
+            let mut sends =
+                vec![Transfer { peer: self.next(), buf: Buf::Slot(fwd_partial[s % 2]), tag: tag(Direction::Forward, s) }];
             let mut recvs =
                 vec![Transfer { peer: self.prev(), buf: Buf::Slot(fwd_in[s % 2]), tag: tag(Direction::Forward, s) }];
             if s < bwd {
@@ -169,16 +192,13 @@ impl Builder {
                     buf: Buf::Slot(bwd_partial[s % 2]),
                     tag: tag(Direction::Backward, s),
                 });
-                recvs.push(Transfer {
-                    peer: self.next(),
-                    buf: Buf::Slot(bwd_in[s % 2]),
-                    tag: tag(Direction::Backward, s),
-                });
+                recvs.push(Transfer { peer: self.next(), buf: Buf::Slot(bwd_in[s % 2]), tag: tag(Direction::Backward, s) });
             }
             exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, ready));
         }
 
-        self.push(Lane::Compute, Action::Matmul { src: Buf::XBlock(self.rank), dst: Buf::Slot(own) }, vec![]);
+        let own_product = Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::Slot(own), accumulate: false };
+        self.push(Lane::Compute, own_product, vec![]);
         let mut terms = vec![Buf::Slot(own), Buf::Slot(fwd_in[(fwd - 1) % 2])];
         let mut deps = vec![exchanges[fwd - 1]];
         if bwd > 0 {
@@ -189,20 +209,14 @@ impl Builder {
         self.push(Lane::Compute, Action::Sum { terms, dst: Buf::Out }, deps);
     }
 
-    /// Step s of one RS chain: the partial of `block`, plus the sum received at
-    /// step s-1. Returns the step after which the slot is ready to send.
-    fn partial_sum(
-        &mut self,
-        s: usize,
-        block: usize,
-        partial: &[usize],
-        incoming: &[usize],
-        exchanges: &[StepId],
-    ) -> StepId {
+    /// Step s of one scatter chain: the partial of `block`, plus the sum
+    /// received at step s-1. Returns the step after which the slot is ready to send.
+    fn partial_sum(&mut self, s: usize, block: usize, partial: &[usize], incoming: &[usize], exchanges: &[StepId]) -> StepId {
         let slot = Buf::Slot(partial[s % 2]);
         // The slot was last sent by exchange s-2; the sum of step s-1, earlier
         // on this lane, already waited for that exchange.
-        let matmul = self.push(Lane::Compute, Action::Matmul { src: Buf::XBlock(block), dst: slot }, vec![]);
+        let product = Action::Matmul { block, src: Buf::XBlock(block), dst: slot, accumulate: false };
+        let matmul = self.push(Lane::Compute, product, vec![]);
         if s == 0 {
             return matmul;
         }
@@ -210,13 +224,14 @@ impl Builder {
         self.push(Lane::Compute, Action::Sum { terms, dst: slot }, vec![exchanges[s - 1]])
     }
 
-    /// RS baseline: the whole matmul, then a ring reduce-scatter of its blocks.
+    /// Scatter baseline: the whole matmul, then a ring reduce-scatter of its blocks.
     fn matmul_then_scatter(&mut self) {
-        let partial = self.slots(SlotKind::Accum, self.n);
-        let incoming = self.slots(SlotKind::Accum, 2);
+        let partial = self.slots(SlotKind::Partial, self.n);
+        let incoming = self.slots(SlotKind::Partial, 2);
         let mut last = 0;
         for (j, &slot) in partial.iter().enumerate() {
-            last = self.push(Lane::Compute, Action::Matmul { src: Buf::XBlock(j), dst: Buf::Slot(slot) }, vec![]);
+            let product = Action::Matmul { block: j, src: Buf::XBlock(j), dst: Buf::Slot(slot), accumulate: false };
+            last = self.push(Lane::Compute, product, vec![]);
         }
         let mut exchanges: Vec<StepId> = vec![];
         for s in 0..self.n - 1 {
@@ -226,16 +241,112 @@ impl Builder {
                 last = self.push(Lane::Compute, Action::Sum { terms, dst: slot }, vec![exchanges[s - 1]]);
             }
             let sends = vec![Transfer { peer: self.next(), buf: slot, tag: tag(Direction::Forward, s) }];
-            let recvs =
-                vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[s % 2]), tag: tag(Direction::Forward, s) }];
+            let recvs = vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[s % 2]), tag: tag(Direction::Forward, s) }];
             exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![last]));
         }
         let terms = vec![Buf::Slot(partial[self.rank]), Buf::Slot(incoming[(self.n - 2) % 2])];
         self.push(Lane::Compute, Action::Sum { terms, dst: Buf::Out }, vec![exchanges[self.n - 2]]);
     }
+
+    /// All-to-all, then matmul. Step s sends block r+s of the local x to rank
+    /// r+s and receives block r from rank r-s; the own block is multiplied
+    /// first, so nothing waits at the head, and each received block while the
+    /// next one travels. Sequential: every exchange, then every product.
+    fn exchange_then_matmul(&mut self, sequential: bool) {
+        let count = if sequential { self.n.saturating_sub(1) } else { 2.min(self.n - 1) };
+        let slots = self.slots(SlotKind::Input, count);
+        let slot_of = |s: usize| Buf::Slot(slots[(s - 1) % count.max(1)]);
+        let tag_of = |s: usize| tag(Direction::Forward, s);
+        let exchange = |b: &mut Self, s: usize, deps: Vec<StepId>| {
+            let (to, from) = (b.block(s as isize), b.block(-(s as isize)));
+            let sends = vec![Transfer { peer: to, buf: Buf::XBlock(to), tag: tag_of(s) }];
+            let recvs = vec![Transfer { peer: from, buf: slot_of(s), tag: tag_of(s) }];
+            b.push(Lane::Comm, Action::Exchange { sends, recvs }, deps)
+        };
+        if sequential {
+            let mut last = vec![];
+            for s in 1..self.n {
+                last = vec![exchange(self, s, vec![])];
+            }
+            self.product(self.rank, Buf::XBlock(self.rank), last.clone());
+            for s in 1..self.n {
+                self.product(self.block(-(s as isize)), slot_of(s), last.clone());
+            }
+            return;
+        }
+        let mut exchanges = vec![usize::MAX]; // exchanges[s] for s >= 1
+        if self.n > 1 {
+            exchanges.push(exchange(self, 1, vec![]));
+        }
+        self.product(self.rank, Buf::XBlock(self.rank), vec![]);
+        let mut previous = vec![];
+        for s in 1..self.n {
+            if s + 1 < self.n {
+                // Exchange s+1 reuses the slot of step s-1: wait for its product.
+                exchanges.push(exchange(self, s + 1, previous));
+            }
+            previous = vec![self.product(self.block(-(s as isize)), slot_of(s), vec![exchanges[s]])];
+        }
+    }
+
+    /// Matmul, then all-to-all. Step s multiplies the block for rank r+s and
+    /// sends it there, receiving rank r-s's block for us; the own block is
+    /// multiplied last, while the last transfer runs, so only its copy is
+    /// exposed. Sequential: every product, then every exchange.
+    fn matmul_then_exchange(&mut self, sequential: bool) {
+        let n = self.n;
+        let depth = if sequential { n.saturating_sub(1).max(1) } else { 2 };
+        let outgoing = self.slots(SlotKind::Partial, depth.min(n - 1));
+        let incoming = self.slots(SlotKind::Partial, depth.min(n - 1));
+        let out_slot = |s: usize| Buf::Slot(outgoing[(s - 1) % depth]);
+        let in_slot = |s: usize| Buf::Slot(incoming[(s - 1) % depth]);
+        let exchange = |b: &mut Self, s: usize, deps: Vec<StepId>| {
+            let (to, from) = (b.block(s as isize), b.block(-(s as isize)));
+            let sends = vec![Transfer { peer: to, buf: out_slot(s), tag: tag(Direction::Forward, s) }];
+            let recvs = vec![Transfer { peer: from, buf: in_slot(s), tag: tag(Direction::Forward, s) }];
+            b.push(Lane::Comm, Action::Exchange { sends, recvs }, deps)
+        };
+        let own = Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::OutBlock(self.rank), accumulate: false };
+        let (mut exchanges, mut copies) = (vec![usize::MAX], vec![usize::MAX]);
+        for s in 1..n {
+            let to = self.block(s as isize);
+            // The outgoing slot was last sent by exchange s-depth.
+            let deps = if s > depth { vec![exchanges[s - depth]] } else { vec![] };
+            let product = Action::Matmul { block: to, src: Buf::XBlock(to), dst: out_slot(s), accumulate: false };
+            let product = self.push(Lane::Compute, product, deps);
+            if !sequential {
+                // Receiving into in_slot(s) waits until its previous block was copied out.
+                let deps = if s > depth { vec![product, copies[s - depth]] } else { vec![product] };
+                exchanges.push(exchange(self, s, deps));
+                if s >= 2 {
+                    copies.push(self.copy_in(s - 1, in_slot(s - 1), exchanges[s - 1]));
+                }
+            }
+        }
+        if sequential {
+            let own = self.push(Lane::Compute, own, vec![]);
+            for s in 1..n {
+                exchanges.push(exchange(self, s, vec![own]));
+            }
+            for s in 1..n {
+                self.copy_in(s, in_slot(s), exchanges[s]);
+            }
+        } else {
+            self.push(Lane::Compute, own, vec![]);
+            if n > 1 {
+                self.copy_in(n - 1, in_slot(n - 1), exchanges[n - 1]);
+            }
+        }
+    }
+
+    /// Copies the block received at step s into its output block.
+    fn copy_in(&mut self, s: usize, slot: Buf, arrived: StepId) -> StepId {
+        let from = self.block(-(s as isize));
+        self.push(Lane::Compute, Action::Sum { terms: vec![slot], dst: Buf::OutBlock(from) }, vec![arrived])
+    }
 }
 
-/// The block a double-buffered gather chain holds at step s: local rows at
+/// The block a double-buffered gather chain holds at step s: local data at
 /// step 0, then its two slots in turn.
 fn held_block(slots: &[usize], s: usize) -> Buf {
     if s == 0 {

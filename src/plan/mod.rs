@@ -14,23 +14,32 @@ mod tests;
 pub mod workspace;
 
 pub use build::plan;
-pub use workspace::{Dims, Workspace};
+pub use workspace::{Sizes, Workspace};
 
-/// Which fused op a plan computes.
+/// The shape of a plan's loop; every fused op is one of these (see
+/// `crate::problem::OpKind`), and only the GEMM geometry differs between ops
+/// of one pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OpKind {
-    /// `all_gather(x) @ w`: output row-block j is `x_j @ w`.
-    AllGatherMatmul,
-    /// `psum_scatter(x @ w)`: this rank's output is `Σ_q x_q[block r] @ w`.
-    MatmulReduceScatter,
+pub enum Pattern {
+    /// Blocks of `x` travel round the ring; each is multiplied as it arrives,
+    /// into its own output block, or (`accumulate`) into one sum.
+    Gather { accumulate: bool },
+    /// Partial products travel round the ring, summed on the way; rank j's
+    /// output is the sum of block j over all ranks.
+    Scatter,
+    /// Rank q sends block j of `x` straight to rank j; each received block is
+    /// multiplied into its output block (or `accumulate`d into one sum).
+    ExchangeThenMatmul { accumulate: bool },
+    /// Rank q multiplies the block for rank j and sends it there; received
+    /// blocks are copied into the output.
+    MatmulThenExchange,
 }
 
-impl OpKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            OpKind::AllGatherMatmul => "all_gather_matmul",
-            OpKind::MatmulReduceScatter => "matmul_reduce_scatter",
-        }
+impl Pattern {
+    /// Whether blocks go round the ring (so a bidirectional schedule exists)
+    /// rather than straight to their peer.
+    pub fn uses_ring(self) -> bool {
+        matches!(self, Pattern::Gather { .. } | Pattern::Scatter)
     }
 }
 
@@ -61,9 +70,12 @@ impl Schedule {
 
     /// `Auto` becomes a concrete schedule. Both directions of a ring of links
     /// carry data at once, so bidirectional halves the transfer steps from N = 3
-    /// on; with N <= 2 the two are the same plan.
-    pub fn resolve(self, n: usize) -> Schedule {
+    /// on; with N <= 2 the two are the same plan. Patterns that send straight
+    /// to each peer have one overlapped order, reported as `Ring`.
+    pub fn resolve(self, n: usize, pattern: Pattern) -> Schedule {
         match self {
+            Schedule::Sequential => Schedule::Sequential,
+            _ if !pattern.uses_ring() => Schedule::Ring,
             Schedule::Auto if n <= 2 => Schedule::Ring,
             Schedule::Auto => Schedule::Bidirectional,
             other => other,
@@ -81,25 +93,27 @@ pub enum Lane {
 /// A buffer a step reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Buf {
-    /// The local input rows, whole (AG: this rank's block).
+    /// The local `x` (the operand that travels or is split), whole.
     X,
-    /// Rows of block j of the local input (RS: the rows that end on rank j).
+    /// The part of the local `x` that belongs to block j.
     XBlock(usize),
     /// Workspace slot i.
     Slot(usize),
-    /// The whole local output (RS).
+    /// The whole local output.
     Out,
-    /// Rows of block j of the output (AG: where `x_j @ w` goes).
+    /// The part of the output that belongs to block j.
     OutBlock(usize),
 }
 
 /// What a workspace slot holds; its size follows from the shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotKind {
-    /// One block of input rows, in the input dtype (`block_rows × k`).
-    InputRows,
-    /// One block of results, in the accumulator dtype (`block_rows × n`).
-    Accum,
+    /// One travelling block of `x`, in the input dtype.
+    Input,
+    /// One block of products, in the accumulator dtype.
+    Partial,
+    /// The whole output, in the accumulator dtype (accumulating patterns).
+    Result,
 }
 
 /// Two transfer chains go round the ring; a tag tells their messages apart.
@@ -128,8 +142,10 @@ pub struct Transfer {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// `dst = src @ w`.
-    Matmul { src: Buf, dst: Buf },
+    /// The product for block `block` (whose data `src` holds) into `dst`;
+    /// `accumulate` adds to `dst` instead of overwriting it. What is
+    /// multiplied by what is the op's geometry (`crate::problem`).
+    Matmul { block: usize, src: Buf, dst: Buf, accumulate: bool },
     /// `dst = Σ terms`, in the accumulator dtype; `dst` may be `terms[0]`.
     Sum { terms: Vec<Buf>, dst: Buf },
     /// A group of transfers posted together (one NCCL group on a GPU); it
@@ -150,7 +166,7 @@ pub struct Step {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
-    pub op: OpKind,
+    pub pattern: Pattern,
     pub schedule: Schedule,
     pub n: usize,
     pub rank: usize,
@@ -177,6 +193,7 @@ impl Action {
     /// Buffers the action reads.
     pub fn reads(&self) -> Vec<Buf> {
         match self {
+            Action::Matmul { src, dst, accumulate: true, .. } => vec![*src, *dst],
             Action::Matmul { src, .. } => vec![*src],
             Action::Sum { terms, .. } => terms.clone(),
             Action::Exchange { sends, .. } => sends.iter().map(|t| t.buf).collect(),

@@ -4,10 +4,17 @@ use super::*;
 use std::collections::{BTreeSet, HashMap};
 
 const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-const OPS: [OpKind; 2] = [OpKind::AllGatherMatmul, OpKind::MatmulReduceScatter];
+const PATTERNS: [Pattern; 6] = [
+    Pattern::Gather { accumulate: false },
+    Pattern::Gather { accumulate: true },
+    Pattern::Scatter,
+    Pattern::ExchangeThenMatmul { accumulate: false },
+    Pattern::ExchangeThenMatmul { accumulate: true },
+    Pattern::MatmulThenExchange,
+];
 
-fn all_plans() -> impl Iterator<Item = (OpKind, Schedule, usize, Vec<Plan>)> {
-    OPS.into_iter().flat_map(|op| {
+fn all_plans() -> impl Iterator<Item = (Pattern, Schedule, usize, Vec<Plan>)> {
+    PATTERNS.into_iter().flat_map(|op| {
         SCHEDULES.into_iter().flat_map(move |schedule| {
             (1..=16).map(move |n| (op, schedule, n, (0..n).map(|r| plan(op, schedule, n, r)).collect()))
         })
@@ -78,13 +85,9 @@ fn check_hazards(plan: &Plan, label: &str) {
     }
 }
 
-/// What a buffer holds in the symbolic run: the input block it is (AG) or the
-/// set of (block, rank) partial products summed into it (RS).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Value {
-    Rows(usize),
-    Partials(BTreeSet<(usize, usize)>),
-}
+/// What a buffer holds in the symbolic run: the set of (origin rank, block)
+/// pieces of data (or products of them) summed into it.
+type Value = BTreeSet<(usize, usize)>;
 
 struct RankState {
     cursor: usize,
@@ -93,13 +96,24 @@ struct RankState {
     out_writes: HashMap<Buf, (usize, Value)>,
 }
 
+/// The piece a product for `block` must multiply on `rank`: a gathered block
+/// is rank `block`'s own data; otherwise it is the part for `block` (scatter,
+/// matmul-then-exchange) or the part for `rank` sent by `block`.
+fn expected_piece(pattern: Pattern, rank: usize, block: usize) -> (usize, usize) {
+    match pattern {
+        Pattern::Gather { .. } => (block, block),
+        Pattern::Scatter | Pattern::MatmulThenExchange => (rank, block),
+        Pattern::ExchangeThenMatmul { .. } => (block, rank),
+    }
+}
+
 /// Runs every rank's plan in plan order, message by message, and checks the
 /// results and the pairing of sends and receives.
 fn simulate(plans: &[Plan], label: &str) {
     let n = plans.len();
-    let mut ranks: Vec<RankState> = (0..n)
-        .map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() })
-        .collect();
+    let pattern = plans[0].pattern;
+    let mut ranks: Vec<RankState> =
+        (0..n).map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() }).collect();
     let mut mailbox: HashMap<(usize, usize, Tag), (Value, SlotKindOf)> = HashMap::new();
     loop {
         let mut progressed = false;
@@ -109,32 +123,46 @@ fn simulate(plans: &[Plan], label: &str) {
                 let st = &mut ranks[r];
                 let read = |st: &RankState, b: Buf| -> Value {
                     match b {
-                        Buf::X => Value::Rows(r),
-                        Buf::XBlock(j) => Value::Partials([(j, r)].into()),
-                        Buf::Slot(i) => st
-                            .slots
-                            .get(&i)
-                            .cloned()
-                            .unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
+                        // The whole local x of a gather is this rank's block.
+                        Buf::X => [(r, r)].into(),
+                        Buf::XBlock(j) => [(r, j)].into(),
+                        Buf::Slot(i) => {
+                            st.slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}"))
+                        }
                         other => panic!("{label}: rank {r} reads output {other:?}"),
                     }
                 };
                 match &step.action {
-                    Action::Matmul { src, dst } => {
+                    Action::Matmul { block, src, dst, accumulate } => {
                         let v = read(st, *src);
+                        let want: Value = [expected_piece(pattern, r, *block)].into();
+                        assert_eq!(v, want, "{label}: rank {r} multiplies {v:?} as block {block}");
+                        let v = if *accumulate {
+                            let mut acc = match dst {
+                                Buf::Slot(i) => st.slots.get(i).cloned().unwrap_or_else(|| panic!("{label}: accumulate into empty slot")),
+                                other => panic!("{label}: accumulate into {other:?}"),
+                            };
+                            for item in v {
+                                assert!(acc.insert(item), "{label}: rank {r} counts {item:?} twice");
+                            }
+                            acc
+                        } else {
+                            v
+                        };
                         write(st, plan, *dst, v, label);
                     }
                     Action::Sum { terms, dst } => {
                         let mut acc = BTreeSet::new();
                         for t in terms {
-                            let Value::Partials(p) = read(st, *t) else { panic!("{label}: rank {r} sums rows") };
-                            for item in p {
-                                assert!(acc.insert(item), "{label}: rank {r} counts partial {item:?} twice");
+                            for item in read(st, *t) {
+                                assert!(acc.insert(item), "{label}: rank {r} counts {item:?} twice");
                             }
                         }
-                        let blocks: BTreeSet<usize> = acc.iter().map(|(b, _)| *b).collect();
-                        assert_eq!(blocks.len(), 1, "{label}: rank {r} sums partials of different blocks {blocks:?}");
-                        write(st, plan, *dst, Value::Partials(acc), label);
+                        if pattern == Pattern::Scatter {
+                            let blocks: BTreeSet<usize> = acc.iter().map(|(_, b)| *b).collect();
+                            assert_eq!(blocks.len(), 1, "{label}: rank {r} sums partials of different blocks {blocks:?}");
+                        }
+                        write(st, plan, *dst, acc, label);
                     }
                     Action::Exchange { sends, recvs } => {
                         if !st.sent {
@@ -174,55 +202,63 @@ fn simulate(plans: &[Plan], label: &str) {
     assert!(mailbox.is_empty(), "{label}: sends never received: {:?}", mailbox.keys().collect::<Vec<_>>());
 
     for (r, st) in ranks.iter().enumerate() {
-        match plans[r].op {
-            OpKind::AllGatherMatmul => {
-                for j in 0..n {
-                    let (count, v) = st
-                        .out_writes
-                        .get(&Buf::OutBlock(j))
-                        .unwrap_or_else(|| panic!("{label}: rank {r} never writes block {j}"));
-                    assert_eq!(*count, 1, "{label}: rank {r} writes block {j} {count} times");
-                    assert_eq!(*v, Value::Rows(j), "{label}: rank {r} block {j} holds {v:?}");
-                }
-                assert_eq!(st.out_writes.len(), n, "{label}: rank {r} writes outside its blocks");
+        let whole = matches!(
+            pattern,
+            Pattern::Scatter | Pattern::Gather { accumulate: true } | Pattern::ExchangeThenMatmul { accumulate: true }
+        );
+        if whole {
+            let (count, v) =
+                st.out_writes.get(&Buf::Out).unwrap_or_else(|| panic!("{label}: rank {r} never writes its output"));
+            assert_eq!(*count, 1, "{label}: rank {r} writes its output {count} times");
+            let want: Value = (0..n).map(|q| expected_piece(pattern, r, q)).collect();
+            let want: Value = match pattern {
+                // Rank r's scatter output sums everyone's part for r.
+                Pattern::Scatter => (0..n).map(|q| (q, r)).collect(),
+                _ => want,
+            };
+            assert_eq!(*v, want, "{label}: rank {r} output");
+            assert_eq!(st.out_writes.len(), 1, "{label}: rank {r} writes outside its output");
+        } else {
+            for j in 0..n {
+                let (count, v) = st
+                    .out_writes
+                    .get(&Buf::OutBlock(j))
+                    .unwrap_or_else(|| panic!("{label}: rank {r} never writes block {j}"));
+                assert_eq!(*count, 1, "{label}: rank {r} writes block {j} {count} times");
+                let want = match pattern {
+                    // The block for r that rank j computed.
+                    Pattern::MatmulThenExchange => (j, r),
+                    _ => expected_piece(pattern, r, j),
+                };
+                assert_eq!(*v, Value::from([want]), "{label}: rank {r} block {j}");
             }
-            OpKind::MatmulReduceScatter => {
-                let (count, v) =
-                    st.out_writes.get(&Buf::Out).unwrap_or_else(|| panic!("{label}: rank {r} never writes its output"));
-                assert_eq!(*count, 1, "{label}: rank {r} writes its output {count} times");
-                let want: BTreeSet<_> = (0..n).map(|q| (r, q)).collect();
-                assert_eq!(*v, Value::Partials(want), "{label}: rank {r} output");
-            }
+            assert_eq!(st.out_writes.len(), n, "{label}: rank {r} writes outside its blocks");
         }
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotKindOf {
-    Rows,
-    Accum,
+    Input,
+    Products,
 }
 
 fn kind_of(plan: &Plan, buf: Buf) -> SlotKindOf {
     match buf {
-        Buf::X | Buf::XBlock(_) => SlotKindOf::Rows,
+        Buf::X | Buf::XBlock(_) => SlotKindOf::Input,
         Buf::Slot(i) => match plan.slots[i] {
-            SlotKind::InputRows => SlotKindOf::Rows,
-            SlotKind::Accum => SlotKindOf::Accum,
+            SlotKind::Input => SlotKindOf::Input,
+            SlotKind::Partial | SlotKind::Result => SlotKindOf::Products,
         },
-        Buf::Out | Buf::OutBlock(_) => SlotKindOf::Accum,
+        Buf::Out | Buf::OutBlock(_) => SlotKindOf::Products,
     }
 }
 
 fn write(st: &mut RankState, plan: &Plan, dst: Buf, v: Value, label: &str) {
     match dst {
         Buf::Slot(i) => {
-            let expected = match plan.slots[i] {
-                SlotKind::InputRows => matches!(v, Value::Rows(_)),
-                SlotKind::Accum => matches!(v, Value::Partials(_)),
-            };
-            assert!(expected, "{label}: slot {i} of kind {:?} receives {v:?}", plan.slots[i]);
             st.slots.insert(i, v);
+            let _ = plan;
         }
         Buf::Out | Buf::OutBlock(_) => {
             let entry = st.out_writes.entry(dst).or_insert((0, v.clone()));
@@ -238,7 +274,7 @@ fn every_plan_is_correct_and_race_free() {
     let mut checked = 0;
     for (op, schedule, n, plans) in all_plans() {
         for p in &plans {
-            let label = format!("{} {:?} N={n} rank={}", op.name(), schedule, p.rank);
+            let label = format!("{op:?} {schedule:?} N={n} rank={}", p.rank);
             check_hazards(p, &label);
             for step in &p.steps {
                 for t in step.action.reads().iter().chain(step.action.writes().iter()) {
@@ -248,33 +284,37 @@ fn every_plan_is_correct_and_race_free() {
                 }
             }
         }
-        simulate(&plans, &format!("{} {:?} N={n}", op.name(), schedule));
+        simulate(&plans, &format!("{op:?} {schedule:?} N={n}"));
         checked += plans.len();
     }
-    assert_eq!(checked, 2 * 4 * (1..=16).sum::<usize>());
+    assert_eq!(checked, PATTERNS.len() * SCHEDULES.len() * (1..=16).sum::<usize>());
 }
+
+const GATHER: Pattern = Pattern::Gather { accumulate: false };
 
 #[test]
 fn head_and_tail_are_not_exposed() {
     for n in 2..=16 {
         for schedule in [Schedule::Ring, Schedule::Bidirectional] {
-            let ag = plan(OpKind::AllGatherMatmul, schedule, n, 0);
-            // The first matmul multiplies local rows: it waits for nothing.
-            let first = ag.lane_steps(Lane::Compute).next().unwrap();
-            assert!(first.deps.is_empty() && first.action == Action::Matmul { src: Buf::X, dst: Buf::OutBlock(0) });
-            // No transfer after the last exchange's data is multiplied.
-            let last_ex = ag.lane_steps(Lane::Comm).last().unwrap().id;
-            let after: Vec<_> = ag.steps.iter().filter(|s| s.id > last_ex && s.lane == Lane::Comm).collect();
-            assert!(after.is_empty());
-
-            let rs = plan(OpKind::MatmulReduceScatter, schedule, n, 0);
-            // Only the final sum waits on the last exchange; the own block's matmul does not.
-            let compute: Vec<_> = rs.lane_steps(Lane::Compute).collect();
-            let last_two = &compute[compute.len() - 2..];
-            assert!(
-                matches!(last_two[0].action, Action::Matmul { src: Buf::XBlock(0), .. }) && last_two[0].deps.is_empty()
-            );
-            assert!(matches!(last_two[1].action, Action::Sum { dst: Buf::Out, .. }));
+            for pattern in PATTERNS {
+                let p = plan(pattern, schedule, n, 0);
+                let compute: Vec<_> = p.lane_steps(Lane::Compute).collect();
+                match pattern {
+                    // The first product multiplies local data: it waits for nothing.
+                    Pattern::Gather { .. } | Pattern::ExchangeThenMatmul { .. } => {
+                        assert!(compute[0].deps.is_empty(), "{pattern:?}");
+                        assert!(matches!(compute[0].action, Action::Matmul { block: 0, .. }), "{pattern:?}");
+                    }
+                    // The own block is multiplied while the last transfer runs;
+                    // only the final sum or copy waits for it.
+                    Pattern::Scatter | Pattern::MatmulThenExchange => {
+                        let [.., own, last] = compute[..] else { panic!() };
+                        assert!(matches!(own.action, Action::Matmul { block: 0, src: Buf::XBlock(0), .. }));
+                        assert!(own.deps.is_empty(), "{pattern:?}");
+                        assert!(matches!(last.action, Action::Sum { .. }));
+                    }
+                }
+            }
         }
     }
 }
@@ -282,8 +322,8 @@ fn head_and_tail_are_not_exposed() {
 #[test]
 fn bidirectional_halves_the_transfer_steps() {
     for n in 2..=16 {
-        for op in OPS {
-            let exchanges = |s| plan(op, s, n, 0).lane_steps(Lane::Comm).count();
+        for pattern in [GATHER, Pattern::Gather { accumulate: true }, Pattern::Scatter] {
+            let exchanges = |s| plan(pattern, s, n, 0).lane_steps(Lane::Comm).count();
             assert_eq!(exchanges(Schedule::Ring), n - 1);
             assert_eq!(exchanges(Schedule::Bidirectional), n / 2);
         }
@@ -293,37 +333,37 @@ fn bidirectional_halves_the_transfer_steps() {
 #[test]
 fn sequential_does_not_overlap() {
     for n in 2..=8 {
-        let ag = plan(OpKind::AllGatherMatmul, Schedule::Sequential, n, 1);
-        let last_ex = ag.lane_steps(Lane::Comm).last().unwrap().id;
-        assert!(ag.lane_steps(Lane::Compute).all(|s| s.deps == vec![last_ex]));
-        let rs = plan(OpKind::MatmulReduceScatter, Schedule::Sequential, n, 1);
-        let last_matmul = rs.steps.iter().rfind(|s| matches!(s.action, Action::Matmul { .. })).unwrap().id;
-        let first_ex = rs.lane_steps(Lane::Comm).next().unwrap();
-        assert_eq!(first_ex.deps, vec![last_matmul]);
+        for pattern in PATTERNS {
+            let p = plan(pattern, Schedule::Sequential, n, 1);
+            let first_ex = p.lane_steps(Lane::Comm).next().unwrap().id;
+            let last_ex = p.lane_steps(Lane::Comm).last().unwrap().id;
+            let hb = happens_before(&p);
+            for step in p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })) {
+                // Every product runs after every transfer, or before any.
+                assert!(hb[last_ex][step.id] || hb[step.id][first_ex], "{pattern:?} N={n} step {}", step.id);
+            }
+        }
     }
 }
 
 #[test]
 fn workspace_regions_do_not_overlap() {
     use crate::dtype::DType;
-    for (input, output) in
-        [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F32), (DType::F32, DType::F64)]
-    {
-        let dims = Dims { block_rows: 3, k: 13, n: 7, input, output };
-        for op in OPS {
+    for (input, output) in [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F32), (DType::F32, DType::F64)] {
+        let sizes = Sizes { x: 39, w: 91, travel: 39, partial: 21, result: 105, out_view: 21, input, output };
+        for pattern in PATTERNS {
             for schedule in SCHEDULES {
-                let p = plan(op, schedule, 5, 2);
-                let ws = Workspace::layout(&p, &dims);
+                let p = plan(pattern, schedule, 5, 2);
+                let ws = Workspace::layout(&p, &sizes);
                 let mut regions: Vec<_> = ws.slots.clone();
-                regions.extend(ws.weights.clone());
-                regions.extend(ws.rows.clone());
-                regions.extend(ws.results.clone());
+                regions.extend([&ws.x, &ws.w, &ws.travel, &ws.results].into_iter().flatten().cloned());
                 regions.sort_by_key(|r| r.start);
                 for pair in regions.windows(2) {
                     assert!(pair[0].end <= pair[1].start);
                 }
                 assert!(regions.iter().all(|r| r.end <= ws.total && r.start % 64 == 0));
-                assert_eq!(ws.weights.is_some(), input != dims.accumulator());
+                assert_eq!(ws.x.is_some(), input != sizes.accumulator());
+                assert_eq!(ws.results.is_some(), output != sizes.accumulator());
             }
         }
     }

@@ -7,18 +7,26 @@ use super::{Plan, SlotKind};
 use crate::dtype::DType;
 use std::ops::Range;
 
-/// Shapes of one rank's problem: blocks of `block_rows × k` input rows,
-/// `k × n` weights, `block_rows × n` output rows per block.
+/// Element counts of what a plan moves and computes, and the dtypes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dims {
-    pub block_rows: usize,
-    pub k: usize,
-    pub n: usize,
+pub struct Sizes {
+    /// The operand that travels or is split (`x`), whole.
+    pub x: usize,
+    /// The other operand (`w`), whole.
+    pub w: usize,
+    /// One travelling block of `x`.
+    pub travel: usize,
+    /// One block of products.
+    pub partial: usize,
+    /// The whole output.
+    pub result: usize,
+    /// The largest part of the output one product writes.
+    pub out_view: usize,
     pub input: DType,
     pub output: DType,
 }
 
-impl Dims {
+impl Sizes {
     pub fn accumulator(&self) -> DType {
         DType::accumulator(self.input, self.output)
     }
@@ -28,12 +36,12 @@ impl Dims {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Workspace {
     pub slots: Vec<Range<usize>>,
-    /// `w` in the accumulator type, when the input type differs from it.
-    pub weights: Option<Range<usize>>,
-    /// One block of input rows in the accumulator type, same condition.
-    pub rows: Option<Range<usize>>,
-    /// One block of results in the accumulator type, for matmuls whose
-    /// destination has another type.
+    /// `x` and `w` in the accumulator type, when the input type differs from it.
+    pub x: Option<Range<usize>>,
+    pub w: Option<Range<usize>>,
+    /// A received block in the accumulator type, same condition.
+    pub travel: Option<Range<usize>>,
+    /// Products in the accumulator type, for outputs of another type.
     pub results: Option<Range<usize>>,
     pub total: usize,
 }
@@ -42,8 +50,8 @@ pub struct Workspace {
 const ALIGN: usize = 64;
 
 impl Workspace {
-    pub fn layout(plan: &Plan, dims: &Dims) -> Workspace {
-        let acc = dims.accumulator();
+    pub fn layout(plan: &Plan, sizes: &Sizes) -> Workspace {
+        let acc = sizes.accumulator().size();
         let mut cursor = 0;
         let mut region = |bytes: usize| {
             let start = cursor;
@@ -54,14 +62,16 @@ impl Workspace {
             .slots
             .iter()
             .map(|kind| match kind {
-                SlotKind::InputRows => region(dims.block_rows * dims.k * dims.input.size()),
-                SlotKind::Accum => region(dims.block_rows * dims.n * acc.size()),
+                SlotKind::Input => region(sizes.travel * sizes.input.size()),
+                SlotKind::Partial => region(sizes.partial * acc),
+                SlotKind::Result => region(sizes.result * acc),
             })
             .collect();
-        let convert_inputs = dims.input != acc;
-        let weights = convert_inputs.then(|| region(dims.k * dims.n * acc.size()));
-        let rows = convert_inputs.then(|| region(dims.block_rows * dims.k * acc.size()));
-        let results = (dims.output != acc).then(|| region(dims.block_rows * dims.n * acc.size()));
-        Workspace { slots, weights, rows, results, total: cursor }
+        let convert = sizes.input != sizes.accumulator();
+        let x = convert.then(|| region(sizes.x * acc));
+        let w = convert.then(|| region(sizes.w * acc));
+        let travel = convert.then(|| region(sizes.travel * acc));
+        let results = (sizes.output != sizes.accumulator()).then(|| region(sizes.out_view * acc));
+        Workspace { slots, x, w, travel, results, total: cursor }
     }
 }

@@ -6,7 +6,7 @@
 //! [`handle`] turns into XLA errors.
 //!
 //! A handler is written as:
-//! ```ignore
+//! ```text
 //! pub unsafe extern "C" fn my_op(f: *mut xla::sys::XLA_FFI_CallFrame) -> *mut xla::sys::XLA_FFI_Error {
 //!     xla::handle(f, |frame| my_op_body(frame))
 //! }

@@ -3,44 +3,52 @@
 
 use super::numeric::Accum;
 use crate::error::{Error, Result};
+use crate::problem::View;
 
-/// `dst = lhs @ rhs`, all row-major: `lhs` is m×k, `rhs` k×n, `dst` m×n.
-pub fn matmul<A: Accum>(m: usize, k: usize, n: usize, lhs: &[A], rhs: &[A], dst: &mut [A]) -> Result<()> {
-    if lhs.len() != m * k || rhs.len() != k * n || dst.len() != m * n {
-        return Err(Error::Internal(format!(
-            "matmul of {m}x{k} by {k}x{n}: got {} lhs, {} rhs and {} dst elements",
-            lhs.len(),
-            rhs.len(),
-            dst.len()
-        )));
+/// `dst (+)= lhs @ rhs` on row-major strided views of the three slices.
+pub fn matmul<A: Accum>(lhs: (&[A], View), rhs: (&[A], View), dst: (&mut [A], View), accumulate: bool) -> Result<()> {
+    let ((l, lv), (r, rv), (d, dv)) = (lhs, rhs, dst);
+    let (m, k, n) = (lv.rows, lv.cols, rv.cols);
+    if rv.rows != k || dv.rows != m || dv.cols != n {
+        return Err(Error::Internal(format!("matmul of {m}x{k} by {}x{n} into {}x{}", rv.rows, dv.rows, dv.cols)));
+    }
+    for (name, view, len) in [("lhs", lv, l.len()), ("rhs", rv, r.len()), ("dst", dv, d.len())] {
+        if view.end() > len || (view.rows > 1 && view.row_stride < view.cols) {
+            return Err(Error::Internal(format!("matmul {name} view {view:?} does not fit {len} elements")));
+        }
     }
     if m == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
-        dst.fill(A::default());
+        if !accumulate {
+            for i in 0..m {
+                d[dv.offset + i * dv.row_stride..][..n].fill(A::default());
+            }
+        }
         return Ok(());
     }
-    // SAFETY: the lengths were checked above against the row-major strides
-    // given here, so every access stays inside the three slices; `dst` is a
-    // unique borrow, so it aliases neither input. A is f32 or f64, both of
-    // which `gemm` supports (it panics on other types, never reached).
+    // SAFETY: each view was checked above to lie inside its slice, with rows
+    // that do not overlap (row stride >= cols), so every access the kernel
+    // makes through these pointers and strides is in bounds; `dst` is a unique
+    // borrow, so it aliases neither input. A is f32 or f64, both of which
+    // `gemm` supports (it panics on other types, never reached).
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            d.as_mut_ptr().add(dv.offset),
             1,
-            n as isize,
-            false,
-            lhs.as_ptr(),
+            dv.row_stride as isize,
+            accumulate,
+            l.as_ptr().add(lv.offset),
             1,
-            k as isize,
-            rhs.as_ptr(),
+            lv.row_stride as isize,
+            r.as_ptr().add(rv.offset),
             1,
-            n as isize,
-            A::default(),
+            rv.row_stride as isize,
+            A::one(),
             A::one(),
             false,
             false,
@@ -56,31 +64,42 @@ pub fn matmul<A: Accum>(m: usize, k: usize, n: usize, lhs: &[A], rhs: &[A], dst:
 mod tests {
     use super::*;
 
+    fn view(offset: usize, rows: usize, cols: usize, row_stride: usize) -> View {
+        View { offset, rows, cols, row_stride }
+    }
+
     #[test]
-    fn matches_a_naive_product() {
+    fn strided_views_match_a_naive_product() {
         let (m, k, n) = (5, 13, 7);
-        let lhs: Vec<f64> = (0..m * k).map(|i| ((i * 7 % 11) as f64) - 5.0).collect();
+        // lhs is the column block 1 of a [m, 3k] matrix, dst the column block 2 of a [m, 3n] one.
+        let lhs: Vec<f64> = (0..m * 3 * k).map(|i| ((i * 7 % 11) as f64) - 5.0).collect();
         let rhs: Vec<f64> = (0..k * n).map(|i| ((i * 5 % 13) as f64) * 0.5 - 3.0).collect();
-        let mut dst = vec![f64::NAN; m * n];
-        matmul(m, k, n, &lhs, &rhs, &mut dst).unwrap();
+        let mut dst = vec![1.0; m * 3 * n];
+        let (lv, rv, dv) = (view(k, m, k, 3 * k), view(0, k, n, n), view(2 * n, m, n, 3 * n));
+        matmul((&lhs, lv), (&rhs, rv), (&mut dst, dv), true).unwrap();
         for i in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k).map(|p| lhs[i * k + p] * rhs[p * n + j]).sum();
-                assert!((dst[i * n + j] - want).abs() < 1e-9);
+            for j in 0..3 * n {
+                let want = if j >= 2 * n {
+                    1.0 + (0..k).map(|p| lhs[i * 3 * k + k + p] * rhs[p * n + j - 2 * n]).sum::<f64>()
+                } else {
+                    1.0
+                };
+                assert!((dst[i * 3 * n + j] - want).abs() < 1e-9, "({i}, {j})");
             }
         }
     }
 
     #[test]
-    fn wrong_lengths_are_an_error_not_a_crash() {
+    fn views_outside_the_slices_are_an_error_not_a_crash() {
         let mut dst = vec![0f32; 4];
-        assert!(matmul(2, 3, 2, &[0.0; 5], &[0.0; 6], &mut dst).is_err());
+        let e = matmul((&[0.0; 5], view(0, 2, 3, 3)), (&[0.0; 6], view(0, 3, 2, 2)), (&mut dst, view(0, 2, 2, 2)), false);
+        assert!(e.is_err());
     }
 
     #[test]
     fn empty_contraction_gives_zeros() {
         let mut dst = vec![1f32; 6];
-        matmul(2, 0, 3, &[], &[], &mut dst).unwrap();
+        matmul((&[], view(0, 2, 0, 0)), (&[], view(0, 0, 3, 3)), (&mut dst, view(0, 2, 3, 3)), false).unwrap();
         assert!(dst.iter().all(|&v| v == 0.0));
     }
 }

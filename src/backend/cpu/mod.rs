@@ -10,8 +10,8 @@ pub mod transport;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::{self, Backend, Wait};
-use crate::plan::{Buf, Plan, Transfer, Workspace};
-use crate::problem::Problem;
+use crate::plan::{Buf, Plan, SlotKind, Transfer, Workspace};
+use crate::problem::{Problem, Side, View};
 use numeric::{load, store, view, view_mut, Accum};
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -29,7 +29,7 @@ pub struct Buffers<'a> {
 
 /// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes ask.
 pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endpoint, deadline: Instant) -> Result<()> {
-    match problem.dims.accumulator() {
+    match problem.accumulator() {
         DType::F64 => exec::run(plan, &CpuBackend::<f64>::new(problem, plan, buffers, endpoint)?, deadline),
         _ => exec::run(plan, &CpuBackend::<f32>::new(problem, plan, buffers, endpoint)?, deadline),
     }
@@ -37,19 +37,22 @@ pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endp
 
 /// Workspace regions only the compute lane uses, for dtype conversions.
 struct Scratch<'a> {
-    rows: Option<&'a mut [u8]>,
+    travel: Option<&'a mut [u8]>,
     results: Option<&'a mut [u8]>,
 }
 
 struct CpuBackend<'a, A: Accum> {
     problem: Problem,
+    /// `x` as XLA passed it (what is sent), and both operands in the
+    /// accumulator type (XLA's buffers, or their converted copies).
     x: &'a [u8],
-    /// `w` in the accumulator type: XLA's buffer, or its converted copy.
-    w: &'a [u8],
+    x_acc: &'a [u8],
+    w_acc: &'a [u8],
     out: Mutex<&'a mut [u8]>,
     /// Steps may read a slot together (a block is sent on while it is
     /// multiplied); a write must have it alone.
     slots: Vec<RwLock<&'a mut [u8]>>,
+    slot_kinds: Vec<SlotKind>,
     scratch: Mutex<Scratch<'a>>,
     endpoint: &'a Endpoint,
     accum: PhantomData<A>,
@@ -89,7 +92,7 @@ fn split<'a>(mut rest: &'a mut [u8], regions: &[Range<usize>]) -> Result<Vec<&'a
 
 impl<'a, A: Accum> CpuBackend<'a, A> {
     fn new(problem: &Problem, plan: &Plan, buffers: Buffers<'a>, endpoint: &'a Endpoint) -> Result<Self> {
-        let layout = Workspace::layout(plan, &problem.dims);
+        let layout = Workspace::layout(plan, &problem.sizes());
         if buffers.workspace.len() < layout.total {
             return Err(Error::InvalidArgument(format!(
                 "workspace has {} bytes, the plan needs {}",
@@ -97,27 +100,32 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
                 layout.total
             )));
         }
+        let optional = [&layout.x, &layout.w, &layout.travel, &layout.results];
         let mut regions = layout.slots.clone();
-        let optional = [&layout.weights, &layout.rows, &layout.results];
         regions.extend(optional.iter().filter_map(|r| (*r).clone()));
         let mut parts = split(buffers.workspace, &regions)?.into_iter();
         let slots = parts.by_ref().take(layout.slots.len()).map(RwLock::new).collect();
         let mut next = |r: &Option<Range<usize>>| r.as_ref().and_then(|_| parts.next());
-        let (weights, rows, results) = (next(&layout.weights), next(&layout.rows), next(&layout.results));
-        let w: &'a [u8] = match weights {
-            Some(converted) => {
-                load::<A>(buffers.w, problem.dims.input, view_mut(converted)?)?;
-                converted
+        let (x_conv, w_conv, travel, results) = (next(&layout.x), next(&layout.w), next(&layout.travel), next(&layout.results));
+        // Convert each operand once, up front, when its dtype is not the accumulator's.
+        let convert = |raw: &'a [u8], region: Option<&'a mut [u8]>| -> Result<&'a [u8]> {
+            match region {
+                Some(converted) => {
+                    load::<A>(raw, problem.input, view_mut(converted)?)?;
+                    Ok(converted)
+                }
+                None => Ok(raw),
             }
-            None => buffers.w,
         };
         Ok(CpuBackend {
             problem: *problem,
             x: buffers.x,
-            w,
+            x_acc: convert(buffers.x, x_conv)?,
+            w_acc: convert(buffers.w, w_conv)?,
             out: Mutex::new(buffers.out),
             slots,
-            scratch: Mutex::new(Scratch { rows, results }),
+            slot_kinds: plan.slots.clone(),
+            scratch: Mutex::new(Scratch { travel, results }),
             endpoint,
             accum: PhantomData,
         })
@@ -146,45 +154,50 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         }
     }
 
-    /// Rows of segment `seg` of `buf`'s block.
-    fn rows(&self, buf: Buf, seg: usize) -> Range<usize> {
-        let Problem { ranks, seg_rows, .. } = self.problem;
-        let start = match buf {
-            Buf::XBlock(j) | Buf::OutBlock(j) => (seg * ranks + j) * seg_rows,
-            Buf::X | Buf::Slot(_) | Buf::Out => seg * seg_rows,
-        };
-        start..start + seg_rows
-    }
-
-    /// Byte range of rows `rows` of `width` elements of `dtype`.
-    fn bytes(rows: Range<usize>, width: usize, dtype: DType) -> Range<usize> {
-        let row = width * dtype.size();
-        rows.start * row..rows.end * row
+    /// The bytes of `x` a send of `buf` carries.
+    fn x_bytes(&self, buf: Buf) -> Result<&'a [u8]> {
+        match buf {
+            Buf::X => Ok(self.x),
+            Buf::XBlock(j) => {
+                let block = self.x.len() / self.problem.ranks;
+                Ok(&self.x[j * block..(j + 1) * block])
+            }
+            other => Err(Error::Internal(format!("{other:?} is not part of x"))),
+        }
     }
 }
 
 impl<A: Accum> Backend for CpuBackend<'_, A> {
-    fn matmul(&self, src: Buf, dst: Buf) -> Result<()> {
-        let (r, k, n) = (self.problem.seg_rows, self.problem.dims.k, self.problem.dims.n);
-        let input = self.problem.dims.input;
-        let w: &[A] = view(self.w)?;
+    fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
+        let input = self.problem.input;
         let mut scratch = claim(&self.scratch, "the conversion scratch")?;
-        let Scratch { rows: row_scratch, results: result_scratch } = &mut *scratch;
+        let Scratch { travel, results } = &mut *scratch;
 
+        // The x-side data in the accumulator type.
         let src_guard;
-        let src_bytes: &[u8] = match src {
-            Buf::X | Buf::XBlock(_) => self.x,
-            Buf::Slot(_) => {
+        let src_acc: &[A] = match src {
+            Buf::X | Buf::XBlock(_) => view(self.x_acc)?,
+            Buf::Slot(i) if self.slot_kinds.get(i) == Some(&SlotKind::Input) => {
                 src_guard = self.read_slot(src)?;
-                &src_guard[..]
+                match travel {
+                    Some(t) if input != A::DTYPE => {
+                        let converted = view_mut::<A>(t)?;
+                        load(&src_guard, input, converted)?;
+                        converted
+                    }
+                    _ => view(&src_guard)?,
+                }
             }
             other => return Err(Error::Internal(format!("matmul reads {other:?}"))),
         };
+        let w_acc: &[A] = view(self.w_acc)?;
+        let side = |s: Side| if s == Side::Src { src_acc } else { w_acc };
+
         let (mut out_guard, mut slot_guard);
-        let (dst_all, dst_dtype): (&mut [u8], DType) = match dst {
+        let (dst_bytes, dst_dtype): (&mut [u8], DType) = match dst {
             Buf::Out | Buf::OutBlock(_) => {
                 out_guard = claim(&self.out, "the output")?;
-                (&mut out_guard[..], self.problem.dims.output)
+                (&mut out_guard[..], self.problem.output)
             }
             Buf::Slot(_) => {
                 slot_guard = self.write_slot(dst)?;
@@ -192,24 +205,24 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
             }
             other => return Err(Error::Internal(format!("matmul writes {other:?}"))),
         };
-        for seg in 0..self.problem.outer {
-            let lhs_bytes = &src_bytes[Self::bytes(self.rows(src, seg), k, input)];
-            let lhs: &[A] = match row_scratch {
-                Some(s) if input != A::DTYPE => {
-                    let converted = &mut view_mut::<A>(s)?[..r * k];
-                    load(lhs_bytes, input, converted)?;
-                    converted
-                }
-                _ => view(lhs_bytes)?,
-            };
-            let dst_bytes = &mut dst_all[Self::bytes(self.rows(dst, seg), n, dst_dtype)];
+        for g in self.problem.gemms(block, src, dst) {
+            let (lhs, rhs) = ((side(g.lhs.0), g.lhs.1), (side(g.rhs.0), g.rhs.1));
             if dst_dtype == A::DTYPE {
-                gemm::matmul(r, k, n, lhs, w, view_mut(dst_bytes)?)?;
-            } else {
-                let s = result_scratch.as_deref_mut().ok_or_else(|| Error::Internal("no result scratch".into()))?;
-                let tmp = &mut view_mut::<A>(s)?[..r * n];
-                gemm::matmul(r, k, n, lhs, w, tmp)?;
-                store(tmp, dst_dtype, dst_bytes)?;
+                gemm::matmul(lhs, rhs, (view_mut(dst_bytes)?, g.dst), accumulate)?;
+                continue;
+            }
+            // Another output dtype: multiply into scratch, then store row by row.
+            if accumulate {
+                return Err(Error::Internal("accumulating into a converted output".into()));
+            }
+            let s = results.as_deref_mut().ok_or_else(|| Error::Internal("no result scratch".into()))?;
+            let (rows, cols) = (g.dst.rows, g.dst.cols);
+            let tmp = &mut view_mut::<A>(s)?[..rows * cols];
+            gemm::matmul(lhs, rhs, (&mut *tmp, View { offset: 0, rows, cols, row_stride: cols }), false)?;
+            let size = dst_dtype.size();
+            for (i, row) in tmp.chunks_exact(cols.max(1)).enumerate().take(rows) {
+                let start = (g.dst.offset + i * g.dst.row_stride) * size;
+                store(row, dst_dtype, &mut dst_bytes[start..start + cols * size])?;
             }
         }
         Ok(())
@@ -227,25 +240,30 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
             }
             return Ok(());
         }
-        if dst != Buf::Out {
+        if !matches!(dst, Buf::Out | Buf::OutBlock(_)) {
             return Err(Error::Internal(format!("sum writes {dst:?}")));
         }
         let guards = terms.iter().map(|t| self.read_slot(*t)).collect::<Result<Vec<_>>>()?;
         let views = guards.iter().map(|g| view::<A>(g)).collect::<Result<Vec<_>>>()?;
         let mut out = claim(&self.out, "the output")?;
-        let output = self.problem.dims.output;
+        let output = self.problem.output;
+        let range = self.problem.out_range(dst);
+        let base = range.start;
+        if views.iter().any(|v| v.len() != range.len()) {
+            return Err(Error::Internal(format!("sum of {} elements into {range:?}", views[0].len())));
+        }
         // Sum a chunk at a time in the accumulator type, then store it.
         const CHUNK: usize = 512;
         let mut chunk = [A::default(); CHUNK];
-        let len = views[0].len();
-        for start in (0..len).step_by(CHUNK) {
-            let end = (start + CHUNK).min(len);
+        let size = output.size();
+        for start in (0..range.len()).step_by(CHUNK) {
+            let end = (start + CHUNK).min(range.len());
             let c = &mut chunk[..end - start];
             c.copy_from_slice(&views[0][start..end]);
             for v in &views[1..] {
                 c.iter_mut().zip(&v[start..end]).for_each(|(a, b)| *a += *b);
             }
-            store(c, output, &mut out[Self::bytes(start..end, 1, output)])?;
+            store(c, output, &mut out[(base + start) * size..(base + end) * size])?;
         }
         Ok(())
     }
@@ -253,8 +271,8 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<()> {
         for t in sends {
             match t.buf {
-                Buf::X => self.endpoint.send(t.peer, t.tag, self.x),
-                _ => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?),
+                Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?),
+                _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?),
             }
         }
         for t in recvs {

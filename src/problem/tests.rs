@@ -1,0 +1,112 @@
+use super::*;
+use crate::plan::{plan, Action, Schedule};
+
+fn op(dims: &[i64]) -> Operand<'_> {
+    Operand { dims, dtype: DType::F32 }
+}
+
+/// (kind, x dims, w dims, out dims, dimension) of one valid case per kind, N = 4.
+fn cases() -> Vec<(OpKind, Vec<i64>, Vec<i64>, Vec<i64>, i64)> {
+    use OpKind::*;
+    vec![
+        (AllGatherMatmul, vec![2, 3, 5, 8], vec![8, 6], vec![2, 12, 5, 6], 1),
+        (AllGatherMatmulContract, vec![5, 3], vec![12, 7], vec![5, 7], 0),
+        (MatmulAllGather, vec![8, 3], vec![5, 8], vec![5, 12], 0),
+        (MatmulAllGatherContract, vec![3, 7], vec![5, 12], vec![5, 7], 0),
+        (MatmulReduceScatter, vec![2, 12, 5, 8], vec![8, 6], vec![2, 3, 5, 6], 1),
+        (MatmulReduceScatterCols, vec![5, 8], vec![8, 12], vec![5, 3], 0),
+        (AllToAllMatmul, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
+        (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6], 0),
+        (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
+        (MatmulAllToAllCols, vec![5, 8], vec![8, 12], vec![4, 5, 3], 0),
+    ]
+}
+
+#[test]
+fn every_gemm_of_every_plan_stays_inside_its_buffers() {
+    for (kind, x, w, out, d) in cases() {
+        let p = Problem::new(kind, op(&x), op(&w), op(&out), d, 4).unwrap();
+        let sizes = p.sizes();
+        for rank in 0..4 {
+            let pl = plan(kind.pattern(), Schedule::Ring, 4, rank);
+            for step in &pl.steps {
+                let Action::Matmul { block, src, dst, .. } = step.action else { continue };
+                for g in p.gemms(block, src, dst) {
+                    assert_eq!(g.lhs.1.cols, g.rhs.1.rows, "{kind:?}: inner dims");
+                    assert_eq!((g.dst.rows, g.dst.cols), (g.lhs.1.rows, g.rhs.1.cols), "{kind:?}: dst shape");
+                    let src_len = match src {
+                        Buf::X | Buf::XBlock(_) => sizes.x,
+                        _ => sizes.travel,
+                    };
+                    let side_len = |side| if side == Side::Src { src_len } else { sizes.w };
+                    assert!(g.lhs.1.end() <= side_len(g.lhs.0), "{kind:?} lhs {:?}", g.lhs);
+                    assert!(g.rhs.1.end() <= side_len(g.rhs.0), "{kind:?} rhs {:?}", g.rhs);
+                    let dst_len = match dst {
+                        Buf::Slot(i) => match pl.slots[i] {
+                            crate::plan::SlotKind::Partial => sizes.partial,
+                            _ => sizes.result,
+                        },
+                        _ => sizes.result,
+                    };
+                    assert!(g.dst.end() <= dst_len, "{kind:?} dst {:?} in {dst:?}", g.dst);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn output_blocks_of_gathers_tile_the_output_exactly_once() {
+    for (kind, x, w, out, d) in cases() {
+        if kind.pattern() != (Pattern::Gather { accumulate: false }) {
+            continue;
+        }
+        let p = Problem::new(kind, op(&x), op(&w), op(&out), d, 4).unwrap();
+        let mut hits = vec![0u8; p.sizes().result];
+        for j in 0..4 {
+            for g in p.gemms(j, Buf::X, Buf::OutBlock(j)) {
+                for r in 0..g.dst.rows {
+                    for c in 0..g.dst.cols {
+                        hits[g.dst.offset + r * g.dst.row_stride + c] += 1;
+                    }
+                }
+            }
+        }
+        assert!(hits.iter().all(|&h| h == 1), "{kind:?}");
+    }
+}
+
+#[test]
+fn folds_leading_dims_into_segments() {
+    let p = Problem::new(OpKind::AllGatherMatmul, op(&[2, 3, 5, 8]), op(&[8, 6]), op(&[2, 12, 5, 6]), 1, 4).unwrap();
+    assert_eq!((p.outer, p.seg), (2, 15));
+    let p = Problem::new(OpKind::MatmulReduceScatter, op(&[2, 12, 5, 8]), op(&[8, 6]), op(&[2, 3, 5, 6]), 1, 4).unwrap();
+    assert_eq!((p.outer, p.seg), (2, 15));
+}
+
+#[test]
+fn errors_name_the_argument() {
+    type Case<'a> = (OpKind, &'a [i64], &'a [i64], &'a [i64], i64, &'a str);
+    let cases: [Case; 8] = [
+        (OpKind::AllGatherMatmul, &[8], &[8, 6], &[8, 6], 0, "`x` must have rank >= 2"),
+        (OpKind::AllGatherMatmul, &[4, 8], &[8, 6, 1], &[16, 6], 0, "`w` must be 2-D"),
+        (OpKind::AllGatherMatmul, &[4, 7], &[8, 6], &[16, 6], 0, "`w` must be 2-D [7, n]"),
+        (OpKind::AllGatherMatmul, &[4, 8], &[8, 6], &[16, 6], 1, "`gather_dimension` must be in [0, 1)"),
+        (OpKind::MatmulReduceScatter, &[6, 8], &[8, 6], &[1, 6], 0, "divisible by the axis size 4"),
+        (OpKind::AllGatherMatmul, &[4, 8], &[8, 6], &[4, 6], 0, "expected [16, 6]"),
+        (OpKind::MatmulReduceScatterCols, &[5, 8], &[8, 10], &[5, 2], 0, "columns of `w` (10) must be divisible"),
+        (OpKind::AllToAllMatmul, &[3, 3, 8], &[8, 6], &[4, 3, 6], 0, "`x` must be [4, rows, cols]"),
+    ];
+    for (kind, x, w, out, d, want) in cases {
+        let e = Problem::new(kind, op(x), op(w), op(out), d, 4).unwrap_err();
+        assert!(e.message().contains(want), "{e} should contain {want}");
+    }
+}
+
+#[test]
+fn kind_codes_round_trip() {
+    for code in 0..10 {
+        assert!(OpKind::from_code(code).is_some());
+    }
+    assert!(OpKind::from_code(10).is_none() && OpKind::from_code(-1).is_none());
+}

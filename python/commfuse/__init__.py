@@ -12,11 +12,21 @@ import math
 
 from . import reference
 from ._all_gather_matmul import all_gather_matmul
+from ._all_to_all import all_to_all_matmul, matmul_all_to_all
+from ._matmul_all_gather import matmul_all_gather
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, set_timeout_ms as _set_timeout_ms
 
 __version__ = "0.1.0"
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "configure", "reference"]
+__all__ = [
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_gather",
+    "all_to_all_matmul",
+    "matmul_all_to_all",
+    "configure",
+    "reference",
+]
 
 
 def configure(*, timeout_s: float | None = None) -> None:

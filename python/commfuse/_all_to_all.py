@@ -1,0 +1,151 @@
+"""all_to_all_matmul and matmul_all_to_all (Ulysses sequence parallelism):
+``all_to_all(x) @ w`` and ``all_to_all(x @ w)``, each rank sending block j
+straight to rank j, one block per step. The first multiplies its own block
+while the others travel (nothing exposed at the head); the second multiplies
+the block for each peer just before sending it and its own block last
+(nothing but one copy exposed at the tail).
+
+Blocks are laid out contiguously ([N, ...] stacks) in XLA around the call.
+
+VJP: d/dx of each is the other with the split and concat dims swapped and
+wᵀ (fused where that op's constraints hold, else through the pure-JAX
+reference); d/dw is computed from the reference expression (unfused)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+from . import _fused, reference
+from ._fused import Kind, Static
+
+A2A_MM = "all_to_all_matmul"
+MM_A2A = "matmul_all_to_all"
+
+
+def _check(op, x, w, axis_name, split_dimension, concat_dimension, schedule, precision, preferred_element_type,
+           split_may_be_last):
+    axes, ranks = _fused.axis_group(op, axis_name)
+    if x.ndim < 2 or w.ndim != 2:
+        _fused.check_matmul_operands(op, x, w)
+    split = _fused.normalize_dimension(op, "split_dimension", split_dimension, x.ndim, allow_last=split_may_be_last)
+    concat = _fused.normalize_dimension(op, "concat_dimension", concat_dimension, x.ndim, allow_last=True)
+    # all_to_all_matmul contracts after the exchange, which widens x's last dim when it concatenates there.
+    k = x.shape[-1] * (ranks if op == A2A_MM and concat == x.ndim - 1 else 1)
+    if k != w.shape[0]:
+        raise ValueError(
+            f"commfuse.{op}: the matmul contracts a last dim of {k} with `w`'s first ({w.shape[0]}); they "
+            f"must be equal (x.shape={x.shape}, w.shape={w.shape})")
+    size = w.shape[1] if split == x.ndim - 1 else x.shape[split]
+    if size % ranks:
+        raise ValueError(
+            f"commfuse.{op}: split_dimension {split} has size {size}, which is not divisible by the size "
+            f"{ranks} of axis {axis_name!r}")
+    code = _fused.check_schedule(op, schedule)
+    _fused.check_precision(op, precision)
+    x, w, out_dtype = _fused.promote(op, x, w, preferred_element_type)
+    return x, w, (split, concat), Static(axes, ranks, 0, code, out_dtype)
+
+
+def all_to_all_matmul(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,
+                      preferred_element_type=None):
+    """Returns ``jax.lax.all_to_all(x, axis_name, split_dimension, concat_dimension, tiled=True) @ w``.
+
+    ``split_dimension`` is any dim of ``x`` but the last (the contraction);
+    ``concat_dimension`` any dim (concatenating along the last one
+    accumulates ``block_q @ w[rows q]``).
+    """
+    x, w, dims, static = _check(A2A_MM, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
+                                preferred_element_type, split_may_be_last=False)
+    return _a2a_matmul(x, w, dims, static)
+
+
+def matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,
+                      preferred_element_type=None):
+    """Returns ``jax.lax.all_to_all(x @ w, axis_name, split_dimension, concat_dimension, tiled=True)``.
+
+    ``split_dimension`` and ``concat_dimension`` are any dims of the result
+    (splitting the last one sends column blocks of ``x @ w``).
+    """
+    x, w, dims, static = _check(MM_A2A, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
+                                preferred_element_type, split_may_be_last=True)
+    return _matmul_a2a(x, w, dims, static)
+
+
+def _a2a_matmul_impl(x, w, dims, static):
+    split, concat = dims
+    n = static.ranks
+    blocks = _fused.stack_blocks(x, split, n)                        # [N, *block]
+    stacked = blocks.reshape(n, -1, x.shape[-1])
+    if concat == x.ndim - 1:
+        out = _fused.call_static(Kind.ALL_TO_ALL_MATMUL_CONTRACT, stacked, w, static)
+        return out.reshape(blocks.shape[1:-1] + (w.shape[1],))
+    out = _fused.call_static(Kind.ALL_TO_ALL_MATMUL, stacked, w, static)
+    return _fused.concat_blocks(out.reshape(blocks.shape[:-1] + (w.shape[1],)), concat)
+
+
+def _matmul_a2a_impl(x, w, dims, static):
+    split, concat = dims
+    n = static.ranks
+    if split == x.ndim - 1:
+        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL_COLS, x.reshape(-1, x.shape[-1]), w, static)
+        received = out.reshape((n,) + x.shape[:-1] + (w.shape[1] // n,))
+    else:
+        blocks = _fused.stack_blocks(x, split, n)
+        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL, blocks.reshape(n, -1, x.shape[-1]), w, static)
+        received = out.reshape(blocks.shape[:-1] + (w.shape[1],))
+    return _fused.concat_blocks(received, concat)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _a2a_matmul(x, w, dims, static):
+    return _a2a_matmul_impl(x, w, dims, static)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_a2a(x, w, dims, static):
+    return _matmul_a2a_impl(x, w, dims, static)
+
+
+def _fwd(impl):
+    return lambda x, w, dims, static: (impl(x, w, dims, static), (x, w))
+
+
+def _reference_vjp(ref, x, w, dims, static, dy):
+    split, concat = dims
+    f = lambda a, b: ref(a, b, static.axes, split_dimension=split, concat_dimension=concat)
+    return jax.vjp(f, x, w)[1](dy.astype(static.out_dtype))
+
+
+def _a2a_matmul_bwd(dims, static, residuals, dy):
+    x, w = residuals
+    split, concat = dims
+    _, dw = _reference_vjp(_ref_a2a_matmul, x, w, dims, static, dy)
+    # all_to_all is linear: dx = all_to_all⁻¹(dY @ wᵀ), the dual op with the dims swapped.
+    dy, wt = _fused.common(dy, w.T)
+    dx = _matmul_a2a_impl(dy, wt, (concat, split), static._replace(out_dtype=x.dtype))
+    return dx, dw.astype(w.dtype)
+
+
+def _matmul_a2a_bwd(dims, static, residuals, dy):
+    x, w = residuals
+    split, concat = dims
+    dx, dw = _reference_vjp(_ref_matmul_a2a, x, w, dims, static, dy)
+    if concat != x.ndim - 1:
+        # dx = all_to_all⁻¹(dY) @ wᵀ: the dual op (its split may not be the last dim).
+        dy, wt = _fused.common(dy, w.T)
+        dx = _a2a_matmul_impl(dy, wt, (concat, split), static._replace(out_dtype=x.dtype))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _ref_a2a_matmul(x, w, axes, **dims):
+    return reference.all_to_all_matmul(x, w, axes, **dims)
+
+
+def _ref_matmul_a2a(x, w, axes, **dims):
+    return reference.matmul_all_to_all(x, w, axes, **dims)
+
+
+_a2a_matmul.defvjp(_fwd(_a2a_matmul_impl), _a2a_matmul_bwd)
+_matmul_a2a.defvjp(_fwd(_matmul_a2a_impl), _matmul_a2a_bwd)

@@ -1,0 +1,89 @@
+"""matmul_all_gather: ``x @ all_gather(w, axis, axis=gather_dimension, tiled=True)``,
+FSDP/ZeRO-3 weight gathering with the gather overlapped by the matmul.
+Dimension 1 gathers output column blocks; dimension 0 gathers along the
+contraction, each step accumulating ``x[:, block j] @ w_j``.
+
+VJP: d/dx is the other gather of this op with wᵀ; d/dw is
+matmul_reduce_scatter of xᵀ @ dY over the gathered dim. All fused."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+from . import _fused
+from ._fused import Kind, Static
+
+OP = "matmul_all_gather"
+
+
+def matmul_all_gather(x, w, axis_name, *, gather_dimension=1, schedule="auto", precision=None,
+                      preferred_element_type=None):
+    """Returns ``x @ jax.lax.all_gather(w, axis_name, axis=gather_dimension, tiled=True)``.
+
+    Call inside a ``jax.shard_map`` body. ``w`` is 2-D (each rank's shard of
+    the weight); ``x`` has rank >= 2 and contracts its last dim with the
+    gathered weight's first. ``gather_dimension=1`` gathers columns (the
+    output's column blocks), ``0`` gathers rows (the contraction).
+    """
+    axes, ranks = _fused.axis_group(OP, axis_name)
+    if w.ndim != 2:
+        raise ValueError(f"commfuse.{OP}: `w` must be 2-D (rank 2), got shape {w.shape}")
+    if x.ndim < 2:
+        raise ValueError(f"commfuse.{OP}: `x` must have rank >= 2, got shape {x.shape}")
+    dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, 2, allow_last=True)
+    k = w.shape[0] * (ranks if dimension == 0 else 1)
+    if x.shape[-1] != k:
+        raise ValueError(
+            f"commfuse.{OP}: `x` contracts its last dim ({x.shape[-1]}) with the gathered `w`'s first "
+            f"({k} = {'N * ' if dimension == 0 else ''}{w.shape[0]}); they must be equal")
+    code = _fused.check_schedule(OP, schedule)
+    _fused.check_precision(OP, precision)
+    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    static = Static(axes, ranks, dimension, code, out_dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    out = _gather_cols(w, rows, static) if dimension == 1 else _gather_contraction(w, rows, static)
+    return out.reshape(x.shape[:-1] + (out.shape[-1],))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_cols(w, x, static: Static):
+    return _fused.call_static(Kind.MATMUL_ALL_GATHER, w, x, static, dimension=0)
+
+
+def _gather_cols_fwd(w, x, static):
+    return _gather_cols(w, x, static), (w, x)
+
+
+def _gather_cols_bwd(static, residuals, dy):
+    w, x = residuals
+    # dx = Σ_j dY[:, cols j] @ w_jᵀ: w_jᵀ travels, accumulating.
+    dx = _fused.call_static(Kind.MATMUL_ALL_GATHER_CONTRACT, w.T, dy, static, dimension=0, out_dtype=x.dtype)
+    # dw_r = Σ_q (x_qᵀ @ dY_q)[:, cols r]: a column reduce-scatter.
+    dw = _fused.call_static(Kind.MATMUL_REDUCE_SCATTER_COLS, x.T, dy, static, dimension=0, out_dtype=w.dtype)
+    return dw, dx
+
+
+_gather_cols.defvjp(_gather_cols_fwd, _gather_cols_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_contraction(w, x, static: Static):
+    return _fused.call_static(Kind.MATMUL_ALL_GATHER_CONTRACT, w, x, static, dimension=0)
+
+
+def _gather_contraction_fwd(w, x, static):
+    return _gather_contraction(w, x, static), (w, x)
+
+
+def _gather_contraction_bwd(static, residuals, dy):
+    w, x = residuals
+    # dx[:, cols j] = dY @ w_jᵀ: a column gather of wᵀ.
+    dx = _fused.call_static(Kind.MATMUL_ALL_GATHER, w.T, dy, static, dimension=0, out_dtype=x.dtype)
+    # dw_r = Σ_q (x_qᵀ @ dY_q)[rows r]: a row reduce-scatter.
+    dw = _fused.call_static(Kind.MATMUL_REDUCE_SCATTER, x.T, dy, static, dimension=0, out_dtype=w.dtype)
+    return dw, dx
+
+
+_gather_contraction.defvjp(_gather_contraction_fwd, _gather_contraction_bwd)

@@ -6,10 +6,6 @@ contraction-gather loop (x_j travels, each step accumulates). Both fused."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
-
 from . import _fused
 from ._fused import Kind, Static
 
@@ -38,15 +34,6 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", p
     return _gather_rows(x, w, Static(axes, ranks, dimension, code, out_dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_rows(x, w, static: Static):
-    return _fused.call_static(Kind.ALL_GATHER_MATMUL, x, w, static)
-
-
-def _gather_rows_fwd(x, w, static):
-    return _gather_rows(x, w, static), (x, w)
-
-
 def _gather_rows_bwd(static, residuals, dy):
     x, w = residuals
     d = static.dimension
@@ -57,4 +44,4 @@ def _gather_rows_bwd(static, residuals, dy):
     return dx, dw
 
 
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+_gather_rows = _fused.differentiable(Kind.ALL_GATHER_MATMUL, _gather_rows_bwd)

@@ -198,6 +198,19 @@ def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype
                 axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension)
 
 
+def differentiable(kind: "Kind", backward, *, dimension=None):
+    """The op `kind` as a differentiable function ``(x, w, static) -> out``:
+    `backward(static, (x, w), dy) -> (dx, dw)` gives its VJP, built from
+    fused ops in turn."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def op(x, w, static: Static):
+        return call_static(kind, x, w, static, dimension=dimension)
+
+    op.defvjp(lambda x, w, static: (op(x, w, static), (x, w)), backward)
+    return op
+
+
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0):
     """Issues one fused op (operands already checked and laid out for `kind`)."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)

@@ -8,10 +8,6 @@ matmul_reduce_scatter of xᵀ @ dY over the gathered dim. All fused."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
-
 from . import _fused
 from ._fused import Kind, Static
 
@@ -47,15 +43,6 @@ def matmul_all_gather(x, w, axis_name, *, gather_dimension=1, schedule="auto", p
     return out.reshape(x.shape[:-1] + (out.shape[-1],))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_cols(w, x, static: Static):
-    return _fused.call_static(Kind.MATMUL_ALL_GATHER, w, x, static, dimension=0)
-
-
-def _gather_cols_fwd(w, x, static):
-    return _gather_cols(w, x, static), (w, x)
-
-
 def _gather_cols_bwd(static, residuals, dy):
     w, x = residuals
     # dx = Σ_j dY[:, cols j] @ w_jᵀ: w_jᵀ travels, accumulating.
@@ -65,16 +52,7 @@ def _gather_cols_bwd(static, residuals, dy):
     return dw, dx
 
 
-_gather_cols.defvjp(_gather_cols_fwd, _gather_cols_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_contraction(w, x, static: Static):
-    return _fused.call_static(Kind.MATMUL_ALL_GATHER_CONTRACT, w, x, static, dimension=0)
-
-
-def _gather_contraction_fwd(w, x, static):
-    return _gather_contraction(w, x, static), (w, x)
+_gather_cols = _fused.differentiable(Kind.MATMUL_ALL_GATHER, _gather_cols_bwd, dimension=0)
 
 
 def _gather_contraction_bwd(static, residuals, dy):
@@ -86,4 +64,4 @@ def _gather_contraction_bwd(static, residuals, dy):
     return dw, dx
 
 
-_gather_contraction.defvjp(_gather_contraction_fwd, _gather_contraction_bwd)
+_gather_contraction = _fused.differentiable(Kind.MATMUL_ALL_GATHER_CONTRACT, _gather_contraction_bwd, dimension=0)

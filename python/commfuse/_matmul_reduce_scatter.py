@@ -9,10 +9,6 @@ column gather (columns). All fused."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
-
 from . import _fused
 from ._fused import Kind, Static
 
@@ -51,15 +47,6 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     return _scatter_rows(x, w, static)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scatter_rows(x, w, static: Static):
-    return _fused.call_static(Kind.MATMUL_REDUCE_SCATTER, x, w, static)
-
-
-def _scatter_rows_fwd(x, w, static):
-    return _scatter_rows(x, w, static), (x, w)
-
-
 def _scatter_rows_bwd(static, residuals, dy):
     x, w = residuals
     d = static.dimension
@@ -70,16 +57,7 @@ def _scatter_rows_bwd(static, residuals, dy):
     return dx, dw
 
 
-_scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scatter_cols(x, w, static: Static):
-    return _fused.call_static(Kind.MATMUL_REDUCE_SCATTER_COLS, x, w, static, dimension=0)
-
-
-def _scatter_cols_fwd(x, w, static):
-    return _scatter_cols(x, w, static), (x, w)
+_scatter_rows = _fused.differentiable(Kind.MATMUL_REDUCE_SCATTER, _scatter_rows_bwd)
 
 
 def _scatter_cols_bwd(static, residuals, dy):
@@ -91,4 +69,4 @@ def _scatter_cols_bwd(static, residuals, dy):
     return dx, dw
 
 
-_scatter_cols.defvjp(_scatter_cols_fwd, _scatter_cols_bwd)
+_scatter_cols = _fused.differentiable(Kind.MATMUL_REDUCE_SCATTER_COLS, _scatter_cols_bwd, dimension=0)

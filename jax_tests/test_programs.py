@@ -282,3 +282,32 @@ def test_2d_mesh_ops_over_both_axes_in_one_program(mesh2x4):
     want = run_sharded(literal, mesh, specs, x, w1, w2)
     assert got.shape == (8, 4, 10)
     assert_close(got, want)
+
+
+# --------------------------------------------------------------------------
+# Gradients when an operand is replicated over an axis the other varies over
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_grad_with_weight_replicated_over_another_axis(mesh2x4, op):
+    """Data + tensor parallelism: x split over dp and tp, w only over tp. The
+    weight gradient must be summed over dp, as JAX does for a plain dot."""
+    mesh = mesh2x4
+    rng = np.random.default_rng(zlib.crc32(op.encode()))
+    if op == "all_gather_matmul":
+        x, w = rand((2 * 4 * 3, 16), rng=rng), rand((16, 4 * 5), rng=rng)
+        specs, out_spec = (P(("dp", "tp")), P(None, "tp")), P("dp", "tp")
+        fused = lambda a, b: commfuse.all_gather_matmul(a, b, "tp")
+        plain = lambda a, b: lax_all_gather_matmul(a, b, "tp")
+    else:
+        x, w = rand((2 * 4 * 3, 4 * 16), rng=rng), rand((4 * 16, 5), rng=rng)
+        specs, out_spec = (P("dp", "tp"), P("tp", None)), P(("dp", "tp"))
+        fused = lambda a, b: commfuse.matmul_reduce_scatter(a, b, "tp")
+        plain = lambda a, b: lax_matmul_reduce_scatter(a, b, "tp")
+    xs, ws = place(x, mesh, specs[0]), place(w, mesh, specs[1])
+
+    def grads(f):
+        g = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
+        return jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(g(a, b))), argnums=(0, 1)))(xs, ws)
+
+    for got, want in zip(grads(fused), grads(plain)):
+        assert_close(np.asarray(got), np.asarray(want))

@@ -37,7 +37,13 @@ pub unsafe extern "C" fn commfuse_workspace_bytes(
     error_len: usize,
 ) -> i64 {
     // SAFETY: the caller guarantees the arrays; null or empty gives an empty slice.
-    let dims = |p: *const i64, len: usize| if p.is_null() || len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(p, len) } };
+    let dims = |p: *const i64, len: usize| {
+        if p.is_null() || len == 0 {
+            &[][..]
+        } else {
+            unsafe { std::slice::from_raw_parts(p, len) }
+        }
+    };
     let (x, w, out) = (dims(x, x_rank), dims(w, w_rank), dims(out, out_rank));
     let call = CallShapes { kind, schedule, ranks, dimension, x, w, out, input: input_dtype, output: output_dtype };
     let result = catch_unwind(|| crate::ops::workspace_bytes(&call));

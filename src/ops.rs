@@ -54,7 +54,8 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
 }
 
 fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
-    Schedule::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {code}", kind.name())))
+    Schedule::from_code(code)
+        .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {code}", kind.name())))
 }
 
 /// The shapes of one call as Python describes them at trace time.
@@ -72,7 +73,8 @@ pub struct CallShapes<'a> {
 
 /// Workspace bytes a call needs; Python asks at trace time.
 pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
-    let kind = OpKind::from_code(call.kind).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {}", call.kind)))?;
+    let kind =
+        OpKind::from_code(call.kind).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {}", call.kind)))?;
     let schedule = schedule(kind, call.schedule)?;
     let ranks = usize::try_from(call.ranks).ok().filter(|&r| r >= 1);
     let ranks = ranks.ok_or_else(|| Error::InvalidArgument(format!("ranks must be >= 1, got {}", call.ranks)))?;

@@ -161,7 +161,12 @@ impl Problem {
         use OpKind::*;
         let name = kind.name();
         if x.dtype != w.dtype {
-            bail!(InvalidArgument, "{name}: the operands are {} and {}; they must have one dtype", x.dtype.name(), w.dtype.name());
+            bail!(
+                InvalidArgument,
+                "{name}: the operands are {} and {}; they must have one dtype",
+                x.dtype.name(),
+                w.dtype.name()
+            );
         }
         let xd = dims_usize(name, "x", x.dims)?;
         let wd = dims_usize(name, "w", w.dims)?;
@@ -175,11 +180,21 @@ impl Problem {
                     bail!(InvalidArgument, "{name}: `x` must have rank >= 2, got shape {:?}", x.dims);
                 }
                 if wd.len() != 2 || wd[0] != xd[rank - 1] {
-                    bail!(InvalidArgument, "{name}: `w` must be 2-D [{}, n] to contract `x` {:?}, got {:?}", xd[rank - 1], x.dims, w.dims);
+                    bail!(
+                        InvalidArgument,
+                        "{name}: `w` must be 2-D [{}, n] to contract `x` {:?}, got {:?}",
+                        xd[rank - 1],
+                        x.dims,
+                        w.dims
+                    );
                 }
                 let dim_name = if kind == AllGatherMatmul { "gather_dimension" } else { "scatter_dimension" };
                 if dimension < 0 || dimension as usize >= rank - 1 {
-                    bail!(InvalidArgument, "{name}: `{dim_name}` must be in [0, {}) for `x` of rank {rank}, got {dimension}", rank - 1);
+                    bail!(
+                        InvalidArgument,
+                        "{name}: `{dim_name}` must be in [0, {}) for `x` of rank {rank}, got {dimension}",
+                        rank - 1
+                    );
                 }
                 let d = dimension as usize;
                 let outer: usize = xd[..d].iter().product();
@@ -191,7 +206,11 @@ impl Problem {
                     xd[d] * inner
                 } else {
                     if xd[d] % nr != 0 {
-                        bail!(InvalidArgument, "{name}: `x` dim {d} ({}) must be divisible by the axis size {nr}", xd[d]);
+                        bail!(
+                            InvalidArgument,
+                            "{name}: `x` dim {d} ({}) must be divisible by the axis size {nr}",
+                            xd[d]
+                        );
                     }
                     expected[d] /= nr;
                     xd[d] / nr * inner
@@ -219,7 +238,12 @@ impl Problem {
                 };
                 let mismatch = |a: usize, b: usize| -> Result<()> {
                     if a != b {
-                        bail!(InvalidArgument, "{name}: contraction sizes differ: {a} vs {b} (x {:?}, w {:?})", x.dims, w.dims);
+                        bail!(
+                            InvalidArgument,
+                            "{name}: contraction sizes differ: {a} vs {b} (x {:?}, w {:?})",
+                            x.dims,
+                            w.dims
+                        );
                     }
                     Ok(())
                 };
@@ -267,7 +291,11 @@ impl Problem {
             }
         };
         if od != expected {
-            bail!(InvalidArgument, "{name}: result shape {:?} does not match the operands: expected {expected:?}", out.dims);
+            bail!(
+                InvalidArgument,
+                "{name}: result shape {:?} does not match the operands: expected {expected:?}",
+                out.dims
+            );
         }
         Ok(Problem {
             kind,

@@ -31,6 +31,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", p
     code = _fused.check_schedule(OP, schedule)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    x, w = _fused.vary_together(x, w, axes)
     return _gather_rows(x, w, Static(axes, ranks, dimension, code, out_dtype))
 
 

@@ -45,6 +45,7 @@ def _check(op, x, w, axis_name, split_dimension, concat_dimension, schedule, pre
     code = _fused.check_schedule(op, schedule)
     _fused.check_precision(op, precision)
     x, w, out_dtype = _fused.promote(op, x, w, preferred_element_type)
+    x, w = _fused.vary_together(x, w, axes)
     return x, w, (split, concat), Static(axes, ranks, 0, code, out_dtype)
 
 

@@ -99,6 +99,25 @@ def promote(op: str, x, w, preferred_element_type):
     return x.astype(dtype), w.astype(dtype), out
 
 
+def vary_together(x, w, axes):
+    """`x` and `w` typed as varying over the same mesh axes: both operands',
+    and the op's. The fused ops' VJPs return cotangents of that type; JAX
+    then transposes the cast itself (a psum over the axes an operand was
+    replicated on), as it does for a plain dot_general."""
+    target = _varying(jax.typeof(x)) | _varying(jax.typeof(w)) | frozenset(axes)
+    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+
+    def cast(a):
+        missing = tuple(n for n in mesh_axes if n in target - _varying(jax.typeof(a)))
+        if not missing:
+            return a
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(a, missing, to="varying")
+        return jax.lax.pvary(a, missing)  # older JAX
+
+    return cast(x), cast(w)
+
+
 def check_schedule(op: str, schedule) -> int:
     if schedule not in SCHEDULES:
         raise ValueError(f"commfuse.{op}: unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")

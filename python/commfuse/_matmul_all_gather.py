@@ -37,6 +37,7 @@ def matmul_all_gather(x, w, axis_name, *, gather_dimension=1, schedule="auto", p
     code = _fused.check_schedule(OP, schedule)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    x, w = _fused.vary_together(x, w, axes)
     static = Static(axes, ranks, dimension, code, out_dtype)
     rows = x.reshape(-1, x.shape[-1])
     out = _gather_cols(w, rows, static) if dimension == 1 else _gather_contraction(w, rows, static)

@@ -40,6 +40,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     code = _fused.check_schedule(OP, schedule)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    x, w = _fused.vary_together(x, w, axes)
     static = Static(axes, ranks, dimension, code, out_dtype)
     if dimension == x.ndim - 1:
         out = _scatter_cols(x.reshape(-1, x.shape[-1]), w, static)

@@ -140,12 +140,17 @@ impl Builder {
         bwd_slots: &[usize],
         deps: Vec<StepId>,
     ) -> StepId {
-        let mut sends = vec![Transfer { peer: self.next(), buf: held_block(fwd_slots, s), tag: tag(Direction::Forward, s) }];
+        let mut sends =
+            vec![Transfer { peer: self.next(), buf: held_block(fwd_slots, s), tag: tag(Direction::Forward, s) }];
         let mut recvs =
             vec![Transfer { peer: self.prev(), buf: held_block(fwd_slots, s + 1), tag: tag(Direction::Forward, s) }];
         if s < bwd {
             sends.push(Transfer { peer: self.prev(), buf: held_block(bwd_slots, s), tag: tag(Direction::Backward, s) });
-            recvs.push(Transfer { peer: self.next(), buf: held_block(bwd_slots, s + 1), tag: tag(Direction::Backward, s) });
+            recvs.push(Transfer {
+                peer: self.next(),
+                buf: held_block(bwd_slots, s + 1),
+                tag: tag(Direction::Backward, s),
+            });
         }
         self.push(Lane::Comm, Action::Exchange { sends, recvs }, deps)
     }
@@ -173,15 +178,22 @@ impl Builder {
     fn matmul_scatter_overlapped(&mut self, (fwd, bwd): (usize, usize)) {
         let fwd_partial = self.slots(SlotKind::Partial, 2);
         let fwd_in = self.slots(SlotKind::Partial, 2);
-        let (bwd_partial, bwd_in) =
-            if bwd > 0 { (self.slots(SlotKind::Partial, 2), self.slots(SlotKind::Partial, 2)) } else { (vec![], vec![]) };
+        let (bwd_partial, bwd_in) = if bwd > 0 {
+            (self.slots(SlotKind::Partial, 2), self.slots(SlotKind::Partial, 2))
+        } else {
+            (vec![], vec![])
+        };
         let own = self.slot(SlotKind::Partial);
 
         let mut exchanges: Vec<StepId> = vec![];
         for s in 0..fwd {
-            let mut ready = vec![self.partial_sum(s, self.block((fwd - s) as isize), &fwd_partial, &fwd_in, &exchanges)];
-            let mut sends =
-                vec![Transfer { peer: self.next(), buf: Buf::Slot(fwd_partial[s % 2]), tag: tag(Direction::Forward, s) }];
+            let mut ready =
+                vec![self.partial_sum(s, self.block((fwd - s) as isize), &fwd_partial, &fwd_in, &exchanges)];
+            let mut sends = vec![Transfer {
+                peer: self.next(),
+                buf: Buf::Slot(fwd_partial[s % 2]),
+                tag: tag(Direction::Forward, s),
+            }];
             let mut recvs =
                 vec![Transfer { peer: self.prev(), buf: Buf::Slot(fwd_in[s % 2]), tag: tag(Direction::Forward, s) }];
             if s < bwd {
@@ -192,12 +204,17 @@ impl Builder {
                     buf: Buf::Slot(bwd_partial[s % 2]),
                     tag: tag(Direction::Backward, s),
                 });
-                recvs.push(Transfer { peer: self.next(), buf: Buf::Slot(bwd_in[s % 2]), tag: tag(Direction::Backward, s) });
+                recvs.push(Transfer {
+                    peer: self.next(),
+                    buf: Buf::Slot(bwd_in[s % 2]),
+                    tag: tag(Direction::Backward, s),
+                });
             }
             exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, ready));
         }
 
-        let own_product = Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::Slot(own), accumulate: false };
+        let own_product =
+            Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::Slot(own), accumulate: false };
         self.push(Lane::Compute, own_product, vec![]);
         let mut terms = vec![Buf::Slot(own), Buf::Slot(fwd_in[(fwd - 1) % 2])];
         let mut deps = vec![exchanges[fwd - 1]];
@@ -211,7 +228,14 @@ impl Builder {
 
     /// Step s of one scatter chain: the partial of `block`, plus the sum
     /// received at step s-1. Returns the step after which the slot is ready to send.
-    fn partial_sum(&mut self, s: usize, block: usize, partial: &[usize], incoming: &[usize], exchanges: &[StepId]) -> StepId {
+    fn partial_sum(
+        &mut self,
+        s: usize,
+        block: usize,
+        partial: &[usize],
+        incoming: &[usize],
+        exchanges: &[StepId],
+    ) -> StepId {
         let slot = Buf::Slot(partial[s % 2]);
         // The slot was last sent by exchange s-2; the sum of step s-1, earlier
         // on this lane, already waited for that exchange.
@@ -241,7 +265,8 @@ impl Builder {
                 last = self.push(Lane::Compute, Action::Sum { terms, dst: slot }, vec![exchanges[s - 1]]);
             }
             let sends = vec![Transfer { peer: self.next(), buf: slot, tag: tag(Direction::Forward, s) }];
-            let recvs = vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[s % 2]), tag: tag(Direction::Forward, s) }];
+            let recvs =
+                vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[s % 2]), tag: tag(Direction::Forward, s) }];
             exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![last]));
         }
         let terms = vec![Buf::Slot(partial[self.rank]), Buf::Slot(incoming[(self.n - 2) % 2])];
@@ -306,7 +331,12 @@ impl Builder {
             let recvs = vec![Transfer { peer: from, buf: in_slot(s), tag: tag(Direction::Forward, s) }];
             b.push(Lane::Comm, Action::Exchange { sends, recvs }, deps)
         };
-        let own = Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::OutBlock(self.rank), accumulate: false };
+        let own = Action::Matmul {
+            block: self.rank,
+            src: Buf::XBlock(self.rank),
+            dst: Buf::OutBlock(self.rank),
+            accumulate: false,
+        };
         let (mut exchanges, mut copies) = (vec![usize::MAX], vec![usize::MAX]);
         for s in 1..n {
             let to = self.block(s as isize);

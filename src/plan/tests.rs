@@ -112,8 +112,9 @@ fn expected_piece(pattern: Pattern, rank: usize, block: usize) -> (usize, usize)
 fn simulate(plans: &[Plan], label: &str) {
     let n = plans.len();
     let pattern = plans[0].pattern;
-    let mut ranks: Vec<RankState> =
-        (0..n).map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() }).collect();
+    let mut ranks: Vec<RankState> = (0..n)
+        .map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() })
+        .collect();
     let mut mailbox: HashMap<(usize, usize, Tag), (Value, SlotKindOf)> = HashMap::new();
     loop {
         let mut progressed = false;
@@ -126,9 +127,11 @@ fn simulate(plans: &[Plan], label: &str) {
                         // The whole local x of a gather is this rank's block.
                         Buf::X => [(r, r)].into(),
                         Buf::XBlock(j) => [(r, j)].into(),
-                        Buf::Slot(i) => {
-                            st.slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}"))
-                        }
+                        Buf::Slot(i) => st
+                            .slots
+                            .get(&i)
+                            .cloned()
+                            .unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
                         other => panic!("{label}: rank {r} reads output {other:?}"),
                     }
                 };
@@ -139,7 +142,11 @@ fn simulate(plans: &[Plan], label: &str) {
                         assert_eq!(v, want, "{label}: rank {r} multiplies {v:?} as block {block}");
                         let v = if *accumulate {
                             let mut acc = match dst {
-                                Buf::Slot(i) => st.slots.get(i).cloned().unwrap_or_else(|| panic!("{label}: accumulate into empty slot")),
+                                Buf::Slot(i) => st
+                                    .slots
+                                    .get(i)
+                                    .cloned()
+                                    .unwrap_or_else(|| panic!("{label}: accumulate into empty slot")),
                                 other => panic!("{label}: accumulate into {other:?}"),
                             };
                             for item in v {
@@ -160,7 +167,11 @@ fn simulate(plans: &[Plan], label: &str) {
                         }
                         if pattern == Pattern::Scatter {
                             let blocks: BTreeSet<usize> = acc.iter().map(|(_, b)| *b).collect();
-                            assert_eq!(blocks.len(), 1, "{label}: rank {r} sums partials of different blocks {blocks:?}");
+                            assert_eq!(
+                                blocks.len(),
+                                1,
+                                "{label}: rank {r} sums partials of different blocks {blocks:?}"
+                            );
                         }
                         write(st, plan, *dst, acc, label);
                     }
@@ -349,7 +360,9 @@ fn sequential_does_not_overlap() {
 #[test]
 fn workspace_regions_do_not_overlap() {
     use crate::dtype::DType;
-    for (input, output) in [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F32), (DType::F32, DType::F64)] {
+    for (input, output) in
+        [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::F16, DType::F32), (DType::F32, DType::F64)]
+    {
         let sizes = Sizes { x: 39, w: 91, travel: 39, partial: 21, result: 105, out_view: 21, input, output };
         for pattern in PATTERNS {
             for schedule in SCHEDULES {

@@ -80,7 +80,8 @@ fn output_blocks_of_gathers_tile_the_output_exactly_once() {
 fn folds_leading_dims_into_segments() {
     let p = Problem::new(OpKind::AllGatherMatmul, op(&[2, 3, 5, 8]), op(&[8, 6]), op(&[2, 12, 5, 6]), 1, 4).unwrap();
     assert_eq!((p.outer, p.seg), (2, 15));
-    let p = Problem::new(OpKind::MatmulReduceScatter, op(&[2, 12, 5, 8]), op(&[8, 6]), op(&[2, 3, 5, 6]), 1, 4).unwrap();
+    let p =
+        Problem::new(OpKind::MatmulReduceScatter, op(&[2, 12, 5, 8]), op(&[8, 6]), op(&[2, 3, 5, 6]), 1, 4).unwrap();
     assert_eq!((p.outer, p.seg), (2, 15));
 }
 

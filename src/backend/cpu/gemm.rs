@@ -92,7 +92,8 @@ mod tests {
     #[test]
     fn views_outside_the_slices_are_an_error_not_a_crash() {
         let mut dst = vec![0f32; 4];
-        let e = matmul((&[0.0; 5], view(0, 2, 3, 3)), (&[0.0; 6], view(0, 3, 2, 2)), (&mut dst, view(0, 2, 2, 2)), false);
+        let e =
+            matmul((&[0.0; 5], view(0, 2, 3, 3)), (&[0.0; 6], view(0, 3, 2, 2)), (&mut dst, view(0, 2, 2, 2)), false);
         assert!(e.is_err());
     }
 

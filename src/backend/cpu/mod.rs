@@ -106,7 +106,8 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         let mut parts = split(buffers.workspace, &regions)?.into_iter();
         let slots = parts.by_ref().take(layout.slots.len()).map(RwLock::new).collect();
         let mut next = |r: &Option<Range<usize>>| r.as_ref().and_then(|_| parts.next());
-        let (x_conv, w_conv, travel, results) = (next(&layout.x), next(&layout.w), next(&layout.travel), next(&layout.results));
+        let (x_conv, w_conv, travel, results) =
+            (next(&layout.x), next(&layout.w), next(&layout.travel), next(&layout.results));
         // Convert each operand once, up front, when its dtype is not the accumulator's.
         let convert = |raw: &'a [u8], region: Option<&'a mut [u8]>| -> Result<&'a [u8]> {
             match region {

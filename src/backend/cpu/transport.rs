@@ -36,6 +36,9 @@ type MailboxKey = (usize, usize, Tag); // (to, from, tag)
 struct State {
     arrived: Vec<bool>,
     active: usize,
+    left: usize,
+    /// A rank gave up waiting: the op failed, late ranks will not be served.
+    failed: bool,
     mailbox: HashMap<MailboxKey, Vec<u64>>,
 }
 
@@ -86,7 +89,13 @@ impl Endpoint {
             .entry(key.clone())
             .or_insert_with(|| {
                 Arc::new(Session {
-                    state: Mutex::new(State { arrived: vec![false; n], active: 0, mailbox: HashMap::new() }),
+                    state: Mutex::new(State {
+                        arrived: vec![false; n],
+                        active: 0,
+                        left: 0,
+                        failed: false,
+                        mailbox: HashMap::new(),
+                    }),
                     delivered: Condvar::new(),
                 })
             })
@@ -122,6 +131,7 @@ impl Endpoint {
             }
             let now = Instant::now();
             if now >= wait.deadline {
+                state.failed = true;
                 return Err(self.timeout(&state, from, tag));
             }
             // Wake up now and then to notice a cancellation by another lane.
@@ -167,9 +177,13 @@ impl Drop for Endpoint {
         let mut registry = lock(registry());
         let mut state = lock(&self.session.state);
         state.active -= 1;
-        if state.active == 0 {
-            // Everyone who came has left: drop the session and any unread messages
-            // (there are some only after a failure).
+        state.left += 1;
+        // Done when every rank came and went, or, after a failure, when those
+        // who came have gone (a late rank then meets a new session and times
+        // out on its own). A rank that only sends may leave before its peers
+        // arrive: its messages must wait for them.
+        if state.left == self.key.group.len() || (state.failed && state.active == 0) {
+            // Unread messages remain only after a failure.
             for (_, message) in state.mailbox.drain() {
                 pool::give_back(message);
             }
@@ -264,9 +278,21 @@ mod tests {
         {
             let _a = Endpoint::join(key(3), info(0));
             let _b = Endpoint::join(key(3), info(1));
+            let _c = Endpoint::join(key(3), info(2));
             assert!(lock(registry()).contains_key(&key(3)));
         }
         assert!(!lock(registry()).contains_key(&key(3)));
+    }
+
+    #[test]
+    fn a_failed_session_is_removed_when_its_ranks_left() {
+        let cancelled = AtomicBool::new(false);
+        {
+            let a = Endpoint::join(key(4), info(0));
+            let wait = Wait::for_test(Instant::now() + Duration::from_millis(20), &cancelled);
+            assert!(a.recv(1, tag(0), &mut [0u8; 4], &wait).is_err());
+        }
+        assert!(!lock(registry()).contains_key(&key(4)));
     }
 
     #[test]

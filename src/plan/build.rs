@@ -358,8 +358,8 @@ impl Builder {
             for s in 1..n {
                 exchanges.push(exchange(self, s, vec![own]));
             }
-            for s in 1..n {
-                self.copy_in(s, in_slot(s), exchanges[s]);
+            for (s, &arrived) in exchanges.iter().enumerate().skip(1) {
+                self.copy_in(s, in_slot(s), arrived);
             }
         } else {
             self.push(Lane::Compute, own, vec![]);

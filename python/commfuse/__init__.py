@@ -16,6 +16,7 @@ from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._matmul_all_gather import matmul_all_gather
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, set_timeout_ms as _set_timeout_ms
+from ._overlap import overlap
 
 __version__ = "0.1.0"
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "matmul_all_gather",
     "all_to_all_matmul",
     "matmul_all_to_all",
+    "overlap",
     "configure",
     "reference",
 ]

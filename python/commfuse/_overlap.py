@@ -22,9 +22,14 @@ trace time, the original equations are kept and the reason is reported.
 
 Bodies of ``jit``/``closed_call``/``checkpoint`` are interpreted in place, and
 ``cond``/``scan``/``while`` are rebuilt with ``lax.switch``/``lax.scan``/
-``lax.while_loop`` around rewritten bodies; candidates inside any other
-higher-order primitive (``custom_jvp_call``, ``custom_vjp_call``, ...) are left
-as they are and reported.
+``lax.while_loop`` around rewritten bodies, unless their predicate varies
+across ranks (ranks could then take different paths, and a fused op waits for
+every rank of its axes). Candidates inside any other higher-order primitive
+(``custom_jvp_call``, ``custom_vjp_call``, ...) are left as they are and
+reported. A pattern may span ``pvary`` casts (JAX inserts them between a dot
+and a ``psum_scatter`` of replicated operands, or on 2-D meshes). If
+re-creating a ``shard_map`` (or a ``scan``/``cond``/``while``) fails for any
+reason, the original is kept and the reason reported.
 
 Outside any trace, the rewritten program runs under ``jax.jit`` (one compiled
 program per argument signature, as ``jax.jit(f)`` would); inside a trace
@@ -318,22 +323,23 @@ def _eval_eqn(eqn, invals, state: _State, where: str, manual: bool):
         key = "jaxpr" if "jaxpr" in params else "call_jaxpr"
         jaxpr, consts = _closed(params[key])
         return _interpret(jaxpr, consts, invals, state, here, manual)
-    if name in _REMAT and "jaxpr" in params:
-        jaxpr, consts = _closed(params["jaxpr"])
-        fn = jax.checkpoint(lambda *a: _interpret(jaxpr, consts, a, state, here, manual),
-                            prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
-        return list(fn(*invals))
     divergent = manual and _divergent(eqn)
     if divergent:
         for sub in subs:
             _report_untouched(sub, state, here, divergent)
         return _bind_eqn(eqn, invals)
-    if name == "scan":
-        return _eval_scan(params, invals, state, here, manual)
-    if name == "cond":
-        return _eval_cond(params, invals, state, here, manual)
-    if name == "while":
-        return _eval_while(params, invals, state, here, manual)
+    rebuild = {"scan": _eval_scan, "cond": _eval_cond, "while": _eval_while}.get(name)
+    if name in _REMAT and "jaxpr" in params:
+        rebuild = _eval_remat
+    if rebuild is not None:
+        mark = len(state.lines)
+        try:
+            return rebuild(params, invals, state, here, manual)
+        except Exception as e:  # noqa: BLE001 - never worse than the original program
+            del state.lines[mark:]
+            for sub in subs:
+                _report_untouched(sub, state, here, f"{name} left unchanged: {type(e).__name__}: {e}")
+            return _bind_eqn(eqn, invals)
     # Any other higher-order primitive (custom_jvp_call, custom_vjp_call, ...):
     # its semantics hang on its params, so it is bound as it is.
     if manual:
@@ -385,6 +391,13 @@ def _eval_shard_map(eqn, invals, state: _State, where: str):
         del state.lines[mark:]
         state.lines.append(f"overlap[{here}]: shard_map left unchanged: {type(e).__name__}: {e}")
         return _bind_eqn(eqn, invals)
+
+
+def _eval_remat(params, invals, state, where, manual):
+    jaxpr, consts = _closed(params["jaxpr"])
+    fn = jax.checkpoint(lambda *a: _interpret(jaxpr, consts, a, state, where, manual),
+                        prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
+    return list(fn(*invals))
 
 
 def _eval_scan(params, invals, state, where, manual):
@@ -786,45 +799,54 @@ def overlap(fun=None, *, report: bool = False, logger=None):
                 logger.info(line)
 
     def rewritten(treedef, static, n_leaves, state, out_box, *dyn):
-        """Traces ``fun`` and evaluates the rewritten program on ``dyn``."""
-        leaves, it = [None] * n_leaves, iter(dyn)
-        static_at = dict(static)
-        for j in range(n_leaves):
-            leaves[j] = static_at[j] if j in static_at else next(it)
+        """Traces ``fun`` and evaluates the rewritten program on ``dyn`` (the array leaves)."""
+        static_at = {j: leaf for j, _, leaf in static}
 
         def flat_fun(*dyn_args):
-            it2 = iter(dyn_args)
-            full = [static_at[j] if j in static_at else next(it2) for j in range(n_leaves)]
-            args, kwargs = jax.tree.unflatten(treedef, full)
-            out_leaves, out_box[0] = jax.tree.flatten(fun(*args, **kwargs))
-            return out_leaves
+            it = iter(dyn_args)
+            args, kwargs = jax.tree.unflatten(
+                treedef, [static_at[j] if j in static_at else next(it) for j in range(n_leaves)])
+            out_leaves, out_tree = jax.tree.flatten(fun(*args, **kwargs))
+            # Leaves that are no arrays (a Python int, a string) come back as they are.
+            out_box[:] = [out_tree, {j: leaf for j, leaf in enumerate(out_leaves) if not _is_dynamic(leaf)}]
+            return [leaf for leaf in out_leaves if _is_dynamic(leaf)]
 
         closed = jax.make_jaxpr(flat_fun)(*dyn)
         state.__init__()
-        outs = _interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "", _in_manual_context())
+        manual = _in_manual_context()  # fun is (part of) a shard_map body itself
+        outs = _interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
+        if not state.shard_maps and not manual:
+            state.lines.append("overlap: the traced function has no shard_map; nothing was rewritten")
         state.fresh = True
         return outs
+
+    def unflatten(out_box, outs):
+        out_tree, static_out = out_box
+        it = iter(outs)
+        n = out_tree.num_leaves
+        return jax.tree.unflatten(out_tree, [static_out[j] if j in static_out else next(it) for j in range(n)])
 
     @functools.wraps(fun)
     def wrapper(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
-        static = tuple((j, leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
-        state, out_box = _State(), [None]
-        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context()
-        if traced:
+        # Python scalars, strings, ... are static, as if named in jit's static_argnums.
+        static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
+            # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
+            state, out_box = _State(), [None, None]
             outs = rewritten(treedef, static, len(leaves), state, out_box, *dyn)
             emit(state.lines)
-            return jax.tree.unflatten(out_box[0], outs)
+            return unflatten(out_box, outs)
         # Concrete arguments: one jitted program per static part of the call.
         try:
             key = (treedef, static)
             hash(key)
-        except TypeError:
+        except TypeError:  # unhashable static leaves: no reuse
             key = None
         entry = jitted_cache.get(key) if key is not None else None
         if entry is None:
-            state, out_box = _State(), [None]
+            state, out_box = _State(), [None, None]
             state.fresh = False
             fn = jax.jit(functools.partial(rewritten, treedef, static, len(leaves), state, out_box))
             entry = (fn, state, out_box)
@@ -839,7 +861,7 @@ def overlap(fun=None, *, report: bool = False, logger=None):
             emit(state.lines)
         else:
             wrapper.last_report = list(state.lines)
-        return jax.tree.unflatten(out_box[0], outs)
+        return unflatten(out_box, outs)
 
     wrapper.last_report = []
     return wrapper

@@ -13,6 +13,19 @@ pub unsafe extern "C" fn commfuse_collective_matmul_cpu(frame: *mut sys::XLA_FFI
     unsafe { xla::handle_named("commfuse collective matmul", frame, crate::ops::collective_matmul_cpu) }
 }
 
+/// The CUDA handler: the same op on a GPU (see `backend::cuda`).
+///
+/// # Safety
+/// Called by XLA with its call frame.
+#[cfg(feature = "cuda")]
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_collective_matmul_cuda(
+    frame: *mut sys::XLA_FFI_CallFrame,
+) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA passes a valid call frame for the duration of the call.
+    unsafe { xla::handle_named("commfuse collective matmul (CUDA)", frame, crate::backend::cuda::collective_matmul) }
+}
+
 /// Workspace bytes for one call (see `ops::CallShapes`), or -1 with the reason
 /// written, NUL-terminated and truncated, to `error[..error_len]`.
 ///

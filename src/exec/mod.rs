@@ -6,6 +6,8 @@
 //! per-lane programs (`lane_programs`), where a dependency becomes an event.
 #![forbid(unsafe_code)]
 
+pub mod stream;
+
 use crate::error::{Error, Result};
 use crate::plan::{Action, Buf, Lane, Plan, Step, StepId, Transfer};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,0 +1,224 @@
+//! cuBLAS GEMMs on the strided row-major views of `Problem::gemms`, directly
+//! on XLA's buffers.
+//!
+//! cuBLAS is column-major. A row-major matrix with row stride `s` is, read
+//! column-major, its transpose with leading dimension `s`. So the row-major
+//! `C[m,n] (+)= A[m,k] B[k,n]` is issued as the column-major
+//! `Cᵀ[n,m] (+)= Bᵀ[n,k] Aᵀ[k,m]`: cuBLAS's first operand is B, its second A,
+//! no transposes, leading dimensions the row strides. [`ColMajor::of`] is the
+//! pure part (unit-tested against a host model of cuBLAS's semantics); the
+//! call itself is the only unsafe code here.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::problem::{Gemm, View};
+
+/// One `cublasGemmEx` call without pointers: `C = alpha·op(A)·op(B) + beta·C`
+/// column-major, no transposes, with element offsets into the buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ColMajor {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// cuBLAS's A is the row-major right operand.
+    pub a_offset: usize,
+    pub lda: usize,
+    /// cuBLAS's B is the row-major left operand.
+    pub b_offset: usize,
+    pub ldb: usize,
+    pub c_offset: usize,
+    pub ldc: usize,
+}
+
+fn ld(view: &View) -> usize {
+    view.row_stride.max(view.cols).max(1)
+}
+
+impl ColMajor {
+    /// The call for `g`, or `None` when it has nothing to compute (an empty output).
+    pub fn of(g: &Gemm) -> Result<Option<ColMajor>> {
+        let (lhs, rhs, dst) = (g.lhs.1, g.rhs.1, g.dst);
+        if lhs.cols != rhs.rows || dst.rows != lhs.rows || dst.cols != rhs.cols {
+            return Err(Error::Internal(format!("GEMM shapes do not chain: {lhs:?} @ {rhs:?} -> {dst:?}")));
+        }
+        for v in [&lhs, &rhs, &dst] {
+            if v.rows > 1 && v.row_stride < v.cols {
+                return Err(Error::Internal(format!("row stride shorter than a row: {v:?}")));
+            }
+        }
+        if dst.rows == 0 || dst.cols == 0 {
+            return Ok(None);
+        }
+        let fits = |x: usize| i32::try_from(x).is_ok();
+        let call = ColMajor {
+            m: dst.cols,
+            n: dst.rows,
+            k: lhs.cols,
+            a_offset: rhs.offset,
+            lda: ld(&rhs),
+            b_offset: lhs.offset,
+            ldb: ld(&lhs),
+            c_offset: dst.offset,
+            ldc: ld(&dst),
+        };
+        if ![call.m, call.n, call.k, call.lda, call.ldb, call.ldc].into_iter().all(fits) {
+            return Err(Error::Unimplemented(format!("a GEMM dimension exceeds cuBLAS's 32-bit sizes: {call:?}")));
+        }
+        Ok(Some(call))
+    }
+}
+
+/// cuBLAS's name for an element type (f64 is not offered on the GPU path).
+pub fn cuda_type(dtype: DType) -> Result<cudarc::cublas::sys::cudaDataType> {
+    use cudarc::cublas::sys::cudaDataType::*;
+    match dtype {
+        DType::F32 => Ok(CUDA_R_32F),
+        DType::BF16 => Ok(CUDA_R_16BF),
+        DType::F16 => Ok(CUDA_R_16F),
+        DType::F64 => Err(Error::Unimplemented("the CUDA backend does not take float64".into())),
+    }
+}
+
+/// Device buffers of one GEMM: base addresses and element types.
+#[derive(Debug, Clone, Copy)]
+pub struct Operands {
+    pub lhs: (u64, DType),
+    pub rhs: (u64, DType),
+    pub dst: (u64, DType),
+}
+
+/// Enqueues `g` on the stream `handle` is bound to: f32 compute (bf16/f16
+/// inputs accumulate in f32), overwriting or (`accumulate`) adding to `dst`.
+///
+/// # Safety
+/// `handle` is a live cuBLAS handle whose stream is the compute stream; the
+/// operand addresses are device memory of the current context, holding every
+/// element `g`'s views touch, and stay valid until the stream reaches the GEMM.
+pub unsafe fn enqueue(
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    g: &Gemm,
+    ops: Operands,
+    accumulate: bool,
+) -> Result<()> {
+    use cudarc::cublas::{result, sys};
+    let Some(c) = ColMajor::of(g)? else { return Ok(()) };
+    let at = |(base, dtype): (u64, DType), offset: usize| base + (offset * dtype.size()) as u64;
+    let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+    let int = |x: usize| x as std::ffi::c_int; // checked by `ColMajor::of`
+                                               // SAFETY: the caller's contract; alpha and beta are host f32 as COMPUTE_32F requires.
+    unsafe {
+        result::gemm_ex(
+            handle,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            int(c.m),
+            int(c.n),
+            int(c.k),
+            (&alpha as *const f32).cast(),
+            at(ops.rhs, c.a_offset) as *const std::ffi::c_void,
+            cuda_type(ops.rhs.1)?,
+            int(c.lda),
+            at(ops.lhs, c.b_offset) as *const std::ffi::c_void,
+            cuda_type(ops.lhs.1)?,
+            int(c.ldb),
+            (&beta as *const f32).cast(),
+            at(ops.dst, c.c_offset) as *mut std::ffi::c_void,
+            cuda_type(ops.dst.1)?,
+            int(c.ldc),
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| Error::Internal(format!("cublasGemmEx: {e:?} for {c:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{plan, Action, Schedule};
+    use crate::problem::{OpKind, Operand, Problem, Side};
+
+    /// cuBLAS's documented semantics, column-major, no transposes, on host arrays.
+    fn host_gemm(c: &ColMajor, a: &[f64], b: &[f64], out: &mut [f64], beta: f64) {
+        for j in 0..c.n {
+            for i in 0..c.m {
+                let mut acc = 0.0;
+                for p in 0..c.k {
+                    acc += a[c.a_offset + i + p * c.lda] * b[c.b_offset + p + j * c.ldb];
+                }
+                let o = &mut out[c.c_offset + i + j * c.ldc];
+                *o = acc + beta * *o;
+            }
+        }
+    }
+
+    /// The row-major product the view describes, directly.
+    fn row_major(g: &Gemm, lhs: &[f64], rhs: &[f64], out: &mut [f64], accumulate: bool) {
+        let (l, r, d) = (g.lhs.1, g.rhs.1, g.dst);
+        for i in 0..d.rows {
+            for j in 0..d.cols {
+                let mut acc = 0.0;
+                for p in 0..l.cols {
+                    acc += lhs[l.offset + i * l.row_stride + p] * rhs[r.offset + p * r.row_stride + j];
+                }
+                let o = &mut out[d.offset + i * d.row_stride + j];
+                *o = acc + if accumulate { *o } else { 0.0 };
+            }
+        }
+    }
+
+    #[test]
+    fn the_transpose_trick_computes_every_gemm_of_every_op() {
+        use OpKind::*;
+        type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>, i64);
+        let cases: Vec<Case> = vec![
+            (AllGatherMatmul, vec![2, 3, 5, 8], vec![8, 6], vec![2, 12, 5, 6], 1),
+            (AllGatherMatmulContract, vec![5, 3], vec![12, 7], vec![5, 7], 0),
+            (MatmulAllGather, vec![8, 3], vec![5, 8], vec![5, 12], 0),
+            (MatmulAllGatherContract, vec![3, 7], vec![5, 12], vec![5, 7], 0),
+            (MatmulReduceScatter, vec![2, 12, 5, 8], vec![8, 6], vec![2, 3, 5, 6], 1),
+            (MatmulReduceScatterCols, vec![5, 8], vec![8, 12], vec![5, 3], 0),
+            (AllToAllMatmul, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
+            (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6], 0),
+            (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
+            (MatmulAllToAllCols, vec![5, 8], vec![8, 12], vec![4, 5, 3], 0),
+        ];
+        let mut checked = 0;
+        for (kind, x, w, out, d) in cases {
+            let op = |dims| Operand { dims, dtype: DType::F32 };
+            let p = Problem::new(kind, op(&x), op(&w), op(&out), d, 4).unwrap();
+            let len = |dims: &[i64]| dims.iter().product::<i64>() as usize;
+            // Distinct values everywhere, so a wrong offset or stride shows.
+            let fill = |n: usize, salt: f64| (0..n).map(|i| ((i * 7 + 3) % 11) as f64 - 5.0 + salt).collect::<Vec<_>>();
+            let (xs, ws) = (fill(len(&x), 0.25), fill(len(&w), 0.5));
+            let out_len = len(&out).max(len(&x)).max(len(&w)) * 4;
+            for rank in 0..4 {
+                for step in plan(kind.pattern(), Schedule::Ring, 4, rank).steps {
+                    let Action::Matmul { block, src, dst, accumulate } = step.action else { continue };
+                    for g in p.gemms(block, src, dst) {
+                        let side = |s: Side| if s == Side::Src { &xs } else { &ws };
+                        let (lhs, rhs) = (side(g.lhs.0), side(g.rhs.0));
+                        let c = ColMajor::of(&g).unwrap().expect("non-empty");
+                        let start = fill(out_len, 0.125);
+                        let (mut want, mut got) = (start.clone(), start);
+                        row_major(&g, lhs, rhs, &mut want, accumulate);
+                        host_gemm(&c, rhs, lhs, &mut got, if accumulate { 1.0 } else { 0.0 });
+                        assert_eq!(want, got, "{kind:?} rank {rank} {g:?}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 100, "{checked}");
+    }
+
+    #[test]
+    fn empty_and_inconsistent_gemms() {
+        let v = |rows, cols| View { offset: 0, rows, cols, row_stride: cols };
+        let empty = Gemm { lhs: (Side::Src, v(0, 4)), rhs: (Side::W, v(4, 3)), dst: v(0, 3) };
+        assert_eq!(ColMajor::of(&empty).unwrap(), None);
+        let bad = Gemm { lhs: (Side::Src, v(2, 4)), rhs: (Side::W, v(5, 3)), dst: v(2, 3) };
+        assert!(ColMajor::of(&bad).is_err());
+        assert!(cuda_type(DType::F64).is_err());
+    }
+}

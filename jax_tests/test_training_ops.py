@@ -229,9 +229,23 @@ MMA2A_PAIRS = [(s, c) for s in (0, 1, 2) for c in (0, 1, 2)]
 _pair_id = lambda p: f"s{p[0]}c{p[1]}"  # noqa: E731
 
 
-@pytest.mark.parametrize("pair", A2AMM_PAIRS, ids=_pair_id)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dt_id)
-@pytest.mark.parametrize("n", [2, 4])
+# Full (split, concat) grids: both dtypes at N=2, float32 at N=4; a few
+# pairs in bfloat16 at N=4 and at N=8 (runtime).
+def _grid(pairs, bf16_n4_pairs):
+    return ([(2, d, p) for d in DTYPES for p in pairs] + [(4, F32, p) for p in pairs]
+            + [(4, BF16, p) for p in bf16_n4_pairs])
+
+
+def _grid_id(v):
+    n, d, p = v
+    return f"n{n}-{_dt_id(d)}-{_pair_id(p)}"
+
+
+A2AMM_GRID = _grid(A2AMM_PAIRS, [(1, 0), (0, 1), (1, 2)])
+MMA2A_GRID = _grid(MMA2A_PAIRS, [(0, 1), (2, 0), (1, 2)])
+
+
+@pytest.mark.parametrize("n,dtype,pair", A2AMM_GRID, ids=[_grid_id(v) for v in A2AMM_GRID])
 def test_all_to_all_matmul(n, dtype, pair):
     _a2amm_case(n, *pair, dtype, seed=1000 + 100 * n + 10 * pair[0] + pair[1])
 
@@ -242,9 +256,7 @@ def test_all_to_all_matmul_n8(dtype, pair):
     _a2amm_case(8, *pair, dtype, seed=1800 + 10 * pair[0] + pair[1])
 
 
-@pytest.mark.parametrize("pair", MMA2A_PAIRS, ids=_pair_id)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dt_id)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n,dtype,pair", MMA2A_GRID, ids=[_grid_id(v) for v in MMA2A_GRID])
 def test_matmul_all_to_all(n, dtype, pair):
     _mma2a_case(n, *pair, dtype, seed=2000 + 100 * n + 10 * pair[0] + pair[1])
 

@@ -42,10 +42,10 @@ from conftest import (
 F32, F64, BF16 = np.float32, np.float64, jnp.bfloat16
 
 # Gradients are sums of products (dx = dY @ wᵀ, dw = xᵀ @ dY), compared
-# relative to max |reference| as in conftest.assert_close. In bfloat16 the
-# fused and the XLA backward round their partial sums at different points,
-# hence the looser bound.
-GRAD_RTOL = {np.dtype(d): 2 * tolerance(d) for d in (F32, BF16)}
+# relative to max |reference| with conftest's per-dtype tolerances: 1e-4 for
+# float32 and 2e-2 for bfloat16 (where the fused and the XLA backward round
+# their partial sums at different points; observed worst case ~7e-3).
+GRAD_RTOL = {np.dtype(d): tolerance(d) for d in (F32, BF16)}
 
 
 def _dt_id(d):
@@ -204,7 +204,7 @@ def test_grad_n4_f32(case):
     _compare_grads(op, 4, F32, kw, seed=_seed(4, case))
 
 
-# N=4 bfloat16 and N=8: one or two representative dims per op.
+# N=4 bfloat16 and N=8: one or two representative dims per op (N=8 bfloat16: fewer).
 SPARSE_CASES = [
     ("agmm", dict(gather_dimension=1)),
     ("mmrs", dict(scatter_dimension=0)),
@@ -224,8 +224,10 @@ def test_grad_n4_bf16(case):
     _compare_grads(op, 4, BF16, kw, seed=_seed(4, "bf16", case))
 
 
-@pytest.mark.parametrize("case", SPARSE_CASES, ids=_case_id)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=_dt_id)
+N8_CASES = [(F32, c) for c in SPARSE_CASES] + [(BF16, SPARSE_CASES[i]) for i in (0, 2, 3, 5, 8)]
+
+
+@pytest.mark.parametrize("dtype,case", N8_CASES, ids=[f"{_dt_id(d)}-{_case_id(c)}" for d, c in N8_CASES])
 def test_grad_n8(dtype, case):
     op, kw = case
     _compare_grads(op, 8, dtype, kw, seed=_seed(8, _dt_id(dtype), case), upcast_check=False)

@@ -274,10 +274,14 @@ def _lower_unsupported(platform, ctx, *args, kind, **params):
         f"backend is not available yet); run on CPU devices, or use commfuse.reference")
 
 
+# How batching rules mark an unbatched value (`batching.not_mapped` in older JAX).
+_NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
 def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, **_):
     x, w = args
     x_dim, w_dim = dims
-    if kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER) or w_dim is not batching.not_mapped:
+    if kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER) or w_dim is not _NOT_MAPPED:
         raise NotImplementedError(
             "vmap of this commfuse op is supported only over `x` of all_gather_matmul and "
             "matmul_reduce_scatter with a row gather/scatter dimension (the batch dim becomes a leading "
@@ -286,7 +290,7 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, wor
     out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1)
     # The unbatched result type wants its own workspace shape; nobody reads it.
     workspace = jnp.zeros((1,) * (x.ndim - 2) + (workspace_bytes,), np.uint8)
-    return (out, workspace), (0, batching.not_mapped)
+    return (out, workspace), (0, _NOT_MAPPED)
 
 
 def _apply_primitive(*args, **params):

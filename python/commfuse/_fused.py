@@ -252,9 +252,24 @@ def _abstract_eval(x, w, *, out_shape, out_dtype, workspace_bytes, axes, **_):
             _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
 
 
-def _lower_cpu(ctx, x, w, *, kind, site, schedule, dimension, axes, **_):
+def _lower_cpu(ctx, x, w, **params):
+    return _lower_target(_native.CPU_TARGET, ctx, x, w, **params)
+
+
+def _lower_cuda(ctx, x, w, *, kind, **params):
+    try:
+        target = _native.cuda_target()
+    except NotImplementedError as e:
+        raise NotImplementedError(
+            f"commfuse ({kind.name.lower()}) cannot run on CUDA here: {e}; run on CPU devices, or use "
+            "commfuse.reference") from e
+    return _lower_target(target, ctx, x, w, kind=kind, **params)
+
+
+def _lower_target(target, ctx, x, w, *, kind, site, schedule, dimension, axes, **_):
+    """The FFI call of `target`, with the same attributes on every platform."""
     mesh = _lowering_mesh(kind, ctx)
-    lowering = jax.ffi.ffi_lowering(_native.CPU_TARGET)
+    lowering = jax.ffi.ffi_lowering(target)
     return lowering(
         ctx, x, w,
         kind=int(kind),
@@ -269,9 +284,8 @@ def _lower_cpu(ctx, x, w, *, kind, site, schedule, dimension, axes, **_):
 
 def _lower_unsupported(platform, ctx, *args, kind, **params):
     raise NotImplementedError(
-        f"commfuse ({kind.name.lower()}) has no {platform.upper()} implementation in this build (the "
-        f"library was built {'with' if _native.CUDA_BUILT else 'without'} the `cuda` feature, and the CUDA "
-        f"backend is not available yet); run on CPU devices, or use commfuse.reference")
+        f"commfuse ({kind.name.lower()}) has no {platform.upper()} implementation; run on CPU or CUDA "
+        f"devices, or use commfuse.reference")
 
 
 # How batching rules mark an unbatched value (`batching.not_mapped` in older JAX).
@@ -305,8 +319,8 @@ _PRIMITIVE.multiple_results = True
 _PRIMITIVE.def_abstract_eval(_abstract_eval)
 _PRIMITIVE.def_impl(_apply_primitive)
 mlir.register_lowering(_PRIMITIVE, _lower_cpu, platform="cpu")
-for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(_PRIMITIVE, partial(_lower_unsupported, _platform), platform=_platform)
+mlir.register_lowering(_PRIMITIVE, _lower_cuda, platform="cuda")
+mlir.register_lowering(_PRIMITIVE, partial(_lower_unsupported, "rocm"), platform="rocm")
 batching.primitive_batchers[_PRIMITIVE] = _batch
 
 

@@ -7,6 +7,7 @@ import ctypes
 import glob
 import os
 import pathlib
+import threading
 
 import jax
 
@@ -46,8 +47,49 @@ lib.commfuse_cuda_built.argtypes = []
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
 CPU_TARGET = "commfuse_collective_matmul_cpu"
+CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
 jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
+
+
+def cuda_built() -> bool:
+    """Whether the library was built with the CUDA backend (the `cuda` feature)."""
+    return CUDA_BUILT
+
+
+_cuda_lock = threading.Lock()
+_cuda_registered = False
+
+
+def cuda_target() -> str:
+    """The CUDA handler's target name, registered for platform "CUDA" on first use.
+
+    Called when an op is lowered for CUDA, not at import: asking JAX for its
+    GPUs initialises its backends, which must not happen before a user's
+    ``jax.distributed.initialize``. Raises NotImplementedError saying why when
+    the library was built without the ``cuda`` feature or JAX has no GPU.
+    """
+    global _cuda_registered
+    with _cuda_lock:
+        if _cuda_registered:
+            return CUDA_TARGET
+        if not CUDA_BUILT:
+            raise NotImplementedError(
+                f"the library {LIBRARY_PATH} was built without the `cuda` feature (rebuild with "
+                "COMMFUSE_FEATURES=cuda)")
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError as e:
+            raise NotImplementedError(f"JAX has no CUDA backend ({e})") from e
+        if not gpus:
+            raise NotImplementedError("JAX sees no GPU")
+        try:
+            handler = jax.ffi.pycapsule(getattr(lib, CUDA_TARGET))
+            jax.ffi.register_ffi_target(CUDA_TARGET, handler, platform="CUDA")
+        except Exception as e:  # an old jaxlib, a missing CUDA plugin: say so at lowering
+            raise NotImplementedError(f"registering {CUDA_TARGET} for CUDA failed: {e}") from e
+        _cuda_registered = True
+        return CUDA_TARGET
 
 
 def workspace_bytes(kind: int, schedule: int, ranks: int, dimension: int, x_shape, w_shape, out_shape,

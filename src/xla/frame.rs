@@ -27,6 +27,28 @@ pub struct BufferMut<'a> {
     pub data: &'a mut [u8],
 }
 
+/// An operand or result in device memory, for GPU handlers: never read or
+/// written from the host, so no slice is formed; `addr` is only handed to
+/// device APIs (cuBLAS, NCCL, kernel launches).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceBuffer<'a> {
+    pub dtype: DType,
+    pub dims: &'a [i64],
+    /// The device address XLA passed (0 only when `bytes` is 0).
+    pub addr: u64,
+    /// `product(dims) * dtype.size()`.
+    pub bytes: usize,
+}
+
+/// A raw result in device memory of any whole-byte type (typically a `uint8`
+/// workspace), for GPU handlers.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceBytes<'a> {
+    pub dims: &'a [i64],
+    pub addr: u64,
+    pub bytes: usize,
+}
+
 /// One call of a handler, as seen from Rust.
 pub struct Frame<'a> {
     api: *const sys::XLA_FFI_Api,
@@ -342,6 +364,59 @@ impl<'a> Frame<'a> {
             self.check(get(&mut args), "XLA_FFI_RunId_Get")?;
             Ok(args.run_id)
         }
+    }
+
+    /// XLA's stream for this call (`XLA_FFI_Stream_Get`): a `CUstream` on
+    /// CUDA, owned by XLA and valid for the call only. An error on CPU, where
+    /// XLA does not support it, and when XLA hands back no stream (the legacy
+    /// default stream is never used).
+    pub fn stream(&self) -> Result<*mut c_void> {
+        // SAFETY: as in `device_ordinal`.
+        let stream = unsafe {
+            let get = api_fn!(self.api, XLA_FFI_Stream_Get)
+                .ok_or_else(|| Error::Unimplemented("this XLA has no XLA_FFI_Stream_Get".into()))?;
+            let mut args = sys::XLA_FFI_Stream_Get_Args {
+                struct_size: sys::XLA_FFI_Stream_Get_Args_STRUCT_SIZE as usize,
+                ctx: self.ctx,
+                ..Default::default()
+            };
+            self.check(get(&mut args), "XLA_FFI_Stream_Get")?;
+            args.stream
+        };
+        if stream.is_null() {
+            return Err(internal("XLA_FFI_Stream_Get returned no stream".into()));
+        }
+        Ok(stream)
+    }
+
+    /// Operand `i` in device memory: type, shape, address and byte length,
+    /// checked as `arg` checks them, without forming a host slice.
+    pub fn device_arg(&self, i: usize, name: &str) -> Result<DeviceBuffer<'a>> {
+        let raw = self.raw_buffer(Side::Operand, i, name)?;
+        let dtype = typed(&raw, Side::Operand, name)?;
+        let (ptr, bytes) = self.bytes(&raw, dtype.size(), Side::Operand, name)?;
+        Ok(DeviceBuffer { dtype, dims: raw.dims, addr: ptr as u64, bytes })
+    }
+
+    /// Result `i` in device memory (see `device_arg`). Each result is handed
+    /// out once, by this or any other result accessor, and must share no
+    /// memory with an operand or another result.
+    pub fn device_ret(&mut self, i: usize, name: &str) -> Result<DeviceBuffer<'a>> {
+        let raw = self.raw_buffer(Side::Result, i, name)?;
+        let dtype = typed(&raw, Side::Result, name)?;
+        let (ptr, bytes) = self.bytes(&raw, dtype.size(), Side::Result, name)?;
+        self.claim(i, name, ptr, bytes)?;
+        Ok(DeviceBuffer { dtype, dims: raw.dims, addr: ptr as u64, bytes })
+    }
+
+    /// Result `i` in device memory as raw bytes of any whole-byte type
+    /// (typically a `uint8` workspace); handed out once, as `device_ret`.
+    pub fn device_ret_bytes(&mut self, i: usize, name: &str) -> Result<DeviceBytes<'a>> {
+        let raw = self.raw_buffer(Side::Result, i, name)?;
+        let size = whole_bytes(&raw, Side::Result, name)?;
+        let (ptr, bytes) = self.bytes(&raw, size, Side::Result, name)?;
+        self.claim(i, name, ptr, bytes)?;
+        Ok(DeviceBytes { dims: raw.dims, addr: ptr as u64, bytes })
     }
 
     // ---- internals -------------------------------------------------------

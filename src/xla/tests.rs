@@ -57,6 +57,31 @@ unsafe extern "C" fn failing_run_id(_: *mut sys::XLA_FFI_RunId_Get_Args) -> *mut
     unsafe { fake_error_create(&mut args) }
 }
 
+/// What the fake GPU runtime hands out as XLA's stream.
+const STREAM: usize = 0x5712_ea40;
+
+unsafe extern "C" fn fake_stream(args: *mut sys::XLA_FFI_Stream_Get_Args) -> *mut sys::XLA_FFI_Error {
+    unsafe { (*args).stream = STREAM as *mut std::ffi::c_void };
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn null_stream(args: *mut sys::XLA_FFI_Stream_Get_Args) -> *mut sys::XLA_FFI_Error {
+    unsafe { (*args).stream = ptr::null_mut() };
+    ptr::null_mut()
+}
+
+/// What XLA's CPU runtime does: `Stream_Get` is not supported there.
+unsafe extern "C" fn cpu_stream(_: *mut sys::XLA_FFI_Stream_Get_Args) -> *mut sys::XLA_FFI_Error {
+    let msg = c"XLA FFI GPU context is not available";
+    let mut args = sys::XLA_FFI_Error_Create_Args {
+        struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
+        message: msg.as_ptr(),
+        errc: sys::XLA_FFI_Error_Code_UNIMPLEMENTED,
+        ..Default::default()
+    };
+    unsafe { fake_error_create(&mut args) }
+}
+
 fn fake_api() -> sys::XLA_FFI_Api {
     sys::XLA_FFI_Api {
         struct_size: sys::XLA_FFI_Api_STRUCT_SIZE as usize,
@@ -465,6 +490,93 @@ fn api_errors_become_internal() {
     assert!(matches!(built.frame().device_ordinal(), Err(Error::Unimplemented(_))));
 }
 
+#[test]
+fn stream_comes_from_the_api_and_is_an_error_on_cpu() {
+    let built = Call::default().build();
+    // The default fake table has no Stream_Get, like a CPU-only table.
+    assert!(matches!(built.frame().stream(), Err(Error::Unimplemented(_))));
+    unsafe { (*built.api).XLA_FFI_Stream_Get = Some(fake_stream) };
+    assert_eq!(built.frame().stream().unwrap() as usize, STREAM);
+    unsafe { (*built.api).XLA_FFI_Stream_Get = Some(cpu_stream) };
+    let err = built.frame().stream().err().unwrap();
+    assert_eq!(err, Error::Internal("XLA_FFI_Stream_Get failed: XLA FFI GPU context is not available".into()));
+    unsafe { (*built.api).XLA_FFI_Stream_Get = Some(null_stream) };
+    assert!(matches!(built.frame().stream(), Err(Error::Internal(m)) if m.contains("no stream")));
+    // A table too short to have it.
+    unsafe {
+        (*built.api).XLA_FFI_Stream_Get = Some(fake_stream);
+        (*built.api).struct_size = std::mem::offset_of!(sys::XLA_FFI_Api, XLA_FFI_Stream_Get);
+    }
+    assert!(matches!(built.frame().stream(), Err(Error::Unimplemented(_))));
+}
+
+// ---- device buffers ----------------------------------------------------------------
+
+#[test]
+fn device_buffers_give_addresses_and_lengths_without_slices() {
+    let built = Call {
+        args: vec![f32_arg(&[2, 3]), (sys::XLA_FFI_DataType_BF16, vec![4])],
+        rets: vec![(sys::XLA_FFI_DataType_F16, vec![5, 1]), (sys::XLA_FFI_DataType_U8, vec![3, 100])],
+        ..Default::default()
+    }
+    .build();
+    let mut frame = built.frame();
+    let data = |b: *mut sys::XLA_FFI_Buffer| unsafe { (*b).data } as u64;
+    let x = frame.device_arg(0, "x").unwrap();
+    assert_eq!((x.dtype, x.dims, x.addr, x.bytes), (DType::F32, &[2i64, 3][..], data(built.arg_bufs[0]), 24));
+    let w = frame.device_arg(1, "w").unwrap();
+    assert_eq!((w.dtype, w.dims, w.addr, w.bytes), (DType::BF16, &[4i64][..], data(built.arg_bufs[1]), 8));
+    // Operands can be described any number of times.
+    assert_eq!(frame.device_arg(0, "x").unwrap().addr, x.addr);
+
+    let out = frame.device_ret(0, "out").unwrap();
+    assert_eq!((out.dtype, out.dims, out.addr, out.bytes), (DType::F16, &[5i64, 1][..], data(built.ret_bufs[0]), 10));
+    let ws = frame.device_ret_bytes(1, "workspace").unwrap();
+    assert_eq!((ws.dims, ws.addr, ws.bytes), (&[3i64, 100][..], data(built.ret_bufs[1]), 300));
+    // Each result once, whichever accessor took it.
+    for err in [
+        frame.device_ret(0, "out").err(),
+        frame.take_ret(0, "out").err(),
+        frame.device_ret_bytes(1, "workspace").err(),
+        frame.ret_bytes(1, "workspace").err(),
+    ] {
+        assert!(matches!(&err, Some(Error::Internal(m)) if m.contains("twice")), "{err:?}");
+    }
+}
+
+#[test]
+fn device_buffers_are_checked_like_host_ones() {
+    let built = Call {
+        args: vec![(sys::XLA_FFI_DataType_S32, vec![3]), f32_arg(&[0, 8]), f32_arg(&[2, -1]), f32_arg(&[4])],
+        rets: vec![(sys::XLA_FFI_DataType_PRED, vec![3]), f32_arg(&[4]), f32_arg(&[4])],
+        ..Default::default()
+    }
+    .build();
+    let (empty_arg, full_arg) = (built.arg_bufs[1], built.arg_bufs[3]);
+    let (ret1, ret2) = (built.ret_bufs[1], built.ret_bufs[2]);
+    let mut frame = built.frame();
+    let err = frame.device_arg(0, "x").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.starts_with("operand `x` has dtype int32")), "{err}");
+    let err = frame.device_ret(0, "out").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.starts_with("result `out` has dtype bool")), "{err}");
+    let err = frame.device_arg(2, "bad").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("bad shape")), "{err}");
+    let err = frame.device_arg(9, "w").err().unwrap();
+    assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("operand `w` (index 9)")), "{err}");
+    // An empty buffer may have no address; a non-empty one must.
+    unsafe { (*empty_arg).data = ptr::null_mut() };
+    let empty = frame.device_arg(1, "empty").unwrap();
+    assert_eq!((empty.addr, empty.bytes), (0, 0));
+    unsafe { (*full_arg).data = ptr::null_mut() };
+    assert!(matches!(frame.device_arg(3, "x"), Err(Error::Internal(m)) if m.contains("no data")));
+    // A result aliasing an operand or another result is refused.
+    unsafe { (*ret2).data = (*ret1).data };
+    let err = frame.device_ret(2, "out2").err().unwrap();
+    assert!(matches!(&err, Error::Internal(m) if m.contains("shares memory with result 1")), "{err}");
+    // The ordinal (device id) a GPU handler needs comes with it.
+    assert_eq!(frame.device_ordinal().unwrap(), DEVICE_ORDINAL);
+}
+
 // ---- the handler wrapper ---------------------------------------------------------
 
 #[test]
@@ -574,4 +686,43 @@ fn a_short_call_frame_is_an_error() {
     let (code, msg) = built.handle(|_| Ok(())).unwrap();
     assert_eq!(code, sys::XLA_FFI_Error_Code_INTERNAL);
     assert!(msg.contains("struct_size"), "{msg}");
+}
+
+// ---- the CUDA handler without a GPU ----------------------------------------------
+
+#[cfg(feature = "cuda")]
+#[test]
+fn the_cuda_handler_checks_the_call_then_reports_missing_libraries() {
+    use crate::backend::cuda::{collective_matmul, libs::Lib};
+    let call = |kind: i64| {
+        Call {
+            args: vec![f32_arg(&[2, 4]), f32_arg(&[4, 3])],
+            rets: vec![f32_arg(&[4, 3]), (sys::XLA_FFI_DataType_U8, vec![1, 4096])],
+            attrs: vec![
+                ("kind", Attr::I64(kind)),
+                ("schedule", Attr::I64(0)),
+                ("site", Attr::I64(1)),
+                ("dimension", Attr::I64(0)),
+                ("mesh_devices", Attr::I64s(vec![2048, i64::from(DEVICE_ORDINAL)])),
+                ("mesh_shape", Attr::I64s(vec![2])),
+                ("axes", Attr::I64s(vec![0])),
+            ],
+            ..Default::default()
+        }
+        .build()
+    };
+    // Attributes are checked before anything touches CUDA.
+    let (code, msg) = call(99).handle(collective_matmul).unwrap();
+    assert_eq!(
+        (code, msg.as_str()),
+        (sys::XLA_FFI_Error_Code_INVALID_ARGUMENT, "commfuse: invalid argument: unknown op kind 99")
+    );
+    if Lib::ALL.iter().all(|l| l.present()) {
+        return; // A CUDA host: the handler would use the (fake) stream; jax_tests cover it there.
+    }
+    let built = call(0);
+    unsafe { (*built.api).XLA_FFI_Stream_Get = Some(fake_stream) };
+    let (code, msg) = built.handle(collective_matmul).unwrap();
+    assert_eq!(code, sys::XLA_FFI_Error_Code_UNIMPLEMENTED, "{msg}");
+    assert!(msg.contains("cannot load") && msg.contains("LD_LIBRARY_PATH"), "{msg}");
 }

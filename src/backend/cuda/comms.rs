@@ -70,6 +70,18 @@ impl<C> CommCache<C> {
         Ok(c)
     }
 
+    /// Drops `key`'s entry if it is still `failed` (a communicator that
+    /// failed; one made since by another member stays); the next
+    /// `get_or_create` makes a new one. Holders of the old `Arc` keep it.
+    pub fn remove(&self, key: &CommKey, failed: &Arc<C>) -> bool {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries.get(key).is_some_and(|c| Arc::ptr_eq(c, failed)) {
+            entries.remove(key);
+            return true;
+        }
+        false
+    }
+
     pub fn len(&self) -> usize {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -139,5 +151,12 @@ mod tests {
         assert_eq!(e.message(), "init failed");
         assert_eq!(cache.len(), 2);
         assert_eq!(*cache.get_or_create(&k, || Ok(7)).unwrap(), 7);
+        // An evicted entry is created afresh; a stale eviction leaves the new one.
+        let seven = cache.get_or_create(&k, || Ok(0)).unwrap();
+        assert!(cache.remove(&k, &seven));
+        assert!(!cache.remove(&k, &seven));
+        let eight = cache.get_or_create(&k, || Ok(8)).unwrap();
+        assert!(!cache.remove(&k, &seven));
+        assert!(Arc::ptr_eq(&cache.get_or_create(&k, || Ok(9)).unwrap(), &eight));
     }
 }

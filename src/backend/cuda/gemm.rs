@@ -68,6 +68,15 @@ impl ColMajor {
     }
 }
 
+impl ColMajor {
+    /// Device addresses of cuBLAS's A (the row-major right operand), B (the
+    /// left one) and C for `ops`' buffers.
+    pub fn addresses(&self, ops: Operands) -> (u64, u64, u64) {
+        let at = |(base, dtype): (u64, DType), offset: usize| base + (offset * dtype.size()) as u64;
+        (at(ops.rhs, self.a_offset), at(ops.lhs, self.b_offset), at(ops.dst, self.c_offset))
+    }
+}
+
 /// cuBLAS's name for an element type (f64 is not offered on the GPU path).
 pub fn cuda_type(dtype: DType) -> Result<cudarc::cublas::sys::cudaDataType> {
     use cudarc::cublas::sys::cudaDataType::*;
@@ -80,7 +89,7 @@ pub fn cuda_type(dtype: DType) -> Result<cudarc::cublas::sys::cudaDataType> {
 }
 
 /// Device buffers of one GEMM: base addresses and element types.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Operands {
     pub lhs: (u64, DType),
     pub rhs: (u64, DType),
@@ -102,10 +111,11 @@ pub unsafe fn enqueue(
 ) -> Result<()> {
     use cudarc::cublas::{result, sys};
     let Some(c) = ColMajor::of(g)? else { return Ok(()) };
-    let at = |(base, dtype): (u64, DType), offset: usize| base + (offset * dtype.size()) as u64;
+    let (a, b, dst) = c.addresses(ops);
     let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-    let int = |x: usize| x as std::ffi::c_int; // checked by `ColMajor::of`
-                                               // SAFETY: the caller's contract; alpha and beta are host f32 as COMPUTE_32F requires.
+    // The sizes fit in an int: checked by `ColMajor::of`.
+    let int = |x: usize| x as std::ffi::c_int;
+    // SAFETY: the caller's contract; alpha and beta are host f32 as COMPUTE_32F requires.
     unsafe {
         result::gemm_ex(
             handle,
@@ -115,14 +125,14 @@ pub unsafe fn enqueue(
             int(c.n),
             int(c.k),
             (&alpha as *const f32).cast(),
-            at(ops.rhs, c.a_offset) as *const std::ffi::c_void,
+            a as *const std::ffi::c_void,
             cuda_type(ops.rhs.1)?,
             int(c.lda),
-            at(ops.lhs, c.b_offset) as *const std::ffi::c_void,
+            b as *const std::ffi::c_void,
             cuda_type(ops.lhs.1)?,
             int(c.ldb),
             (&beta as *const f32).cast(),
-            at(ops.dst, c.c_offset) as *mut std::ffi::c_void,
+            dst as *mut std::ffi::c_void,
             cuda_type(ops.dst.1)?,
             int(c.ldc),
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,

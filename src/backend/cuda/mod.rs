@@ -8,11 +8,18 @@
 //! exchange as one group, `comms` keys and caches communicators, `kernels`
 //! compiles `kernels/` with NVRTC, `libs` checks the libraries first.
 //!
-//! Not yet wired (see GPU.md): the handler needs XLA's stream and raw device
-//! addresses of the buffers from `crate::xla`, which has neither yet.
+//! `calls` maps a call's plan buffers onto XLA's device addresses (pure,
+//! tested without a device) and `device` drives the driver, cuBLAS, the
+//! kernels and NCCL with them. What still needs a GPU to be verified, and
+//! what is missing (several processes, device-side timeouts), is in GPU.md.
 #![deny(unsafe_code)]
 
+pub mod calls;
 pub mod comms;
+#[allow(unsafe_code)]
+pub mod device;
+#[cfg(test)]
+mod emulate;
 #[allow(unsafe_code)]
 pub mod gemm;
 pub mod issue;
@@ -24,33 +31,97 @@ pub mod nccl;
 
 use crate::comm::Group;
 use crate::error::{Error, Result};
-use crate::plan::Schedule;
-use crate::problem::OpKind;
+use crate::exec::stream::StreamSchedule;
+use crate::plan::{self, Action, Schedule, Workspace};
+use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
+use calls::{DeviceBuffers, Region, Resolver};
+use comms::CommKey;
+use device::CallOps;
 use libs::{require, Lib};
+use std::time::Instant;
 
-/// One device's call of a fused op on a GPU: checks the call as the CPU path
-/// does (attributes only: the buffers live on the device, and `Frame` hands out
-/// host slices), checks the libraries, then reports what is missing to run it.
+/// One device's call of a fused op on a GPU: the same checks, problem and
+/// plan as the CPU path, then the plan's stream schedule enqueued on the
+/// device's streams, forked from and joined back to XLA's stream. Returns
+/// once everything is enqueued (no host synchronisation).
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
+    let start = Instant::now();
     let code = frame.attr_i64("kind")?;
     let kind = OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))?;
     let schedule_code = frame.attr_i64("schedule")?;
-    Schedule::from_code(schedule_code)
+    let schedule = Schedule::from_code(schedule_code)
         .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {schedule_code}", kind.name())))?;
     let device = i64::from(frame.device_ordinal()?);
-    // The group is checked (and would key the communicator) before anything else.
-    Group::from_mesh(
+    let group = Group::from_mesh(
         frame.attr_i64_array("mesh_devices")?,
         frame.attr_i64_array("mesh_shape")?,
         frame.attr_i64_array("axes")?,
         device,
     )?;
     require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc])?;
-    Err(Error::Unimplemented(format!(
-        "{}: the CUDA handler is not wired yet: it needs XLA's stream (XLA_FFI_Stream_Get) and the device \
-         addresses of the operands, result and workspace, which commfuse's XLA frame does not expose yet \
-         (see GPU.md); run on the CPU backend",
-        kind.name()
-    )))
+
+    let x = frame.device_arg(0, "x")?;
+    let w = frame.device_arg(1, "w")?;
+    let out = frame.device_ret(0, "out")?;
+    let workspace = frame.device_ret_bytes(1, "workspace")?;
+    let problem = Problem::new(
+        kind,
+        Operand { dims: x.dims, dtype: x.dtype },
+        Operand { dims: w.dims, dtype: w.dtype },
+        Operand { dims: out.dims, dtype: out.dtype },
+        frame.attr_i64("dimension")?,
+        group.size(),
+    )?;
+    let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
+    let layout = Workspace::layout(&plan, &problem.sizes());
+    let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
+    let buffers = DeviceBuffers {
+        x: region(x.addr, x.bytes, x.dtype),
+        w: region(w.addr, w.bytes, w.dtype),
+        out: region(out.addr, out.bytes, out.dtype),
+        workspace: (workspace.addr, workspace.bytes),
+    };
+    let resolver = Resolver::new(&problem, &layout, &plan.slots, buffers)?;
+    let streams = StreamSchedule::new(&plan);
+    let deadline = start + crate::config::timeout()?;
+
+    let xla_stream = frame.stream()?;
+    let dev = device::bind(xla_stream)?;
+    // Communicators first (their creation takes the cache lock and sets
+    // other devices' contexts), then this device's lock for the enqueueing.
+    let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
+    let key = CommKey::of(&group);
+    let comms = if exchanges {
+        let ordinal = dev.lock().unwrap_or_else(|e| e.into_inner()).ordinal;
+        let ordinals = calls::local_cuda_ordinals(&group.devices, device::device_count()?, device, ordinal)?;
+        let d = dev.lock().unwrap_or_else(|e| e.into_inner());
+        let made = device::local_group(&key, &ordinals, &d, deadline);
+        drop(d);
+        Some(made?)
+    } else {
+        None
+    };
+    let mut d = dev.lock().unwrap_or_else(|e| e.into_inner());
+    CallOps::prepare(&mut d, issue::events_needed(&streams))?;
+    let mut ops = CallOps {
+        device: &mut d,
+        xla: xla_stream,
+        lanes: streams.lanes.iter().map(|&l| CallOps::lane_stream(l)).collect(),
+        resolver: &resolver,
+        comm: comms.as_ref().map(|c| c.rank(group.rank)).transpose()?,
+        deadline,
+        comm_failed: false,
+    };
+    let result = issue::issue(&plan, &streams, &mut ops);
+    if let Some(c) = comms.as_ref().filter(|_| ops.comm_failed) {
+        c.abort_rank(group.rank);
+        device::evict(&key, c);
+    }
+    result.map_err(|e| match e {
+        Error::DeadlineExceeded(m) => {
+            Error::DeadlineExceeded(format!("{} (rank {} of group {:?}): {m}", kind.name(), group.rank, group.devices))
+        }
+        other => other,
+    })
 }

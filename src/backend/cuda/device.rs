@@ -1,0 +1,648 @@
+//! The device half of a call: contexts, streams, events, cuBLAS handles,
+//! kernels and NCCL communicators, created once and cached, and the
+//! [`StreamOps`] that enqueues a plan's steps on them.
+//!
+//! Per CUDA device (cached for the process, [`bind`]): the context of XLA's
+//! stream (the device's primary context, retained and never released), one
+//! compute and one communication stream (non-blocking: no implicit sync with
+//! the legacy default stream, which is never used), a pool of events (grown
+//! only when a call needs more than any before it), one cuBLAS handle per
+//! internal stream, and the `kernels/` module (compiled with NVRTC once per
+//! architecture, loaded once per device). XLA's stream is borrowed for the
+//! call, never created, synchronised or destroyed here.
+//!
+//! Per group of devices (cached, [`local_group`]): non-blocking NCCL
+//! communicators for every member in this process, created together from
+//! one thread under one unique id; every NCCL wait is a host-side poll of
+//! `ncclCommGetAsyncError` bounded by the call's deadline, after which the
+//! communicator is aborted and the call reports DEADLINE_EXCEEDED.
+//!
+//! The hot path (a call after the first on its device and group) allocates
+//! no device memory and never synchronises the host with the device.
+
+use super::calls::{self, grid, poll_until, DeviceOp, Poll, Resolver, SumLaunch, BLOCK};
+use super::comms::{CommCache, CommKey};
+use super::issue::StreamOps;
+use super::kernels::{arch, PtxCache, SOURCES};
+use super::nccl::P2p;
+use super::{gemm, nccl};
+use crate::error::{Error, Result};
+use crate::plan::Step;
+use cudarc::cublas::{result as blas, sys as bsys};
+use cudarc::driver::{result as drv, sys as dsys};
+use cudarc::nccl::{result as nc, sys as nsys};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::ptr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+fn driver(what: &'static str) -> impl Fn(drv::DriverError) -> Error {
+    move |e| Error::Internal(format!("CUDA driver {what}: {e:?}"))
+}
+
+fn cublas(what: &'static str) -> impl Fn(blas::CublasError) -> Error {
+    move |e| Error::Internal(format!("cuBLAS {what}: {e}"))
+}
+
+fn nccl_err(what: &'static str) -> impl Fn(nc::NcclError) -> Error {
+    move |e| Error::Internal(format!("NCCL {what}: {:?}", e.0))
+}
+
+/// The sum kernels of `kernels/elementwise.cu` the backend launches.
+const SUM_KERNELS: [&str; 3] = ["sum_f32", "sum_to_bf16", "sum_to_f16"];
+
+/// One CUDA device's cached state (see the module comment).
+pub struct Device {
+    pub ordinal: i32,
+    ctx: dsys::CUcontext,
+    multiprocessors: u32,
+    /// The compute and the communication stream.
+    lanes: [dsys::CUstream; 2],
+    events: Vec<dsys::CUevent>,
+    blas: Vec<(dsys::CUstream, bsys::cublasHandle_t)>,
+    sums: [dsys::CUfunction; 3],
+}
+
+// SAFETY: the handles are plain driver/cuBLAS handles, usable from any thread
+// once the device's context is current (every user calls `bind` first); the
+// `Mutex` around each `Device` serialises all use.
+unsafe impl Send for Device {}
+
+static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Mutex<Device>>>>> = OnceLock::new();
+static PTX: OnceLock<PtxCache> = OnceLock::new();
+static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+
+/// Makes the context of XLA's `stream` current on this thread and returns
+/// its device's cached state (created on the device's first call).
+pub fn bind(stream: *mut c_void) -> Result<Arc<Mutex<Device>>> {
+    INIT.get_or_init(|| drv::init().map_err(|e| format!("{e:?}")))
+        .clone()
+        .map_err(|e| Error::Internal(format!("cuInit: {e}")))?;
+    let stream = stream as dsys::CUstream;
+    let mut ctx: dsys::CUcontext = ptr::null_mut();
+    let mut ordinal: dsys::CUdevice = 0;
+    // SAFETY: `stream` is XLA's live stream for this call (`Frame::stream`
+    // refuses null); the out-pointers are valid locals.
+    unsafe {
+        dsys::cuStreamGetCtx(stream, &mut ctx).result().map_err(driver("cuStreamGetCtx"))?;
+        drv::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+        dsys::cuCtxGetDevice(&mut ordinal).result().map_err(driver("cuCtxGetDevice"))?;
+    }
+    let devices = DEVICES.get_or_init(Default::default);
+    let mut devices = devices.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = devices.get(&ordinal) {
+        return Ok(Arc::clone(d));
+    }
+    let d = Arc::new(Mutex::new(Device::new(ordinal, ctx)?));
+    devices.insert(ordinal, Arc::clone(&d));
+    Ok(d)
+}
+
+/// Number of CUDA devices this process sees.
+pub fn device_count() -> Result<i32> {
+    drv::device::get_count().map_err(driver("cuDeviceGetCount"))
+}
+
+impl Device {
+    /// Creates the device's streams and kernels; `ctx` (current) is XLA's.
+    fn new(ordinal: i32, ctx: dsys::CUcontext) -> Result<Device> {
+        let dev = drv::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
+        // SAFETY: `dev` comes from `cuDeviceGet`; the retained reference is
+        // kept for the life of the process (the cache never drops a device).
+        let primary = unsafe { drv::primary_ctx::retain(dev) }.map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        if primary != ctx {
+            return Err(Error::Unimplemented(format!(
+                "XLA's stream on CUDA device {ordinal} is not in the device's primary context"
+            )));
+        }
+        // SAFETY: `dev` is valid; the attributes are plain integers.
+        let attr = |a| unsafe { drv::device::get_attribute(dev, a) }.map_err(driver("cuDeviceGetAttribute"));
+        use dsys::CUdevice_attribute::*;
+        let (major, minor) =
+            (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
+        let multiprocessors = u32::try_from(attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?).unwrap_or(1);
+        let arch = arch(major, minor)?;
+        let ptx = PTX.get_or_init(PtxCache::default).get(arch, SOURCES[0])?;
+        let image = CString::new(ptx.as_bytes()).map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
+        // SAFETY: `image` is NUL-terminated PTX, alive for the call; the
+        // module stays loaded for the life of the process.
+        let module = unsafe { drv::module::load_data(image.as_ptr().cast()) }.map_err(driver("cuModuleLoadData"))?;
+        let mut sums = [ptr::null_mut(); 3];
+        for (f, name) in sums.iter_mut().zip(SUM_KERNELS) {
+            let cname = CString::new(name).map_err(|_| Error::Internal("kernel name".into()))?;
+            // SAFETY: `module` was just loaded and is never unloaded.
+            *f = unsafe { drv::module::get_function(module, cname) }.map_err(driver("cuModuleGetFunction"))?;
+        }
+        let make = || drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"));
+        let lanes = [make()?, make()?];
+        Ok(Device { ordinal, ctx, multiprocessors, lanes, events: Vec::new(), blas: Vec::new(), sums })
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn make_current(&self) -> Result<()> {
+        // SAFETY: `ctx` is retained for the life of the process.
+        unsafe { drv::ctx::set_current(self.ctx) }.map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// At least `n` events (created on the first call that needs them).
+    fn reserve_events(&mut self, n: usize) -> Result<()> {
+        while self.events.len() < n {
+            let flags = dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+            self.events.push(drv::event::create(flags).map_err(driver("cuEventCreate"))?);
+        }
+        Ok(())
+    }
+
+    /// The cuBLAS handle bound to `stream` (created on first use).
+    fn blas_for(&mut self, stream: dsys::CUstream) -> Result<bsys::cublasHandle_t> {
+        if let Some(&(_, h)) = self.blas.iter().find(|(s, _)| *s == stream) {
+            return Ok(h);
+        }
+        let h = blas::create_handle().map_err(cublas("cublasCreate"))?;
+        // SAFETY: `h` was just created in the current context (this device's);
+        // `stream` is one of this device's internal streams, never destroyed.
+        unsafe { blas::set_stream(h, stream as bsys::cudaStream_t) }.map_err(cublas("cublasSetStream"))?;
+        self.blas.push((stream, h));
+        Ok(h)
+    }
+
+    fn sum_kernel(&self, name: &str) -> Result<dsys::CUfunction> {
+        SUM_KERNELS
+            .iter()
+            .position(|&k| k == name)
+            .map(|i| self.sums[i])
+            .ok_or_else(|| Error::Internal(format!("no kernel {name}")))
+    }
+}
+
+// ---- NCCL communicators ------------------------------------------------------
+
+/// The communicators of one group's members in this process, by rank.
+pub struct GroupComms {
+    comms: Vec<nsys::ncclComm_t>,
+}
+
+// SAFETY: each communicator is used by one call at a time: rank r's only by
+// the calls of device r, which hold that device's lock while using it.
+unsafe impl Send for GroupComms {}
+// SAFETY: as above; shared references only read the handles.
+unsafe impl Sync for GroupComms {}
+
+impl GroupComms {
+    pub fn rank(&self, rank: usize) -> Result<nsys::ncclComm_t> {
+        self.comms.get(rank).copied().ok_or_else(|| Error::Internal(format!("no communicator for rank {rank}")))
+    }
+
+    /// Aborts rank `rank`'s communicator after it failed or timed out: the
+    /// caller (the only user of that rank's communicator, under its device's
+    /// lock) evicts the group from the cache, so nothing uses it again. The
+    /// other ranks' communicators are left to their own calls, which fail or
+    /// time out and abort theirs.
+    pub fn abort_rank(&self, rank: usize) {
+        if let Some(&c) = self.comms.get(rank).filter(|c| !c.is_null()) {
+            // SAFETY: `c` is a communicator this struct created; see above.
+            let _ = unsafe { nc::comm_abort(c) };
+        }
+    }
+
+    /// Aborts every communicator (a group whose creation failed, which no
+    /// call has seen yet).
+    fn abort_all(&self) {
+        for rank in 0..self.comms.len() {
+            self.abort_rank(rank);
+        }
+    }
+}
+
+static COMMS: OnceLock<CommCache<GroupComms>> = OnceLock::new();
+
+/// The cached communicators of `key`'s group, all of whose members are the
+/// CUDA devices `ordinals` of this process (rank order), created together on
+/// first use. `current` is restored as the thread's context afterwards.
+pub fn local_group(key: &CommKey, ordinals: &[i32], current: &Device, deadline: Instant) -> Result<Arc<GroupComms>> {
+    COMMS.get_or_init(Default::default).get_or_create(key, || {
+        let made = create_local(ordinals, deadline);
+        current.make_current()?;
+        made
+    })
+}
+
+/// Drops a failed group from the cache (the next call creates it afresh),
+/// unless another member already replaced it.
+pub fn evict(key: &CommKey, failed: &Arc<GroupComms>) {
+    if let Some(cache) = COMMS.get() {
+        cache.remove(key, failed);
+    }
+}
+
+/// A non-blocking communicator configuration, other fields left to NCCL.
+fn config() -> Result<nsys::ncclConfig_t> {
+    const UNDEF: i32 = i32::MIN; // NCCL_CONFIG_UNDEF_INT
+    let runtime = nc::get_nccl_version().map_err(nccl_err("ncclGetVersion"))?;
+    Ok(nsys::ncclConfig_t {
+        size: std::mem::size_of::<nsys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: calls::nccl_config_version(runtime),
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    })
+}
+
+/// Polls a non-blocking communicator once.
+///
+/// # Safety
+/// `comm` is a live communicator.
+unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
+    let mut state = nsys::ncclResult_t::ncclSuccess;
+    // SAFETY: the caller's contract; `state` is a valid out-pointer.
+    unsafe { nsys::ncclCommGetAsyncError(comm, &mut state) }.result().map_err(nccl_err("ncclCommGetAsyncError"))?;
+    match state {
+        nsys::ncclResult_t::ncclSuccess => Ok(Poll::Done),
+        nsys::ncclResult_t::ncclInProgress => Ok(Poll::Pending),
+        other => Err(Error::Internal(format!("NCCL {what}: asynchronous error {other:?}"))),
+    }
+}
+
+fn create_local(ordinals: &[i32], deadline: Instant) -> Result<GroupComms> {
+    let n = i32::try_from(ordinals.len()).map_err(|_| Error::Internal("group too large".into()))?;
+    let id = nc::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+    let mut config = config()?;
+    let mut group = GroupComms { comms: vec![ptr::null_mut(); ordinals.len()] };
+    nc::group_start().map_err(nccl_err("ncclGroupStart"))?;
+    let posted = (|| -> Result<()> {
+        for (rank, (&o, comm)) in ordinals.iter().zip(group.comms.iter_mut()).enumerate() {
+            let dev = drv::device::get(o).map_err(driver("cuDeviceGet"))?;
+            // SAFETY: `dev` comes from `cuDeviceGet`; the primary context is
+            // retained for the life of the process (XLA holds it too).
+            unsafe {
+                let ctx = drv::primary_ctx::retain(dev).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+                drv::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+            }
+            // SAFETY: `comm` and `config` are valid for the call; the id is
+            // shared by every rank of this group and by no other group.
+            unsafe { nc::comm_init_rank_config(comm, n, id, rank as i32, &mut config) }
+                .map_err(nccl_err("ncclCommInitRankConfig"))?;
+        }
+        Ok(())
+    })();
+    let ended = nc::group_end().map_err(nccl_err("ncclGroupEnd"));
+    let ready = posted.and(ended.map(|_| ())).and_then(|()| {
+        for &c in &group.comms {
+            if c.is_null() {
+                return Err(Error::Internal("NCCL created no communicator".into()));
+            }
+            // SAFETY: `c` was created above.
+            poll_until(deadline, "NCCL communicator creation for this process's CUDA devices", || unsafe {
+                probe(c, "communicator creation")
+            })?;
+        }
+        Ok(())
+    });
+    if let Err(e) = ready {
+        group.abort_all();
+        return Err(e);
+    }
+    Ok(group)
+}
+
+// ---- one call ------------------------------------------------------------------
+
+/// Enqueues one call's steps: lanes `Compute`/`Comm` on the device's
+/// internal streams, the caller's stream being XLA's.
+pub struct CallOps<'a> {
+    pub device: &'a mut Device,
+    pub xla: *mut c_void,
+    /// The stream of each schedule lane (by index into `StreamSchedule::lanes`).
+    pub lanes: Vec<usize>,
+    pub resolver: &'a Resolver<'a>,
+    pub comm: Option<nsys::ncclComm_t>,
+    pub deadline: Instant,
+    /// Set when a communicator failed or timed out: the caller aborts and evicts it.
+    pub comm_failed: bool,
+}
+
+impl CallOps<'_> {
+    /// Prepares the device for a call needing `events` events.
+    pub fn prepare(device: &mut Device, events: usize) -> Result<()> {
+        device.make_current()?;
+        device.reserve_events(events)
+    }
+
+    /// Index 0 is the compute stream, 1 the communication stream.
+    pub fn lane_stream(lane: crate::plan::Lane) -> usize {
+        match lane {
+            crate::plan::Lane::Compute => 0,
+            crate::plan::Lane::Comm => 1,
+        }
+    }
+
+    fn stream(&self, stream: Option<usize>) -> Result<dsys::CUstream> {
+        match stream {
+            None => Ok(self.xla as dsys::CUstream),
+            Some(l) => {
+                self.lanes.get(l).map(|&s| self.device.lanes[s]).ok_or_else(|| Error::Internal(format!("no lane {l}")))
+            }
+        }
+    }
+
+    fn event(&self, event: usize) -> Result<dsys::CUevent> {
+        self.device.events.get(event).copied().ok_or_else(|| Error::Internal(format!("no event {event}")))
+    }
+
+    fn exchange(&mut self, stream: dsys::CUstream, sends: &[P2p], recvs: &[P2p]) -> Result<()> {
+        let comm = self.comm.ok_or_else(|| Error::Internal("an exchange without a communicator".into()))?;
+        // SAFETY: `comm` is this device's communicator of the group, `stream`
+        // its communication stream; the addresses are inside XLA's buffers
+        // (checked by the resolver), which live until XLA's stream passes the
+        // join event, after these transfers.
+        let posted = unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, sends, recvs) };
+        // Non-blocking communicators may still be connecting or enqueueing:
+        // wait (host side, bounded) until NCCL has taken the group.
+        let result = posted.and_then(|()| {
+            // SAFETY: `comm` is live.
+            poll_until(self.deadline, "an NCCL send/receive group (a peer may not have joined)", || unsafe {
+                probe(comm, "send/receive")
+            })
+        });
+        if result.is_err() {
+            self.comm_failed = true;
+        }
+        result
+    }
+
+    fn launch_sum(&mut self, stream: dsys::CUstream, launch: SumLaunch) -> Result<()> {
+        if launch.n == 0 {
+            return Ok(());
+        }
+        let f = self.device.sum_kernel(launch.kernel)?;
+        let (mut out, mut terms, mut k, mut n) = (launch.dst, launch.terms, launch.k, launch.n);
+        // The kernel's parameters: (T* dst, Terms terms, int k, u64 n),
+        // `Terms` being eight pointers by value, laid out as `[u64; 8]`.
+        let mut params: [*mut c_void; 4] = [
+            (&mut out as *mut u64).cast(),
+            (&mut terms as *mut [u64; calls::MAX_TERMS]).cast(),
+            (&mut k as *mut i32).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        let grid = grid(launch.n, self.device.multiprocessors);
+        // SAFETY: `f` is a function of this device's module with exactly
+        // these parameters; their values live across the call (the driver
+        // copies them); the addresses are inside XLA's buffers (checked by
+        // the resolver), alive until the join.
+        unsafe { drv::launch_kernel(f, (grid, 1, 1), (BLOCK, 1, 1), 0, stream, &mut params) }
+            .map_err(driver("cuLaunchKernel"))
+    }
+}
+
+impl StreamOps for CallOps<'_> {
+    fn record(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
+        let (s, e) = (self.stream(stream)?, self.event(event)?);
+        // SAFETY: both handles are live (XLA's stream for the call, ours cached).
+        unsafe { drv::event::record(e, s) }.map_err(driver("cuEventRecord"))
+    }
+
+    fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
+        let (s, e) = (self.stream(stream)?, self.event(event)?);
+        // SAFETY: as in `record`.
+        unsafe { drv::stream::wait_event(s, e, dsys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(driver("cuStreamWaitEvent"))
+    }
+
+    fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
+        let stream = self.stream(Some(lane))?;
+        for op in self.resolver.lower(&step.action)? {
+            match op {
+                DeviceOp::Gemm { gemm, ops, accumulate } => {
+                    let handle = self.device.blas_for(stream)?;
+                    // SAFETY: `handle` is bound to this lane's stream in this
+                    // device's (current) context; the resolver placed every
+                    // view inside XLA's buffers, alive until the join.
+                    unsafe { gemm::enqueue(handle, &gemm, ops, accumulate) }?;
+                }
+                DeviceOp::Sum(launch) => self.launch_sum(stream, launch)?,
+                DeviceOp::Exchange { sends, recvs } => self.exchange(stream, &sends, &recvs)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::calls::{DeviceBuffers, Region};
+    use crate::backend::cuda::comms::CommKey;
+    use crate::backend::cuda::emulate::{cases, fill, reference};
+    use crate::backend::cuda::issue::{events_needed, issue};
+    use crate::backend::cuda::libs::Lib;
+    use crate::dtype::DType;
+    use crate::exec::stream::StreamSchedule;
+    use crate::plan::{plan, Schedule, Workspace};
+    use crate::problem::{Operand, Problem};
+    use std::time::Duration;
+
+    /// Device memory of a test, freed on drop.
+    struct DeviceMem(u64);
+
+    impl DeviceMem {
+        fn with(bytes: &[u8]) -> DeviceMem {
+            // SAFETY: a fresh allocation of at least `bytes.len()` bytes in
+            // the current context, filled from a live host slice.
+            unsafe {
+                let p = drv::malloc_sync(bytes.len().max(1)).unwrap();
+                if !bytes.is_empty() {
+                    drv::memcpy_htod_sync(p, bytes).unwrap();
+                }
+                DeviceMem(p)
+            }
+        }
+
+        fn read(&self, len: usize) -> Vec<u8> {
+            let mut v = vec![0u8; len];
+            // SAFETY: the allocation holds at least `len` bytes; the copy is synchronous.
+            unsafe { drv::memcpy_dtoh_sync(&mut v, self.0) }.unwrap();
+            v
+        }
+    }
+
+    impl Drop for DeviceMem {
+        fn drop(&mut self) {
+            // SAFETY: allocated by `with`, freed once, after the stream was synchronised.
+            let _ = unsafe { drv::free_sync(self.0) };
+        }
+    }
+
+    /// The directory of pip's NVRTC libraries, if the package is installed.
+    fn pip_nvrtc() -> Option<std::path::PathBuf> {
+        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        let code = "import nvidia.cuda_nvrtc as m; print(list(m.__path__)[0])";
+        let out = std::process::Command::new(python).args(["-c", code]).output().ok()?;
+        let dir = std::path::PathBuf::from(String::from_utf8(out.stdout).ok()?.trim()).join("lib");
+        (out.status.success() && dir.is_dir()).then_some(dir)
+    }
+
+    /// The parameters `launch_sum` passes are those NVRTC gives each sum
+    /// kernel: a pointer, `Terms` by value (eight 8-byte pointers, 8-aligned),
+    /// an int and a u64. Needs pip's NVRTC, no GPU.
+    #[test]
+    fn sum_kernels_take_the_parameters_the_launch_passes() {
+        let Some(dir) = pip_nvrtc() else {
+            eprintln!("pip `nvidia-cuda-nvrtc-cu12` is not installed: the launch-signature test is skipped");
+            return;
+        };
+        // SAFETY: libnvrtc's initialisers only set up the library; it stays
+        // loaded, so cudarc's `dlopen` by soname finds it.
+        let lib = unsafe { libloading::Library::new(dir.join("libnvrtc.so.12")) }.unwrap();
+        std::mem::forget(lib);
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some("sm_80"),
+            options: vec!["--std=c++17".into()],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCES[0].text, opts).unwrap().to_src();
+        for name in SUM_KERNELS {
+            let start = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no kernel {name}"));
+            let params: Vec<String> = ptx[start..]
+                .split_once('(')
+                .and_then(|(_, rest)| rest.split_once(')'))
+                .map(|(list, _)| list.split(',').map(|p| p.split_whitespace().collect::<Vec<_>>().join(" ")).collect())
+                .unwrap();
+            let expected = [
+                format!(".param .u64 {name}_param_0"),
+                format!(".param .align 8 .b8 {name}_param_1[{}]", 8 * calls::MAX_TERMS),
+                format!(".param .u32 {name}_param_2"),
+                format!(".param .u64 {name}_param_3"),
+            ];
+            assert_eq!(params, expected, "{name}");
+        }
+        assert_eq!(std::mem::size_of::<[u64; calls::MAX_TERMS]>(), 8 * calls::MAX_TERMS);
+    }
+
+    /// Runs `case` on device `ordinal` as rank `rank` of a group of the
+    /// first `n` CUDA devices; returns the output bytes.
+    fn run_on(ordinal: i32, rank: usize, n: usize, case: &super::super::emulate::Case, schedule: Schedule) -> Vec<u8> {
+        let dev = drv::device::get(ordinal).unwrap();
+        // SAFETY: `dev` is a device of this process; its primary context stays retained.
+        unsafe { drv::ctx::set_current(drv::primary_ctx::retain(dev).unwrap()) }.unwrap();
+        // Plays XLA's stream.
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).unwrap();
+        let (kind, x, w, out) = case;
+        let op = |dims| Operand { dims, dtype: DType::F32 };
+        let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
+        let sizes = problem.sizes();
+        let p = plan(kind.pattern(), schedule, n, rank);
+        let layout = Workspace::layout(&p, &sizes);
+        let (xd, wd) = (DeviceMem::with(&fill(sizes.x, rank)), DeviceMem::with(&fill(sizes.w, 100 + rank)));
+        let outd = DeviceMem::with(&vec![0xff; sizes.result * 4]);
+        let wsd = DeviceMem::with(&vec![0; layout.total]);
+        let region = |m: &DeviceMem, elems: usize| Region { addr: m.0, bytes: elems * 4, dtype: DType::F32 };
+        let buffers = DeviceBuffers {
+            x: region(&xd, sizes.x),
+            w: region(&wd, sizes.w),
+            out: region(&outd, sizes.result),
+            workspace: (wsd.0, layout.total),
+        };
+        let resolver = Resolver::new(&problem, &layout, &p.slots, buffers).unwrap();
+        let sched = StreamSchedule::new(&p);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let device = bind(stream as *mut c_void).unwrap();
+        let comms = (n > 1).then(|| {
+            let key = CommKey { devices: (0..n as i64).collect() };
+            let ordinals: Vec<i32> = (0..n as i32).collect();
+            let d = device.lock().unwrap();
+            local_group(&key, &ordinals, &d, deadline).unwrap()
+        });
+        let mut d = device.lock().unwrap();
+        CallOps::prepare(&mut d, events_needed(&sched)).unwrap();
+        let mut ops = CallOps {
+            device: &mut d,
+            xla: stream as *mut c_void,
+            lanes: sched.lanes.iter().map(|&l| CallOps::lane_stream(l)).collect(),
+            resolver: &resolver,
+            comm: comms.as_ref().map(|c| c.rank(rank).unwrap()),
+            deadline,
+            comm_failed: false,
+        };
+        issue(&p, &sched, &mut ops).unwrap();
+        drop(d);
+        // SAFETY: `stream` is live; the test (not the hot path) waits for it.
+        unsafe { drv::stream::synchronize(stream) }.unwrap();
+        outd.read(sizes.result * 4)
+    }
+
+    fn usable_devices() -> i32 {
+        let usable = Lib::ALL.iter().all(|l| l.present()) && drv::init().is_ok();
+        if usable {
+            device_count().unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// The device path on one real GPU, every op kind, against the CPU
+    /// backend. Runs where a CUDA device is usable (the first GPU host, via
+    /// `cargo test --features cuda`); elsewhere it returns at once.
+    #[test]
+    fn one_gpu_runs_every_op_as_the_cpu_backend_does() {
+        if usable_devices() == 0 {
+            eprintln!("no usable CUDA device: the one-GPU test is skipped");
+            return;
+        }
+        let mut site = 0x6e00;
+        for case in cases(1) {
+            for schedule in [Schedule::Ring, Schedule::Sequential] {
+                site += 1;
+                let got = run_on(0, 0, 1, &case, schedule);
+                assert!(got == reference(&case, schedule, 1, site)[0], "{:?} {schedule:?} differs on the GPU", case.0);
+            }
+        }
+    }
+
+    /// All local GPUs as one group (NCCL communicators created together,
+    /// one thread per device, as XLA runs them), every op kind and schedule.
+    #[test]
+    fn all_local_gpus_run_every_op_as_the_cpu_backend_does() {
+        let n = usable_devices().min(8) as usize;
+        if n < 2 {
+            eprintln!("fewer than 2 usable CUDA devices: the multi-GPU test is skipped");
+            return;
+        }
+        let mut site = 0x6f00;
+        for case in cases(n as i64) {
+            for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {
+                site += 1;
+                let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..n)
+                        .map(|r| {
+                            s.spawn({
+                                let case = &case;
+                                move || run_on(r as i32, r, n, case, schedule)
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                let want = reference(&case, schedule, n, site);
+                for r in 0..n {
+                    assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on the GPUs", case.0);
+                }
+            }
+        }
+    }
+}

@@ -88,3 +88,141 @@ pub extern "C" fn commfuse_set_timeout_ms(ms: u64) {
 pub extern "C" fn commfuse_cuda_built() -> i32 {
     i32::from(cfg!(feature = "cuda"))
 }
+
+/// Starts recording a timeline of every fused op's steps (see `trace`):
+/// 0, or -1 if a recording is already on.
+#[no_mangle]
+pub extern "C" fn commfuse_trace_start() -> i32 {
+    match catch_unwind(crate::trace::start) {
+        Ok(Ok(())) => 0,
+        _ => -1,
+    }
+}
+
+/// Stops recording (waiting for runs in flight) and returns how many events
+/// are buffered, or -1 after a panic.
+#[no_mangle]
+pub extern "C" fn commfuse_trace_stop() -> i64 {
+    catch_unwind(crate::trace::stop).map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX))
+}
+
+/// Stops recording and writes the buffered events as a Perfetto trace to the
+/// NUL-terminated UTF-8 `path`; returns the bytes written, or -1 with the
+/// reason written, NUL-terminated and truncated, to `error[..error_len]`.
+///
+/// # Safety
+/// `path` must be a NUL-terminated string, and `error` a writable buffer of
+/// `error_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_trace_write(path: *const std::ffi::c_char, error: *mut u8, error_len: usize) -> i64 {
+    let result = catch_unwind(|| {
+        if path.is_null() {
+            return Err("null path".to_string());
+        }
+        // SAFETY: the caller passes a NUL-terminated string.
+        let path = unsafe { std::ffi::CStr::from_ptr(path) };
+        let path = path.to_str().map_err(|e| format!("the trace path is not UTF-8: {e}"))?;
+        crate::trace::write(std::path::Path::new(path)).map_err(|e| e.to_string())
+    });
+    let message = match result {
+        Ok(Ok(bytes)) => return i64::try_from(bytes).unwrap_or(i64::MAX),
+        Ok(Err(e)) => e,
+        Err(_) => "panic while writing the trace".to_string(),
+    };
+    if !error.is_null() && error_len > 0 {
+        let n = message.len().min(error_len - 1);
+        // SAFETY: the caller guarantees `error_len` writable bytes at `error`.
+        let buffer = unsafe { std::slice::from_raw_parts_mut(error, error_len) };
+        buffer[..n].copy_from_slice(&message.as_bytes()[..n]);
+        buffer[n] = 0;
+    }
+    -1
+}
+
+/// Writes a fresh NCCL unique id (`ncclGetUniqueId`, 128 bytes) to
+/// `out[..out_len]` for the lowering of a group spanning processes. Returns
+/// 0 on success; 1 when this library cannot make one (built without the
+/// `cuda` feature, or NCCL cannot be loaded: Python raises
+/// NotImplementedError); 2 on any other failure. On failure the reason is
+/// written, NUL-terminated and truncated, to `error[..error_len]`.
+///
+/// # Safety
+/// `out` must be a writable buffer of `out_len` bytes (or null), and `error`
+/// a writable buffer of `error_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_nccl_unique_id(
+    out: *mut u8,
+    out_len: usize,
+    error: *mut u8,
+    error_len: usize,
+) -> i32 {
+    let (code, message) = match catch_unwind(nccl_unique_id) {
+        Ok(Ok(id)) if !out.is_null() && out_len == id.len() => {
+            // SAFETY: the caller guarantees `out_len` writable bytes at `out`.
+            unsafe { std::slice::from_raw_parts_mut(out, out_len) }.copy_from_slice(&id);
+            return 0;
+        }
+        Ok(Ok(id)) => (2, format!("the output buffer must hold {} bytes, got {out_len}", id.len())),
+        Ok(Err(crate::error::Error::Unimplemented(m))) => (1, m),
+        Ok(Err(e)) => (2, e.to_string()),
+        Err(_) => (2, "panic while making an NCCL unique id".to_string()),
+    };
+    if !error.is_null() && error_len > 0 {
+        let n = message.len().min(error_len - 1);
+        // SAFETY: the caller guarantees `error_len` writable bytes at `error`.
+        let buffer = unsafe { std::slice::from_raw_parts_mut(error, error_len) };
+        buffer[..n].copy_from_slice(&message.as_bytes()[..n]);
+        buffer[n] = 0;
+    }
+    code
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
+    crate::backend::cuda::nccl_unique_id()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
+    Err(crate::error::Error::Unimplemented(
+        "this commfuse library was built without the `cuda` feature: it cannot make NCCL unique ids (rebuild with \
+         COMMFUSE_FEATURES=cuda)"
+            .into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(out_len: usize) -> (i32, Vec<u8>, String) {
+        let mut out = vec![0u8; out_len];
+        let mut error = [0u8; 256];
+        // SAFETY: both buffers are live and of the lengths passed.
+        let code = unsafe { commfuse_nccl_unique_id(out.as_mut_ptr(), out.len(), error.as_mut_ptr(), error.len()) };
+        let end = error.iter().position(|&b| b == 0).unwrap_or(error.len());
+        (code, out, String::from_utf8_lossy(&error[..end]).into_owned())
+    }
+
+    /// Without the feature, or without NCCL, the answer is 1 with the reason;
+    /// with NCCL present it is an id (or 2 if NCCL's bootstrap fails here).
+    #[test]
+    fn nccl_unique_id_says_why_it_cannot_make_one() {
+        let (code, out, message) = call(128);
+        match code {
+            0 => assert!(message.is_empty()),
+            1 => {
+                assert!(out.iter().all(|&b| b == 0));
+                assert!(message.contains("cuda") || message.contains("libnccl"), "{message}");
+            }
+            _ => assert!(!message.is_empty()),
+        }
+        #[cfg(not(feature = "cuda"))]
+        assert_eq!(code, 1);
+        if code != 1 {
+            let (short, _, message) = call(64);
+            assert_eq!(short, 2);
+            assert!(message.contains("128 bytes"), "{message}");
+        }
+    }
+}

@@ -13,4 +13,5 @@ pub mod handlers;
 pub mod ops;
 pub mod plan;
 pub mod problem;
+pub mod trace;
 pub mod xla;

@@ -38,6 +38,7 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
         frame.attr_i64("dimension")?,
         group.size(),
     )?;
+    let problem = slice(problem, schedule)?;
     let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
     let timeout = crate::config::timeout()?;
 
@@ -48,14 +49,48 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
         site,
         run,
     };
-    let endpoint = transport::Endpoint::join(key, transport::CallInfo { op: kind.name(), rank: group.rank, timeout });
+    // The link model as it is when the program runs (read on every call).
+    let link = transport::link::LinkModel::from_env()?;
+    let endpoint = transport::Endpoint::join(key, transport::CallInfo { op: kind.name(), rank: group.rank, timeout })
+        .with_link(link);
+    let _trace = crate::trace::enter(device, site, kind.name(), &plan, &problem, x.data.len());
     let buffers = cpu::Buffers { x: x.data, w: w.data, out: out.data, workspace };
     cpu::run(&problem, &plan, buffers, &endpoint, start + timeout)
 }
 
-fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
+/// The low byte of a schedule code that means `Schedule::Sliced`; the number
+/// of slices is in the bits above it (`SLICED | slices << 8`). Python builds
+/// these codes (`_fused.schedule_code`).
+pub const SLICED: i64 = 4;
+
+/// Decodes the `schedule` attribute: `Schedule::from_code`'s codes, or a sliced code.
+pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
+    if code >= 0 && code & 0xff == SLICED {
+        let slices = usize::try_from(code >> 8).unwrap_or(0);
+        if slices == 0 {
+            return Err(Error::InvalidArgument(format!("{}: the sliced schedule needs slices >= 1", kind.name())));
+        }
+        if !Schedule::sliceable(kind.pattern())
+            || !matches!(kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{}: schedule \"sliced\" exists only for all_gather_matmul and matmul_reduce_scatter along a row \
+                 dim",
+                kind.name()
+            )));
+        }
+        return Ok(Schedule::Sliced { slices });
+    }
     Schedule::from_code(code)
         .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {code}", kind.name())))
+}
+
+/// The problem as `schedule` cuts it (sliced schedules address chunks of blocks).
+fn slice(problem: Problem, schedule: Schedule) -> Result<Problem> {
+    match schedule {
+        Schedule::Sliced { slices } => problem.sliced(slices),
+        _ => Ok(problem),
+    }
 }
 
 /// The shapes of one call as Python describes them at trace time.
@@ -90,6 +125,7 @@ pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
         call.dimension,
         ranks,
     )?;
+    let problem = slice(problem, schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
     Ok(Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total)
 }

@@ -132,7 +132,14 @@ pub struct Gemm {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Problem {
     pub kind: OpKind,
+    /// How many equal parts `Buf::XBlock` cuts the local `x` into (what the
+    /// backends send for an `XBlock`): the group size, except in a sliced
+    /// gather, whose `XBlock(c)` is chunk c of the local x (see `sliced`).
     pub ranks: usize,
+    /// The group size.
+    group: usize,
+    /// `Schedule::Sliced { slices }`: block indices are fine (`j * slices + c`).
+    slices: Option<usize>,
     outer: usize,
     /// Rows per segment (row kinds) or rows of the whole `m` dim.
     seg: usize,
@@ -300,6 +307,8 @@ impl Problem {
         Ok(Problem {
             kind,
             ranks: nr,
+            group: nr,
+            slices: None,
             outer,
             seg,
             k,
@@ -312,6 +321,43 @@ impl Problem {
         })
     }
 
+    /// The problem under `Schedule::Sliced { slices }`: each block's rows are
+    /// cut into `slices` chunks, block indices become fine (`j * slices + c`
+    /// is chunk c of block j), and a workspace slot holds one chunk. Row
+    /// gathers and scatters along the leading dim (one segment) only; the
+    /// rows of a block must divide into the chunks.
+    pub fn sliced(mut self, slices: usize) -> Result<Problem> {
+        let name = self.kind.name();
+        if !matches!(self.kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter) {
+            bail!(InvalidArgument, "{name}: the sliced schedule needs a row gather or scatter");
+        }
+        if slices == 0 {
+            bail!(InvalidArgument, "{name}: the sliced schedule needs slices >= 1, got 0");
+        }
+        if self.outer != 1 {
+            bail!(
+                InvalidArgument,
+                "{name}: the sliced schedule needs the gathered or scattered dim to be the leading one \
+                 ({} leading segments here)",
+                self.outer
+            );
+        }
+        if self.seg % slices != 0 {
+            bail!(
+                InvalidArgument,
+                "{name}: the sliced schedule cuts the {} rows of each block into {slices} equal chunks; \
+                 {slices} must divide {}",
+                self.seg,
+                self.seg
+            );
+        }
+        if self.kind == OpKind::AllGatherMatmul {
+            self.ranks = slices;
+        }
+        self.slices = Some(slices);
+        Ok(self)
+    }
+
     pub fn accumulator(&self) -> DType {
         DType::accumulator(self.input, self.output)
     }
@@ -322,10 +368,12 @@ impl Problem {
         let (travel, partial) = match self.kind {
             AllGatherMatmul => (self.x_len, 0),
             AllGatherMatmulContract | MatmulAllGather | MatmulAllGatherContract => (self.x_len, 0),
-            AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.ranks, 0),
+            AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.group, 0),
             MatmulReduceScatter | MatmulReduceScatterCols => (0, self.out_len),
-            MatmulAllToAll | MatmulAllToAllCols => (0, self.out_len / self.ranks),
+            MatmulAllToAll | MatmulAllToAllCols => (0, self.out_len / self.group),
         };
+        let parts = self.slices.unwrap_or(1);
+        let (travel, partial) = (travel / parts, partial / parts);
         Sizes {
             x: self.x_len,
             w: self.w_len,
@@ -341,7 +389,10 @@ impl Problem {
     /// The GEMMs that compute the product for `block` from `src` into `dst`.
     pub fn gemms(&self, block: usize, src: Buf, dst: Buf) -> Vec<Gemm> {
         use OpKind::*;
-        let Problem { ranks: nr, outer, seg, k, n, .. } = *self;
+        let Problem { group: nr, outer, seg, k, n, .. } = *self;
+        if let Some(parts) = self.slices {
+            return self.sliced_gemms(parts, block, src, dst);
+        }
         let j = block;
         // `x`-side data of block j: a part of x, or a whole (received or own) block.
         let in_x = |offset: usize| if matches!(src, Buf::XBlock(_)) { offset } else { 0 };
@@ -397,11 +448,44 @@ impl Problem {
         }
     }
 
+    /// `gemms` of a sliced problem (one segment; see `sliced`): fine block
+    /// `b` is chunk `b % parts` of block `b / parts`.
+    fn sliced_gemms(&self, parts: usize, b: usize, src: Buf, dst: Buf) -> Vec<Gemm> {
+        let Problem { seg, k, n, .. } = *self;
+        let (j, c, rows) = (b / parts, b % parts, seg / parts);
+        let w_all = View::rows(0, k, n);
+        match self.kind {
+            // x is one block; a received chunk is a whole slot.
+            OpKind::AllGatherMatmul => vec![Gemm {
+                lhs: (Side::Src, View::rows(if matches!(src, Buf::XBlock(_)) { c * rows * k } else { 0 }, rows, k)),
+                rhs: (Side::W, w_all),
+                dst: match dst {
+                    Buf::Slot(_) => View::rows(0, rows, n),
+                    _ => View::rows((j * seg + c * rows) * n, rows, n),
+                },
+            }],
+            OpKind::MatmulReduceScatter => vec![Gemm {
+                lhs: (Side::Src, View::rows((j * seg + c * rows) * k, rows, k)),
+                rhs: (Side::W, w_all),
+                dst: match dst {
+                    Buf::Slot(_) => View::rows(0, rows, n),
+                    _ => View::rows(c * rows * n, rows, n),
+                },
+            }],
+            _ => unreachable!("`sliced` admits row gathers and scatters only"),
+        }
+    }
+
     /// The elements of the output a `Sum` into `dst` writes.
     pub fn out_range(&self, dst: Buf) -> std::ops::Range<usize> {
+        if let (Some(parts), Buf::OutBlock(b)) = (self.slices, dst) {
+            // Chunk b % parts of the own block (a sliced scatter's output).
+            let chunk = self.out_len / parts;
+            return (b % parts) * chunk..(b % parts + 1) * chunk;
+        }
         match dst {
             Buf::OutBlock(q) => {
-                let block = self.out_len / self.ranks;
+                let block = self.out_len / self.group;
                 q * block..(q + 1) * block
             }
             _ => 0..self.out_len,

@@ -17,6 +17,7 @@ from ._matmul_all_gather import matmul_all_gather
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, set_timeout_ms as _set_timeout_ms
 from ._overlap import overlap
+from ._trace import trace
 
 __version__ = "0.1.0"
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "all_to_all_matmul",
     "matmul_all_to_all",
     "overlap",
+    "trace",
     "configure",
     "reference",
 ]

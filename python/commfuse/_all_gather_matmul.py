@@ -12,7 +12,7 @@ from ._fused import Kind, Static
 OP = "all_gather_matmul"
 
 
-def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", precision=None,
+def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", slices=4, precision=None,
                       preferred_element_type=None):
     """Returns ``jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True) @ w``.
 
@@ -22,13 +22,16 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", p
     while the next block travels round the ring, so no transfer is exposed
     at the head and none is left at the tail.
 
-    ``schedule``: "auto", "ring", "bidirectional", or "sequential" (gather,
-    then multiply: the unoverlapped baseline).
+    ``schedule``: "auto", "ring", "bidirectional", "sequential" (gather,
+    then multiply: the unoverlapped baseline), or "sliced" (the data-slicing
+    baseline: the rows are cut into ``slices`` chunks, each gathered by one
+    ring all-gather while the previous chunk is multiplied; ``slices`` must
+    divide the rows of x, all dims but the last).
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
     dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)
-    code = _fused.check_schedule(OP, schedule)
+    code = _fused.check_schedule(OP, schedule, slices)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
     x, w = _fused.vary_together(x, w, axes)

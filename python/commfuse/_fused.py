@@ -18,7 +18,26 @@ from jax.interpreters import batching, mlir
 
 from . import _native
 
-SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3}
+SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4}
+
+# A sliced schedule's code carries its number of slices above the low byte
+# (decoded by the Rust `ops::schedule`).
+_SLICED = SCHEDULES["sliced"]
+DEFAULT_SLICES = 4
+
+
+def schedule_code(schedule: str, slices: int = DEFAULT_SLICES) -> int:
+    """The `schedule` attribute for Rust: the schedule's code, with the slices of "sliced"."""
+    code = SCHEDULES[schedule]
+    return code | (slices << 8) if code == _SLICED else code
+
+
+def is_sliced(code: int) -> bool:
+    return code & 0xFF == _SLICED
+
+
+def slices_of(code: int) -> int:
+    return code >> 8
 
 # XLA PrimitiveType numbers of the dtypes the ops take.
 DTYPE_CODES = {
@@ -118,10 +137,42 @@ def vary_together(x, w, axes):
     return cast(x), cast(w)
 
 
-def check_schedule(op: str, schedule) -> int:
+_NO_SLICES = object()
+
+
+def check_schedule(op: str, schedule, slices=_NO_SLICES) -> int:
+    """The schedule's code. Ops that take ``slices`` pass it; the others reject "sliced"."""
     if schedule not in SCHEDULES:
         raise ValueError(f"commfuse.{op}: unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
-    return SCHEDULES[schedule]
+    if slices is _NO_SLICES:
+        if schedule == "sliced":
+            raise ValueError(
+                f"commfuse.{op}: schedule='sliced' (the data-slicing baseline) exists only for all_gather_matmul "
+                f"and matmul_reduce_scatter along a row dimension; use one of "
+                f"{[s for s in SCHEDULES if s != 'sliced']}")
+        return SCHEDULES[schedule]
+    if not isinstance(slices, (int, np.integer)) or isinstance(slices, bool) or slices < 1:
+        raise ValueError(f"commfuse.{op}: slices must be an int >= 1, got {slices!r}")
+    if schedule != "sliced":
+        return SCHEDULES[schedule]
+    return schedule_code(schedule, int(slices))
+
+
+def _check_sliced(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> None:
+    """A sliced call must be a row gather or scatter whose block rows divide into the slices."""
+    if kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
+        raise ValueError(
+            f"commfuse ({kind.name.lower()}): schedule='sliced' exists only for all_gather_matmul and "
+            f"matmul_reduce_scatter along a row dimension (not the last dim)")
+    rows = math.prod(x_shape[:-1])
+    if kind == Kind.MATMUL_REDUCE_SCATTER:
+        rows //= ranks
+    slices = slices_of(code)
+    if rows % slices:
+        op = "all_gather_matmul" if kind == Kind.ALL_GATHER_MATMUL else "matmul_reduce_scatter"
+        raise ValueError(
+            f"commfuse.{op}: schedule='sliced' cuts each rank's block of {rows} rows (all dims of x but the "
+            f"last, x.shape={tuple(x_shape)}) into slices={slices} equal chunks; slices must divide {rows}")
 
 
 def check_precision(op: str, precision) -> None:
@@ -210,10 +261,15 @@ def result_shape(kind: Kind, x_shape, w_shape, dimension: int, ranks: int) -> tu
     return (ranks, x_shape[0], w_shape[1] // ranks)
 
 
-def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype=None):
-    """`call` with the settings of a user's op (for its VJP's inner ops)."""
+def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype=None, forward=False):
+    """`call` with the settings of a user's op (for its VJP's inner ops). A
+    sliced op's VJP slices the row gathers and scatters it can and runs the
+    other kinds (weight gradients) with "auto"."""
     x, w = common(x, w)
-    return call(kind, x, w, out_dtype=static.out_dtype if out_dtype is None else out_dtype, schedule=static.schedule,
+    schedule = static.schedule
+    if is_sliced(schedule) and not forward and kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
+        schedule = SCHEDULES["auto"]
+    return call(kind, x, w, out_dtype=static.out_dtype if out_dtype is None else out_dtype, schedule=schedule,
                 axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension)
 
 
@@ -224,7 +280,7 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
 
     @partial(jax.custom_vjp, nondiff_argnums=(2,))
     def op(x, w, static: Static):
-        return call_static(kind, x, w, static, dimension=dimension)
+        return call_static(kind, x, w, static, dimension=dimension, forward=True)
 
     op.defvjp(lambda x, w, static: (op(x, w, static), (x, w)), backward)
     return op
@@ -233,6 +289,14 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0):
     """Issues one fused op (operands already checked and laid out for `kind`)."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
+    if is_sliced(schedule):
+        _check_sliced(kind, x.shape, dimension, ranks, schedule)
+        if x.ndim != 2 or dimension != 0:
+            # Slices are chunks of contiguous rows: run on x with the row dim
+            # leading (its blocks stay row blocks), then put the dims back.
+            out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
+                       ranks=ranks, dimension=0)
+            return unrows_2d(out, out_shape, dimension)
     workspace = _native.workspace_bytes(
         int(kind), schedule, ranks, dimension, x.shape, w.shape, out_shape,
         DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])

@@ -15,7 +15,7 @@ from ._fused import Kind, Static
 OP = "matmul_reduce_scatter"
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="auto", precision=None,
+def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, precision=None,
                           preferred_element_type=None):
     """Returns ``jax.lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)``.
 
@@ -26,8 +26,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     of the previous one travels to the next rank; only one add is exposed at
     the tail.
 
-    ``schedule``: "auto", "ring", "bidirectional", or "sequential" (multiply,
-    then reduce-scatter: the unoverlapped baseline).
+    ``schedule``: "auto", "ring", "bidirectional", "sequential" (multiply,
+    then reduce-scatter: the unoverlapped baseline), or "sliced" (the
+    data-slicing baseline, rows only: each block's rows are cut into
+    ``slices`` chunks, each reduce-scattered by one ring while the next chunk
+    is multiplied; ``slices`` must divide each block's rows).
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
@@ -37,7 +40,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
         raise ValueError(
             f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {size}, which is not "
             f"divisible by the size {ranks} of axis {axis_name!r}")
-    code = _fused.check_schedule(OP, schedule)
+    code = _fused.check_schedule(OP, schedule, slices)
     _fused.check_precision(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
     x, w = _fused.vary_together(x, w, axes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
 import os
 import pathlib
 import threading
@@ -44,6 +45,8 @@ lib.commfuse_set_timeout_ms.restype = None
 lib.commfuse_set_timeout_ms.argtypes = [ctypes.c_uint64]
 lib.commfuse_cuda_built.restype = ctypes.c_int32
 lib.commfuse_cuda_built.argtypes = []
+lib.commfuse_nccl_unique_id.restype = ctypes.c_int32
+lib.commfuse_nccl_unique_id.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
 CPU_TARGET = "commfuse_collective_matmul_cpu"
@@ -106,5 +109,43 @@ def workspace_bytes(kind: int, schedule: int, ranks: int, dimension: int, x_shap
     return size
 
 
+NCCL_ID_BYTES = 128
+
+
+def nccl_unique_id() -> bytes:
+    """A fresh NCCL unique id (``ncclGetUniqueId``'s 128 bytes), made by the library.
+
+    Raises NotImplementedError when the library was built without the ``cuda``
+    feature or cannot load NCCL, RuntimeError on any other NCCL failure.
+    """
+    out = ctypes.create_string_buffer(NCCL_ID_BYTES)
+    error = ctypes.create_string_buffer(512)
+    code = lib.commfuse_nccl_unique_id(out, NCCL_ID_BYTES, error, len(error))
+    if code == 0:
+        return out.raw
+    message = error.value.decode(errors="replace")
+    if code == 1:
+        raise NotImplementedError(message)
+    raise RuntimeError(f"commfuse: making an NCCL unique id failed: {message}")
+
+
+_timeout_ms = 0  # 0: COMMFUSE_TIMEOUT_S or the default, as in the library
+
+
 def set_timeout_ms(ms: int) -> None:
+    global _timeout_ms
     lib.commfuse_set_timeout_ms(ms)
+    _timeout_ms = int(ms)
+
+
+def timeout_ms() -> int:
+    """The deadline of cross-device waits in milliseconds, as the library sees it."""
+    if _timeout_ms > 0:
+        return _timeout_ms
+    try:
+        seconds = float(os.environ.get("COMMFUSE_TIMEOUT_S") or 60.0)
+    except ValueError:  # the library reports the bad value at the op's first call
+        seconds = 60.0
+    if not (math.isfinite(seconds) and seconds > 0):
+        seconds = 60.0
+    return max(1, round(seconds * 1000))

@@ -1,7 +1,7 @@
 """Tensor-parallel MLP demo: commfuse fused collective matmuls vs jax.lax.
 
 Run as ``python -m commfuse.demo [--devices 8] [--seq 2048] [--d-model 1024]
-[--d-ff 4096] [--reps 5] [--dtype float32]``.
+[--d-ff 4096] [--reps 5] [--dtype float32] [--trace commfuse_demo.pftrace]``.
 
 The demo fakes ``--devices`` host (CPU) devices, builds a 1-D mesh "tp", and
 runs one MLP block with sequence parallelism:
@@ -13,7 +13,9 @@ runs one MLP block with sequence parallelism:
     fused:   h = all_gather_matmul(x, w1, "tp"); y = matmul_reduce_scatter(gelu(h), w2, "tp")
     unfused: h = all_gather(x) @ w1;             y = psum_scatter(gelu(h) @ w2)
 
-It checks that both agree, then times them.
+It checks that both agree, then times them, then records one fused call with
+``commfuse.trace`` and writes it as a Perfetto trace (open it at
+https://ui.perfetto.dev).
 
 XLA reads ``XLA_FLAGS`` when JAX creates its first backend, so the flags are
 set in ``main`` before this module touches jax (jax itself is only imported
@@ -59,6 +61,12 @@ def _parse_args(argv=None):
         help="commfuse schedule (auto)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trace",
+        default="commfuse_demo.pftrace",
+        metavar="PATH",
+        help="write a Perfetto trace of one fused call here (commfuse_demo.pftrace; '' to skip)",
+    )
     args = p.parse_args(argv)
     n = args.devices
     if n < 1:
@@ -170,6 +178,11 @@ def run(args) -> int:
     print(f"median time unfused ({args.reps} reps):   {med_u * 1e3:9.2f} ms"
           f"  ({flops / med_u / 1e9:.1f} GFLOP/s)")
     print(f"ratio unfused/fused (speedup):      {med_u / med_f:.3f}x  (> 1: fused is faster)")
+    if args.trace:
+        with commfuse.trace(args.trace) as path:
+            jax.block_until_ready(f_fused(xs, w1s, w2s))
+        print(f"trace of one fused call:            {os.path.abspath(path)}"
+              f"  ({os.path.getsize(path)} bytes; open at https://ui.perfetto.dev)")
     return 0 if ok else 1
 
 

@@ -21,7 +21,9 @@ pub trait Backend: Sync {
     fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()>;
     /// `dst = Σ terms` (`dst` may be `terms[0]`).
     fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()>;
-    /// Post the sends, then wait for every receive.
+    /// Post the sends, then wait for every receive. While a trace is being
+    /// recorded (`crate::trace`) the executor calls this once per transfer,
+    /// sends first, so that each transfer gets its own slice.
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<()>;
 }
 
@@ -55,21 +57,24 @@ struct Progress {
 const LOCAL_GRACE: Duration = Duration::from_secs(1);
 
 impl Progress {
-    fn wait_for(&self, deps: &[StepId], step: StepId, deadline: Instant) -> Result<()> {
+    /// Returns whether the step had to wait.
+    fn wait_for(&self, deps: &[StepId], step: StepId, deadline: Instant) -> Result<bool> {
         let deadline = deadline + LOCAL_GRACE;
         let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut waited = false;
         loop {
             if self.cancelled.load(Ordering::Acquire) {
                 return Err(Error::Internal("cancelled because another lane failed".into()));
             }
             if deps.iter().all(|&d| done[d]) {
-                return Ok(());
+                return Ok(waited);
             }
             let now = Instant::now();
             if now >= deadline {
                 let missing: Vec<_> = deps.iter().filter(|&&d| !done[d]).collect();
                 return Err(Error::DeadlineExceeded(format!("step {step} still waits for local steps {missing:?}")));
             }
+            waited = true;
             done = self.changed.wait_timeout(done, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
@@ -101,11 +106,22 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
         first_error: Mutex::new(None),
     };
     let programs = lane_programs(plan);
-    let run_lane = |steps: &[&Step]| {
+    // `None` unless a trace is being recorded (one relaxed load).
+    let recording = crate::trace::Recording::begin(plan);
+    let run_lane = |lane: Lane, steps: &[&Step]| {
         let wait = Wait { deadline, cancelled: &progress.cancelled };
+        let mut log = recording.as_ref().map(|r| r.lane(lane));
         for step in steps {
-            let result =
-                progress.wait_for(&step.deps, step.id, deadline).and_then(|()| execute(backend, &step.action, &wait));
+            let since = log.as_ref().map(|_| crate::trace::now_ns());
+            let result = progress.wait_for(&step.deps, step.id, deadline).and_then(|waited| match (&mut log, since) {
+                (Some(log), Some(since)) => {
+                    if waited {
+                        log.wait(step, since);
+                    }
+                    log.execute(backend, step, &wait)
+                }
+                _ => execute(backend, &step.action, &wait),
+            });
             if let Err(e) = result {
                 progress.fail(e);
                 return;
@@ -115,11 +131,11 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
     };
     std::thread::scope(|scope| {
         let (local, others) = programs.split_first().expect("a plan has at least one step");
-        for (_, steps) in others {
+        for (lane, steps) in others {
             let run_lane = &run_lane;
-            scope.spawn(move || run_lane(steps));
+            scope.spawn(move || run_lane(*lane, steps));
         }
-        run_lane(&local.1);
+        run_lane(local.0, &local.1);
     });
     match progress.first_error.into_inner().unwrap_or_else(|e| e.into_inner()) {
         Some(e) => Err(e),

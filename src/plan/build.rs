@@ -9,6 +9,15 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
     let schedule = schedule.resolve(n, pattern);
     let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None };
     let sequential = schedule == Schedule::Sequential;
+    if let Schedule::Sliced { slices } = schedule {
+        assert!(slices >= 1, "a sliced schedule needs at least one slice");
+        match pattern {
+            Pattern::Gather { accumulate: false } => b.gather_sliced(slices),
+            Pattern::Scatter => b.scatter_sliced(slices),
+            other => panic!("no sliced plan for {other:?}: only row gathers and scatters are sliced"),
+        }
+        return Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps };
+    }
     match pattern {
         Pattern::Gather { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
@@ -366,6 +375,92 @@ impl Builder {
             if n > 1 {
                 self.copy_in(n - 1, in_slot(n - 1), exchanges[n - 1]);
             }
+        }
+    }
+
+    /// Sliced gather: chunk c of every block is gathered by one ring
+    /// all-gather (N-1 exchanges), then its N pieces are multiplied. The comm
+    /// lane gathers chunk c+1 while the compute lane multiplies chunk c; chunk
+    /// 0's gather waits for nothing and is exposed. Two sets of N-1 slots
+    /// alternate between chunks.
+    fn gather_sliced(&mut self, k: usize) {
+        let n = self.n;
+        let sets: Vec<Vec<usize>> = (0..k.min(2)).map(|_| self.slots(SlotKind::Input, n - 1)).collect();
+        let held = |c: usize, s: usize| if s == 0 { Buf::XBlock(c) } else { Buf::Slot(sets[c % 2][s - 1]) };
+        let mut gathered: Vec<Option<StepId>> = vec![];
+        let mut last_product: Vec<StepId> = vec![];
+        let gather = |b: &mut Self, c: usize, deps: Vec<StepId>| -> Option<StepId> {
+            let mut last = None;
+            for s in 0..n - 1 {
+                let tag = tag(Direction::Forward, c * (n - 1) + s);
+                let sends = vec![Transfer { peer: b.next(), buf: held(c, s), tag }];
+                let recvs = vec![Transfer { peer: b.prev(), buf: held(c, s + 1), tag }];
+                let deps = if s == 0 { deps.clone() } else { vec![] };
+                last = Some(b.push(Lane::Comm, Action::Exchange { sends, recvs }, deps));
+            }
+            last
+        };
+        gathered.push(gather(self, 0, vec![]));
+        for c in 0..k {
+            if c + 1 < k {
+                // Chunk c+1 lands in the slots chunk c-1 was multiplied from.
+                let deps = if c >= 1 { vec![last_product[c - 1]] } else { vec![] };
+                gathered.push(gather(self, c + 1, deps));
+            }
+            let deps: Vec<StepId> = gathered[c].into_iter().collect();
+            let mut last = 0;
+            for s in 0..n {
+                let q = self.block(-(s as isize));
+                let fine = q * k + c;
+                let action =
+                    Action::Matmul { block: fine, src: held(c, s), dst: Buf::OutBlock(fine), accumulate: false };
+                last = self.push(Lane::Compute, action, deps.clone());
+            }
+            last_product.push(last);
+        }
+    }
+
+    /// Sliced scatter: the partials of chunk c of every block are computed,
+    /// then reduce-scattered by one ring (N-1 exchanges, the adds on the comm
+    /// lane as a collective does them), ending in chunk c of the own output.
+    /// The comm lane reduces chunk c while the compute lane multiplies chunk
+    /// c+1; the last chunk's reduce-scatter is exposed. Two sets of N partial
+    /// slots alternate between chunks.
+    fn scatter_sliced(&mut self, k: usize) {
+        let n = self.n;
+        let sets: Vec<Vec<usize>> = (0..k.min(2)).map(|_| self.slots(SlotKind::Partial, n)).collect();
+        let incoming = self.slots(SlotKind::Partial, (n - 1).min(2));
+        let mut reduced: Vec<StepId> = vec![];
+        for c in 0..k {
+            let set = &sets[c % 2];
+            let mut last = 0;
+            for s in 0..n {
+                // In the order the ring reduces them; the own block last.
+                let j = self.block(-1 - s as isize);
+                // The set was last used by chunk c-2's reduce-scatter.
+                let deps = if s == 0 && c >= 2 { vec![reduced[c - 2]] } else { vec![] };
+                let action =
+                    Action::Matmul { block: j * k + c, src: Buf::XBlock(j), dst: Buf::Slot(set[j]), accumulate: false };
+                last = self.push(Lane::Compute, action, deps);
+            }
+            let mut deps = vec![last];
+            for s in 0..n - 1 {
+                let slot = Buf::Slot(set[self.block(-1 - s as isize)]);
+                if s > 0 {
+                    let terms = vec![slot, Buf::Slot(incoming[(s - 1) % incoming.len()])];
+                    self.push(Lane::Comm, Action::Sum { terms, dst: slot }, std::mem::take(&mut deps));
+                }
+                let tag = tag(Direction::Forward, c * (n - 1) + s);
+                let sends = vec![Transfer { peer: self.next(), buf: slot, tag }];
+                let recvs = vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[s % incoming.len()]), tag }];
+                self.push(Lane::Comm, Action::Exchange { sends, recvs }, std::mem::take(&mut deps));
+            }
+            let mut terms = vec![Buf::Slot(set[self.rank])];
+            if n > 1 {
+                terms.push(Buf::Slot(incoming[(n - 2) % incoming.len()]));
+            }
+            let dst = Buf::OutBlock(self.rank * k + c);
+            reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, deps));
         }
     }
 

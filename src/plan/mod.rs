@@ -54,6 +54,18 @@ pub enum Schedule {
     Bidirectional,
     /// The whole collective, then the matmul (or the reverse for RS): no overlap. A baseline.
     Sequential,
+    /// Data slicing, the other baseline: the rows of every block are cut into
+    /// `slices` chunks and each chunk gets one whole ring collective, which
+    /// overlaps the matmul of the neighbouring chunk (AG: chunk c+1 is gathered
+    /// while chunk c is multiplied; RS: chunk c is reduce-scattered while
+    /// chunk c+1 is multiplied). The first gather (AG) or the last
+    /// reduce-scatter (RS) is exposed. Row gathers and scatters only
+    /// (`Pattern::Gather { accumulate: false }` and `Pattern::Scatter`).
+    ///
+    /// In a sliced plan block indices are fine: block `j * slices + c` is
+    /// chunk c of block j (in `Matmul::block` and `OutBlock`), `XBlock(c)` of a
+    /// gather is chunk c of the local x, and a slot holds one chunk.
+    Sliced { slices: usize },
 }
 
 impl Schedule {
@@ -68,6 +80,19 @@ impl Schedule {
         }
     }
 
+    /// Whether sliced plans exist for `pattern`.
+    pub fn sliceable(pattern: Pattern) -> bool {
+        matches!(pattern, Pattern::Gather { accumulate: false } | Pattern::Scatter)
+    }
+
+    /// The number of chunks of a sliced schedule, else 1.
+    pub fn slices(self) -> usize {
+        match self {
+            Schedule::Sliced { slices } => slices,
+            _ => 1,
+        }
+    }
+
     /// `Auto` becomes a concrete schedule. Both directions of a ring of links
     /// carry data at once, so bidirectional halves the transfer steps from N = 3
     /// on; with N <= 2 the two are the same plan. Patterns that send straight
@@ -75,6 +100,7 @@ impl Schedule {
     pub fn resolve(self, n: usize, pattern: Pattern) -> Schedule {
         match self {
             Schedule::Sequential => Schedule::Sequential,
+            Schedule::Sliced { slices } => Schedule::Sliced { slices },
             _ if !pattern.uses_ring() => Schedule::Ring,
             Schedule::Auto if n <= 2 => Schedule::Ring,
             Schedule::Auto => Schedule::Bidirectional,
@@ -108,9 +134,9 @@ pub enum Buf {
 /// What a workspace slot holds; its size follows from the shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotKind {
-    /// One travelling block of `x`, in the input dtype.
+    /// One travelling block (a chunk, in a sliced plan) of `x`, in the input dtype.
     Input,
-    /// One block of products, in the accumulator dtype.
+    /// One block (a chunk, in a sliced plan) of products, in the accumulator dtype.
     Partial,
     /// The whole output, in the accumulator dtype (accumulating patterns).
     Result,

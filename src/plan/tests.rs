@@ -100,8 +100,14 @@ struct RankState {
 /// is rank `block`'s own data; otherwise it is the part for `block` (scatter,
 /// matmul-then-exchange) or the part for `rank` sent by `block`.
 fn expected_piece(pattern: Pattern, rank: usize, block: usize) -> (usize, usize) {
+    sliced_piece(pattern, rank, block, 1)
+}
+
+/// `expected_piece` with fine blocks (`Schedule::Sliced`): block `b` is chunk
+/// `b % k` of block `b / k`, and a piece is (origin rank, fine block).
+fn sliced_piece(pattern: Pattern, rank: usize, block: usize, k: usize) -> (usize, usize) {
     match pattern {
-        Pattern::Gather { .. } => (block, block),
+        Pattern::Gather { .. } => (block / k, block),
         Pattern::Scatter | Pattern::MatmulThenExchange => (rank, block),
         Pattern::ExchangeThenMatmul { .. } => (block, rank),
     }
@@ -112,6 +118,8 @@ fn expected_piece(pattern: Pattern, rank: usize, block: usize) -> (usize, usize)
 fn simulate(plans: &[Plan], label: &str) {
     let n = plans.len();
     let pattern = plans[0].pattern;
+    let sliced = matches!(plans[0].schedule, Schedule::Sliced { .. });
+    let k = plans[0].schedule.slices();
     let mut ranks: Vec<RankState> = (0..n)
         .map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() })
         .collect();
@@ -126,6 +134,10 @@ fn simulate(plans: &[Plan], label: &str) {
                     match b {
                         // The whole local x of a gather is this rank's block.
                         Buf::X => [(r, r)].into(),
+                        // A sliced gather's XBlock(c) is chunk c of the own block.
+                        Buf::XBlock(c) if sliced && pattern != Pattern::Scatter => [(r, r * k + c)].into(),
+                        // A sliced scatter's XBlock(j) holds every chunk of block j.
+                        Buf::XBlock(j) if sliced => (j * k..(j + 1) * k).map(|b| (r, b)).collect(),
                         Buf::XBlock(j) => [(r, j)].into(),
                         Buf::Slot(i) => st
                             .slots
@@ -138,7 +150,10 @@ fn simulate(plans: &[Plan], label: &str) {
                 match &step.action {
                     Action::Matmul { block, src, dst, accumulate } => {
                         let v = read(st, *src);
-                        let want: Value = [expected_piece(pattern, r, *block)].into();
+                        let want: Value = [sliced_piece(pattern, r, *block, k)].into();
+                        // A sliced scatter multiplies one chunk of the x block it reads.
+                        let v =
+                            if sliced && pattern == Pattern::Scatter && want.is_subset(&v) { want.clone() } else { v };
                         assert_eq!(v, want, "{label}: rank {r} multiplies {v:?} as block {block}");
                         let v = if *accumulate {
                             let mut acc = match dst {
@@ -213,6 +228,28 @@ fn simulate(plans: &[Plan], label: &str) {
     assert!(mailbox.is_empty(), "{label}: sends never received: {:?}", mailbox.keys().collect::<Vec<_>>());
 
     for (r, st) in ranks.iter().enumerate() {
+        if sliced {
+            // Every fine output block is written once, with the right pieces:
+            // a gather writes all N*k, a scatter the k chunks of its own block.
+            let blocks: Vec<usize> = match pattern {
+                Pattern::Scatter => (r * k..(r + 1) * k).collect(),
+                _ => (0..n * k).collect(),
+            };
+            for &b in &blocks {
+                let (count, v) = st
+                    .out_writes
+                    .get(&Buf::OutBlock(b))
+                    .unwrap_or_else(|| panic!("{label}: rank {r} never writes fine block {b}"));
+                assert_eq!(*count, 1, "{label}: rank {r} writes fine block {b} {count} times");
+                let want: Value = match pattern {
+                    Pattern::Scatter => (0..n).map(|q| (q, b)).collect(),
+                    _ => [sliced_piece(pattern, r, b, k)].into(),
+                };
+                assert_eq!(*v, want, "{label}: rank {r} fine block {b}");
+            }
+            assert_eq!(st.out_writes.len(), blocks.len(), "{label}: rank {r} writes outside its blocks");
+            continue;
+        }
         let whole = matches!(
             pattern,
             Pattern::Scatter | Pattern::Gather { accumulate: true } | Pattern::ExchangeThenMatmul { accumulate: true }
@@ -377,6 +414,102 @@ fn workspace_regions_do_not_overlap() {
                 assert!(regions.iter().all(|r| r.end <= ws.total && r.start % 64 == 0));
                 assert_eq!(ws.x.is_some(), input != sizes.accumulator());
                 assert_eq!(ws.results.is_some(), output != sizes.accumulator());
+            }
+        }
+    }
+}
+
+const SLICEABLE: [Pattern; 2] = [GATHER, Pattern::Scatter];
+
+fn sliced_plans(n: usize, k: usize, pattern: Pattern) -> Vec<Plan> {
+    (0..n).map(|r| plan(pattern, Schedule::Sliced { slices: k }, n, r)).collect()
+}
+
+#[test]
+fn every_sliced_plan_is_correct_and_race_free() {
+    for pattern in SLICEABLE {
+        for n in 1..=16 {
+            for k in [1, 2, 3, 4, 5, 8, 16] {
+                let plans = sliced_plans(n, k, pattern);
+                let label = format!("{pattern:?} sliced({k}) N={n}");
+                for p in &plans {
+                    check_hazards(p, &format!("{label} rank={}", p.rank));
+                    for step in &p.steps {
+                        for t in step.action.reads().iter().chain(step.action.writes().iter()) {
+                            if let Buf::Slot(i) = t {
+                                assert!(*i < p.slots.len(), "{label}: slot {i} not declared");
+                            }
+                        }
+                    }
+                    // One whole ring collective per chunk.
+                    assert_eq!(
+                        p.lane_steps(Lane::Comm).filter(|s| matches!(s.action, Action::Exchange { .. })).count(),
+                        k * (n - 1)
+                    );
+                }
+                simulate(&plans, &label);
+            }
+        }
+    }
+}
+
+/// Per chunk of a sliced plan: (its exchanges, its products), by step id.
+fn chunks(p: &Plan, k: usize) -> Vec<(Vec<StepId>, Vec<StepId>)> {
+    let mut out = vec![(vec![], vec![]); k];
+    for step in &p.steps {
+        match &step.action {
+            Action::Exchange { sends, .. } => out[sends[0].tag.step / (p.n - 1)].0.push(step.id),
+            Action::Matmul { block, .. } => out[block % k].1.push(step.id),
+            Action::Sum { .. } => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn slicing_overlaps_neighbouring_chunks_and_exposes_the_head_or_the_tail() {
+    for n in 2..=8 {
+        for k in 2..=6 {
+            for rank in 0..n {
+                // Gather: chunk c+1's collective may run during chunk c's
+                // products, but chunk 0's products wait for its whole gather.
+                let p = plan(GATHER, Schedule::Sliced { slices: k }, n, rank);
+                let hb = happens_before(&p);
+                let per = chunks(&p, k);
+                for c in 0..k {
+                    let (exchanges, products) = &per[c];
+                    for &x in exchanges {
+                        for &m in products {
+                            assert!(hb[x][m], "gather N={n} k={k}: product {m} before its collective");
+                        }
+                    }
+                    if c + 1 < k {
+                        let next = per[c + 1].0[0];
+                        assert!(products.iter().all(|&m| !hb[m][next]), "gather N={n} k={k}: chunk {c} not overlapped");
+                    }
+                }
+                let first_compute = p.lane_steps(Lane::Compute).next().unwrap();
+                assert_eq!(first_compute.deps, vec![*per[0].0.last().unwrap()], "the head is exposed");
+
+                // Scatter: chunk c's collective may run during chunk c+1's
+                // products, and only starts when chunk c is multiplied.
+                let p = plan(Pattern::Scatter, Schedule::Sliced { slices: k }, n, rank);
+                let hb = happens_before(&p);
+                let per = chunks(&p, k);
+                for c in 0..k {
+                    let (exchanges, products) = &per[c];
+                    for &x in exchanges {
+                        assert!(products.iter().all(|&m| hb[m][x]), "scatter N={n} k={k}: sends before its products");
+                    }
+                    if c + 1 < k {
+                        assert!(per[c + 1].1.iter().all(|&m| !hb[exchanges[0]][m]), "scatter chunk {c} not overlapped");
+                    }
+                }
+                // The tail: after the last product, the whole last collective remains.
+                let last_product = *per[k - 1].1.last().unwrap();
+                assert!(per[k - 1].0.iter().all(|&x| hb[last_product][x]));
+                let last = p.steps.last().unwrap();
+                assert!(matches!(last.action, Action::Sum { dst: Buf::OutBlock(_), .. }) && last.lane == Lane::Comm);
             }
         }
     }

@@ -114,3 +114,68 @@ fn kind_codes_round_trip() {
     }
     assert!(OpKind::from_code(10).is_none() && OpKind::from_code(-1).is_none());
 }
+
+#[test]
+fn sliced_gemms_tile_the_output_and_stay_inside_their_buffers() {
+    use crate::plan::Buf;
+    // (kind, x, w, out) over N = 4, gathered or scattered along dim 0.
+    let cases = [
+        (OpKind::AllGatherMatmul, vec![12, 5], vec![5, 3], vec![48, 3]),
+        (OpKind::MatmulReduceScatter, vec![48, 5], vec![5, 3], vec![12, 3]),
+    ];
+    for (kind, x, w, out) in cases {
+        for k in [1, 2, 3, 4, 6, 12] {
+            let p = Problem::new(kind, op(&x), op(&w), op(&out), 0, 4).unwrap().sliced(k).unwrap();
+            let sizes = p.sizes();
+            for rank in 0..4 {
+                let pl = plan(kind.pattern(), Schedule::Sliced { slices: k }, 4, rank);
+                // Each output element written once; for a scatter, each x row read once.
+                let mut written = vec![0u32; sizes.result];
+                let mut read = vec![0u32; sizes.x];
+                for step in &pl.steps {
+                    match &step.action {
+                        Action::Matmul { block, src, dst, .. } => {
+                            for g in p.gemms(*block, *src, *dst) {
+                                assert_eq!((g.dst.rows, g.dst.cols), (g.lhs.1.rows, g.rhs.1.cols));
+                                let src_len = if matches!(src, Buf::Slot(_)) { sizes.travel } else { sizes.x };
+                                assert!(g.lhs.1.end() <= src_len, "{kind:?} k={k}: lhs {:?}", g.lhs);
+                                if !matches!(src, Buf::Slot(_)) {
+                                    (g.lhs.1.offset..g.lhs.1.end()).for_each(|i| read[i] += 1);
+                                }
+                                match dst {
+                                    Buf::Slot(_) => assert!(g.dst.end() <= sizes.partial, "{kind:?} k={k}"),
+                                    _ => (g.dst.offset..g.dst.end()).for_each(|i| written[i] += 1),
+                                }
+                            }
+                        }
+                        Action::Sum { dst: dst @ Buf::OutBlock(_), .. } => {
+                            p.out_range(*dst).for_each(|i| written[i] += 1);
+                        }
+                        _ => {}
+                    }
+                }
+                assert!(written.iter().all(|&c| c == 1), "{kind:?} k={k} rank={rank}: {written:?}");
+                if kind == OpKind::MatmulReduceScatter {
+                    assert!(read.iter().all(|&c| c == 1), "{kind:?} k={k} rank={rank}: {read:?}");
+                    assert_eq!(sizes.partial * k, sizes.result);
+                } else {
+                    // The own x is read once (its chunks), and a chunk is what travels.
+                    assert!(read.iter().all(|&c| c == 1), "{kind:?} k={k} rank={rank}: {read:?}");
+                    assert_eq!(sizes.travel * k, sizes.x);
+                    assert_eq!(sizes.x / p.ranks, sizes.travel, "XBlock(c) is chunk c");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn slicing_needs_leading_rows_that_divide() {
+    let p = |x: &[i64], out: &[i64], d| Problem::new(OpKind::AllGatherMatmul, op(x), op(&[5, 3]), op(out), d, 4);
+    let e = p(&[12, 5], &[48, 3], 0).unwrap().sliced(5).unwrap_err();
+    assert!(e.to_string().contains("5 must divide 12"), "{e}");
+    let e = p(&[2, 6, 5], &[2, 24, 3], 1).unwrap().sliced(2).unwrap_err();
+    assert!(e.to_string().contains("leading"), "{e}");
+    let cols = Problem::new(OpKind::MatmulReduceScatterCols, op(&[6, 5]), op(&[5, 8]), op(&[6, 2]), 0, 4).unwrap();
+    assert!(cols.sliced(2).unwrap_err().to_string().contains("row gather or scatter"));
+}

@@ -32,7 +32,7 @@ mod guard;
 #[cfg(test)]
 mod tests;
 
-pub use frame::{Buffer, BufferMut, Frame};
+pub use frame::{Buffer, BufferMut, DeviceBuffer, DeviceBytes, Frame};
 pub use guard::{handle, handle_named};
 pub use xla_ffi_sys as sys;
 

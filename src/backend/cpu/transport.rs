@@ -3,8 +3,13 @@
 //! call site, run id and how many times this site already ran in this run
 //! (a site inside `lax.scan` runs once per iteration). A send copies the
 //! block into a pooled buffer and drops it in the receiver's mailbox; a
-//! receive waits for it, with the call's deadline.
+//! receive waits for it, with the call's deadline. Under a link model
+//! (`link`), the sender stamps each message with the time it arrives under the
+//! model, and the receiver sleeps until then.
 #![forbid(unsafe_code)]
+
+#[path = "link.rs"]
+pub mod link;
 
 use crate::error::{Error, Result};
 use crate::exec::Wait;
@@ -33,13 +38,19 @@ pub struct CallInfo {
 
 type MailboxKey = (usize, usize, Tag); // (to, from, tag)
 
+/// A message in a mailbox: its bytes, and when it has arrived under the link model.
+struct Message {
+    data: Vec<u64>,
+    arrival: Option<Instant>,
+}
+
 struct State {
     arrived: Vec<bool>,
     active: usize,
     left: usize,
     /// A rank gave up waiting: the op failed, late ranks will not be served.
     failed: bool,
-    mailbox: HashMap<MailboxKey, Vec<u64>>,
+    mailbox: HashMap<MailboxKey, Message>,
 }
 
 struct Session {
@@ -52,6 +63,7 @@ pub struct Endpoint {
     key: SessionKey,
     session: Arc<Session>,
     info: CallInfo,
+    link: Option<link::LinkModel>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -106,15 +118,25 @@ impl Endpoint {
             state.active += 1;
         }
         session.delivered.notify_all();
-        Endpoint { key, session, info }
+        Endpoint { key, session, info, link: None }
+    }
+
+    /// Throttles this endpoint's sends by `link` (see `link`); `None` is full speed.
+    pub fn with_link(mut self, link: Option<link::LinkModel>) -> Endpoint {
+        self.link = link;
+        self
     }
 
     pub fn send(&self, to: usize, tag: Tag, data: &[u8]) {
+        // Under the link model the transfer starts when it is posted; the copy is part of it.
+        let posted = Instant::now();
         let mut message = pool::take(data.len());
         bytemuck::cast_slice_mut::<u64, u8>(&mut message)[..data.len()].copy_from_slice(data);
+        let arrival = self.link.map(|l| l.arrival(posted, &self.key.group, self.info.rank, to, data.len()));
+        let message = Message { data: message, arrival };
         let previous = lock(&self.session.state).mailbox.insert((to, self.info.rank, tag), message);
         if let Some(stale) = previous {
-            pool::give_back(stale);
+            pool::give_back(stale.data);
         }
         self.session.delivered.notify_all();
     }
@@ -123,19 +145,25 @@ impl Endpoint {
         let key = (self.info.rank, from, tag);
         let mut state = lock(&self.session.state);
         let message = loop {
-            if let Some(m) = state.mailbox.remove(&key) {
-                break m;
+            let now = Instant::now();
+            // A message under the link model is there once it has arrived.
+            let arrival = state.mailbox.get(&key).map(|m| m.arrival.filter(|&a| a > now));
+            if let Some(None) = arrival {
+                break state.mailbox.remove(&key).expect("present").data;
             }
             if wait.cancelled() {
                 return Err(Error::Internal("cancelled because another lane failed".into()));
             }
-            let now = Instant::now();
             if now >= wait.deadline {
                 state.failed = true;
                 return Err(self.timeout(&state, from, tag));
             }
-            // Wake up now and then to notice a cancellation by another lane.
-            let slice = (wait.deadline - now).min(Duration::from_millis(50));
+            // Sleep until the message arrives, or wake up now and then to
+            // notice a cancellation by another lane.
+            let mut slice = (wait.deadline - now).min(Duration::from_millis(50));
+            if let Some(Some(at)) = arrival {
+                slice = slice.min(at - now);
+            }
             state = self.session.delivered.wait_timeout(state, slice).unwrap_or_else(|e| e.into_inner()).0;
         };
         drop(state);
@@ -185,7 +213,7 @@ impl Drop for Endpoint {
         if state.left == self.key.group.len() || (state.failed && state.active == 0) {
             // Unread messages remain only after a failure.
             for (_, message) in state.mailbox.drain() {
-                pool::give_back(message);
+                pool::give_back(message.data);
             }
             if registry.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.session)) {
                 registry.remove(&self.key);
@@ -293,6 +321,71 @@ mod tests {
             assert!(a.recv(1, tag(0), &mut [0u8; 4], &wait).is_err());
         }
         assert!(!lock(registry()).contains_key(&key(4)));
+    }
+
+    /// Posts `sends` (from, to) of `bytes` each at once over a fresh group of
+    /// `n` devices under `link`, and returns when each receive completed.
+    fn timed_sends(link: &str, group: Vec<i64>, sends: &[(usize, usize)], bytes: usize) -> Vec<Duration> {
+        let model = link::LinkModel::parse(link).unwrap();
+        let key = SessionKey { group: group.clone(), site: 77, run: 1, sequence: 0 };
+        let ends: Vec<Endpoint> = (0..group.len())
+            .map(|r| {
+                let info = CallInfo { op: "test_op", rank: r, timeout: Duration::from_secs(10) };
+                Endpoint::join(key.clone(), info).with_link(model)
+            })
+            .collect();
+        let data = vec![7u8; bytes];
+        let cancelled = AtomicBool::new(false);
+        let start = Instant::now();
+        for (i, &(from, to)) in sends.iter().enumerate() {
+            ends[from].send(to, tag(i), &data);
+        }
+        let mut dst = vec![0u8; bytes];
+        let mut times = vec![];
+        for (i, &(from, to)) in sends.iter().enumerate() {
+            let wait = Wait::for_test(Instant::now() + Duration::from_secs(10), &cancelled);
+            ends[to].recv(from, tag(i), &mut dst, &wait).unwrap();
+            times.push(start.elapsed());
+            assert!(dst.iter().all(|&b| b == 7));
+        }
+        times
+    }
+
+    fn within(measured: Duration, model_ms: f64, label: &str) {
+        let ms = measured.as_secs_f64() * 1e3;
+        eprintln!("{label}: measured {ms:.2} ms, model {model_ms:.2} ms ({:+.1}%)", (ms / model_ms - 1.0) * 100.0);
+        assert!((ms - model_ms).abs() <= 0.1 * model_ms, "{label}: {ms:.2} ms vs model {model_ms:.2} ms");
+    }
+
+    // 400 kB at 0.005 GB/s is 80 ms; the latency adds 10 ms. Small messages
+    // keep the real copies (slow in debug builds) out of the measurement.
+    const LINK: &str = "gbytes_per_s=0.005,latency_us=10000";
+    const BYTES: usize = 400_000;
+
+    #[test]
+    fn a_throttled_transfer_takes_latency_plus_bytes_over_bandwidth() {
+        let t = timed_sends(LINK, vec![3000, 3001], &[(0, 1)], BYTES);
+        within(t[0], 90.0, "one transfer");
+    }
+
+    #[test]
+    fn two_transfers_sharing_a_switch_port_take_twice_as_long() {
+        // Into one device from two peers: its in port is shared.
+        let t = timed_sends(LINK, vec![3100, 3101, 3102], &[(0, 2), (1, 2)], BYTES);
+        within(t[1].max(t[0]), 170.0, "two into one port");
+        // Out of one device to two peers: its out port is shared.
+        let t = timed_sends(LINK, vec![3200, 3201, 3202], &[(0, 1), (0, 2)], BYTES);
+        within(t[1].max(t[0]), 170.0, "two out of one port");
+    }
+
+    #[test]
+    fn a_ring_sends_to_both_neighbours_at_full_bandwidth_each() {
+        let ring = format!("{LINK},topology=ring");
+        let t = timed_sends(&ring, vec![3300, 3301, 3302, 3303], &[(0, 1), (0, 3)], BYTES);
+        within(t[1].max(t[0]), 90.0, "ring, both neighbours");
+        // Under a switch the same two share the out port.
+        let t = timed_sends(LINK, vec![3400, 3401, 3402, 3403], &[(0, 1), (0, 3)], BYTES);
+        within(t[1].max(t[0]), 170.0, "switch, both neighbours");
     }
 
     #[test]

@@ -299,30 +299,17 @@ pub fn nccl_config_version(runtime: i32) -> u32 {
     runtime.clamp(0, BINDINGS) as u32
 }
 
-/// The CUDA device of each member of a group whose devices all live in this
-/// process. In one process JAX's global device ids are the CUDA ordinals of
-/// the visible devices; anything else (another process's devices, or a
-/// process whose ids do not start at 0) needs the NCCL unique id exchanged
-/// through the JAX distributed key-value store, which is not wired yet.
-pub fn local_cuda_ordinals(group: &[i64], device_count: i32, me: i64, my_cuda_ordinal: i32) -> Result<Vec<i32>> {
-    if me != i64::from(my_cuda_ordinal) {
-        return Err(Error::Unimplemented(format!(
-            "device {me} runs on CUDA device {my_cuda_ordinal}: mapping JAX device ids to CUDA devices other than \
-             one-to-one (several processes) needs the NCCL unique id exchanged through the JAX distributed \
-             key-value store, which the CUDA backend does not do yet"
-        )));
+/// XLA's device ordinal of the call must be the CUDA ordinal of its
+/// stream's device: `comms::Placement` maps mesh devices to CUDA ordinals of
+/// this process, which is only right if XLA numbers devices the same way.
+pub fn check_same_device(xla_ordinal: i32, cuda_ordinal: i32) -> Result<()> {
+    if xla_ordinal == cuda_ordinal {
+        return Ok(());
     }
-    group
-        .iter()
-        .map(|&d| match i32::try_from(d) {
-            Ok(o) if o >= 0 && o < device_count => Ok(o),
-            _ => Err(Error::Unimplemented(format!(
-                "device {d} of the group {group:?} is not one of this process's {device_count} CUDA devices: groups \
-                 that span processes need the NCCL unique id exchanged through the JAX distributed key-value \
-                 store, which the CUDA backend does not do yet"
-            ))),
-        })
-        .collect()
+    Err(Error::Unimplemented(format!(
+        "XLA's device ordinal {xla_ordinal} runs on CUDA device {cuda_ordinal}: the CUDA backend assumes XLA's \
+         ordinals are the CUDA ordinals of this process's visible devices"
+    )))
 }
 
 #[cfg(test)]
@@ -502,13 +489,9 @@ mod tests {
     }
 
     #[test]
-    fn local_groups_map_to_cuda_ordinals() {
-        assert_eq!(local_cuda_ordinals(&[2, 0, 3, 1], 4, 3, 3).unwrap(), vec![2, 0, 3, 1]);
-        for (group, count, me, cuda) in
-            [(&[0i64, 4][..], 4, 0, 0), (&[2048, 2049][..], 2, 2048, 0), (&[0, 1][..], 2, 1, 0)]
-        {
-            let e = local_cuda_ordinals(group, count, me, cuda).unwrap_err();
-            assert!(matches!(&e, Error::Unimplemented(m) if m.contains("key-value store")), "{e}");
-        }
+    fn xla_ordinals_must_be_cuda_ordinals() {
+        assert!(check_same_device(3, 3).is_ok());
+        let e = check_same_device(1, 0).unwrap_err();
+        assert!(matches!(&e, Error::Unimplemented(m) if m.contains("CUDA device 0")), "{e}");
     }
 }

@@ -11,7 +11,7 @@
 #![forbid(unsafe_code)]
 
 use crate::comm::Group;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -91,10 +91,176 @@ impl<C> CommCache<C> {
     }
 }
 
+/// Bytes of an `ncclUniqueId`.
+pub const NCCL_ID_BYTES: usize = 128;
+/// The id travels in an FFI attribute as this many little-endian int64 words.
+pub const NCCL_ID_WORDS: usize = NCCL_ID_BYTES / 8;
+
+/// An NCCL unique id as the 16 little-endian int64 words of its attribute.
+pub fn id_to_words(id: &[u8; NCCL_ID_BYTES]) -> [i64; NCCL_ID_WORDS] {
+    let mut words = [0i64; NCCL_ID_WORDS];
+    for (w, chunk) in words.iter_mut().zip(id.chunks_exact(8)) {
+        *w = i64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+    }
+    words
+}
+
+/// The id in 16 words (see [`id_to_words`]).
+pub fn id_from_words(words: &[i64]) -> Result<[u8; NCCL_ID_BYTES]> {
+    if words.len() != NCCL_ID_WORDS {
+        return Err(Error::InvalidArgument(format!(
+            "an NCCL unique id is {NCCL_ID_WORDS} int64 words, got {}",
+            words.len()
+        )));
+    }
+    let mut id = [0u8; NCCL_ID_BYTES];
+    for (chunk, w) in id.chunks_exact_mut(8).zip(words) {
+        chunk.copy_from_slice(&w.to_le_bytes());
+    }
+    Ok(id)
+}
+
+/// Where the devices of a mesh live, from the lowering's optional
+/// attributes for meshes spanning processes (Python's `_nccl_id`):
+/// `local_ordinals` gives, per device of `mesh_devices` (same order), its
+/// CUDA ordinal in this process or -1; `nccl_groups` concatenates the groups
+/// (device ids in rank order) that span processes and have a member here,
+/// and `nccl_ids` their unique ids, [`NCCL_ID_WORDS`] words each, exchanged
+/// through the JAX distributed key-value store under [`CommKey::store_key`].
+/// Without these attributes every mesh device is the CUDA device of the
+/// same number in this process (the single-process case).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement<'a> {
+    pub local_ordinals: Option<&'a [i64]>,
+    pub groups: &'a [i64],
+    pub ids: &'a [i64],
+}
+
+impl Placement<'_> {
+    /// The mesh device id of the device XLA runs this call on (`ordinal`,
+    /// XLA's device ordinal, a CUDA ordinal of this process).
+    pub fn my_device(&self, mesh_devices: &[i64], ordinal: i32) -> Result<i64> {
+        let Some(local) = self.local_ordinals else { return Ok(i64::from(ordinal)) };
+        self.check_len(mesh_devices)?;
+        let at = local.iter().position(|&o| o == i64::from(ordinal)).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "CUDA device {ordinal} of this process is not in the mesh (local_ordinals {local:?})"
+            ))
+        })?;
+        Ok(mesh_devices[at])
+    }
+
+    /// Per rank of `key`'s group: the member's CUDA ordinal in this
+    /// process, or `None` for a member of another process.
+    pub fn members(&self, mesh_devices: &[i64], key: &CommKey, device_count: i32) -> Result<Vec<Option<i32>>> {
+        let local = match self.local_ordinals {
+            Some(l) => {
+                self.check_len(mesh_devices)?;
+                l
+            }
+            None => return local_members(key, device_count),
+        };
+        key.devices
+            .iter()
+            .map(|d| {
+                let at = mesh_devices
+                    .iter()
+                    .position(|m| m == d)
+                    .ok_or_else(|| Error::InvalidArgument(format!("device {d} of the group is not in the mesh")))?;
+                match local[at] {
+                    -1 => Ok(None),
+                    o => match i32::try_from(o) {
+                        Ok(o) if o >= 0 && o < device_count => Ok(Some(o)),
+                        _ => Err(Error::InvalidArgument(format!(
+                            "device {d} is mapped to CUDA device {o}, but this process has {device_count}"
+                        ))),
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// The exchanged unique id of `key`'s group, which spans processes.
+    pub fn id(&self, key: &CommKey) -> Result<[u8; NCCL_ID_BYTES]> {
+        let n = key.devices.len();
+        let missing = || {
+            Error::Unimplemented(format!(
+                "the group {:?} spans processes, but the call carries no NCCL unique id for it: the CUDA \
+                 lowering must exchange one through the JAX distributed key-value store \
+                 (commfuse._nccl_id.lowering_attributes) and pass it as the `nccl_ids` attribute",
+                key.devices
+            ))
+        };
+        if n == 0 || self.groups.len() % n != 0 || self.ids.len() != self.groups.len() / n * NCCL_ID_WORDS {
+            return if self.groups.is_empty() && self.ids.is_empty() {
+                Err(missing())
+            } else {
+                Err(Error::InvalidArgument(format!(
+                    "nccl_groups ({} ids) and nccl_ids ({} words) do not describe groups of {n} devices",
+                    self.groups.len(),
+                    self.ids.len()
+                )))
+            };
+        }
+        let index = self.groups.chunks_exact(n).position(|g| g == key.devices.as_slice()).ok_or_else(missing)?;
+        id_from_words(&self.ids[index * NCCL_ID_WORDS..(index + 1) * NCCL_ID_WORDS])
+    }
+
+    fn check_len(&self, mesh_devices: &[i64]) -> Result<()> {
+        match self.local_ordinals {
+            Some(l) if l.len() != mesh_devices.len() => Err(Error::InvalidArgument(format!(
+                "local_ordinals has {} entries for {} mesh devices",
+                l.len(),
+                mesh_devices.len()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Single process: the group's device ids are this process's CUDA ordinals.
+fn local_members(key: &CommKey, device_count: i32) -> Result<Vec<Option<i32>>> {
+    key.devices
+        .iter()
+        .map(|&d| match i32::try_from(d) {
+            Ok(o) if o >= 0 && o < device_count => Ok(Some(o)),
+            _ => Err(Error::Unimplemented(format!(
+                "device {d} of the group {:?} is not one of this process's {device_count} CUDA devices, and the \
+                 call carries no placement (`local_ordinals`) saying where it lives: a mesh spanning processes \
+                 needs the CUDA lowering to pass it (commfuse._nccl_id.lowering_attributes)",
+                key.devices
+            ))),
+        })
+        .collect()
+}
+
+/// Unique ids already used to create a communicator in this process. NCCL
+/// ids are single use: a group spanning processes whose communicator failed
+/// cannot be re-created with the id its lowering carried.
+#[derive(Default)]
+pub struct IdLedger {
+    used: Mutex<Vec<[u8; NCCL_ID_BYTES]>>,
+}
+
+impl IdLedger {
+    /// Records `id` for `key`'s group, or fails if it was used before.
+    pub fn claim(&self, key: &CommKey, id: &[u8; NCCL_ID_BYTES]) -> Result<()> {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        if used.contains(id) {
+            return Err(Error::Unimplemented(format!(
+                "the communicator of the group {:?} (spanning processes) failed earlier and NCCL unique ids are \
+                 single use: re-creating it needs a fresh id from every process (restart the job)",
+                key.devices
+            )));
+        }
+        used.push(*id);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
 
     // A 2x4 ("dp", "tp") mesh with shuffled ids, as in `comm`'s tests.
     const IDS: [i64; 8] = [5, 1, 7, 3, 0, 4, 2, 6];
@@ -158,5 +324,71 @@ mod tests {
         let eight = cache.get_or_create(&k, || Ok(8)).unwrap();
         assert!(!cache.remove(&k, &seven));
         assert!(Arc::ptr_eq(&cache.get_or_create(&k, || Ok(9)).unwrap(), &eight));
+    }
+
+    #[test]
+    fn unique_ids_round_trip_through_attribute_words() {
+        let mut id = [0u8; NCCL_ID_BYTES];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = (i * 37 + 200) as u8;
+        }
+        let words = id_to_words(&id);
+        assert_eq!(words[0], i64::from_le_bytes(id[..8].try_into().unwrap()));
+        assert_eq!(id_from_words(&words).unwrap(), id);
+        assert!(matches!(id_from_words(&words[1..]), Err(Error::InvalidArgument(_))));
+    }
+
+    // Two processes of 4 GPUs each; the mesh is the 2x4 one above and this
+    // process holds the devices 0..4 (ids) on CUDA ordinals 3, 2, 1, 0.
+    const LOCAL: [i64; 8] = [-1, 2, -1, 0, 3, -1, 1, -1];
+
+    #[test]
+    fn placement_maps_xla_ordinals_and_group_members_to_this_process() {
+        let p = Placement { local_ordinals: Some(&LOCAL), ..Default::default() };
+        assert_eq!(p.my_device(&IDS, 3).unwrap(), 0);
+        assert_eq!(p.my_device(&IDS, 0).unwrap(), 3);
+        assert!(matches!(p.my_device(&IDS, 4), Err(Error::InvalidArgument(_))));
+        // The "tp" group of device 0 is [0, 4, 2, 6]: 0 and 2 live here.
+        let k = key(&[1], p.my_device(&IDS, 3).unwrap());
+        assert_eq!(p.members(&IDS, &k, 4).unwrap(), vec![Some(3), None, Some(1), None]);
+        // The "dp" group of device 3 is [3, 6]: 3 is here on ordinal 0.
+        assert_eq!(p.members(&IDS, &key(&[0], 3), 4).unwrap(), vec![Some(0), None]);
+        assert!(matches!(p.members(&IDS, &k, 2), Err(Error::InvalidArgument(_))));
+        let short = Placement { local_ordinals: Some(&LOCAL[1..]), ..Default::default() };
+        assert!(matches!(short.my_device(&IDS, 0), Err(Error::InvalidArgument(_))));
+        // Without placement: ids are CUDA ordinals, others are UNIMPLEMENTED.
+        let none = Placement::default();
+        assert_eq!(none.my_device(&IDS, 2).unwrap(), 2);
+        assert_eq!(none.members(&IDS, &k, 8).unwrap(), vec![Some(0), Some(4), Some(2), Some(6)]);
+        let e = none.members(&IDS, &k, 4).unwrap_err();
+        assert!(matches!(e, Error::Unimplemented(_)) && e.message().contains("local_ordinals"), "{e}");
+    }
+
+    #[test]
+    fn each_group_finds_its_own_exchanged_id() {
+        let (a, b) = (key(&[1], 4), key(&[1], 5)); // [0, 4, 2, 6] and [5, 1, 7, 3]
+        let (ia, ib) = ([1u8; NCCL_ID_BYTES], [2u8; NCCL_ID_BYTES]);
+        let groups: Vec<i64> = b.devices.iter().chain(&a.devices).copied().collect();
+        let ids: Vec<i64> = id_to_words(&ib).iter().chain(&id_to_words(&ia)).copied().collect();
+        let p = Placement { local_ordinals: Some(&LOCAL), groups: &groups, ids: &ids };
+        assert_eq!(p.id(&a).unwrap(), ia);
+        assert_eq!(p.id(&b).unwrap(), ib);
+        // Another group, or the same devices in another order, has no id.
+        let e = p.id(&CommKey { devices: vec![0, 2, 4, 6] }).unwrap_err();
+        assert!(matches!(e, Error::Unimplemented(_)) && e.message().contains("nccl_ids"), "{e}");
+        assert!(matches!(p.id(&key(&[0], 3)), Err(Error::InvalidArgument(_))));
+        let bad = Placement { ids: &ids[1..], ..p.clone() };
+        assert!(matches!(bad.id(&a), Err(Error::InvalidArgument(_))));
+        assert!(matches!(Placement::default().id(&a), Err(Error::Unimplemented(_))));
+    }
+
+    #[test]
+    fn an_id_creates_one_communicator_only() {
+        let ledger = IdLedger::default();
+        let k = key(&[1], 4);
+        ledger.claim(&k, &[7; NCCL_ID_BYTES]).unwrap();
+        ledger.claim(&k, &[8; NCCL_ID_BYTES]).unwrap();
+        let e = ledger.claim(&k, &[7; NCCL_ID_BYTES]).unwrap_err();
+        assert!(matches!(e, Error::Unimplemented(_)) && e.message().contains("single use"), "{e}");
     }
 }

@@ -11,17 +11,19 @@
 //! architecture, loaded once per device). XLA's stream is borrowed for the
 //! call, never created, synchronised or destroyed here.
 //!
-//! Per group of devices (cached, [`local_group`]): non-blocking NCCL
+//! Per group of devices (cached, [`group_comms`]): non-blocking NCCL
 //! communicators for every member in this process, created together from
-//! one thread under one unique id; every NCCL wait is a host-side poll of
-//! `ncclCommGetAsyncError` bounded by the call's deadline, after which the
-//! communicator is aborted and the call reports DEADLINE_EXCEEDED.
+//! one thread under one unique id (made here for a group of this process,
+//! exchanged by the lowering for a group spanning processes); every NCCL
+//! wait is a host-side poll of `ncclCommGetAsyncError` bounded by the call's
+//! deadline, after which the communicator is aborted and the call reports
+//! DEADLINE_EXCEEDED.
 //!
 //! The hot path (a call after the first on its device and group) allocates
 //! no device memory and never synchronises the host with the device.
 
 use super::calls::{self, grid, poll_until, DeviceOp, Poll, Resolver, SumLaunch, BLOCK};
-use super::comms::{CommCache, CommKey};
+use super::comms::{CommCache, CommKey, IdLedger, NCCL_ID_BYTES};
 use super::issue::StreamOps;
 use super::kernels::{arch, PtxCache, SOURCES};
 use super::nccl::P2p;
@@ -191,7 +193,11 @@ unsafe impl Sync for GroupComms {}
 
 impl GroupComms {
     pub fn rank(&self, rank: usize) -> Result<nsys::ncclComm_t> {
-        self.comms.get(rank).copied().ok_or_else(|| Error::Internal(format!("no communicator for rank {rank}")))
+        self.comms
+            .get(rank)
+            .copied()
+            .filter(|c| !c.is_null())
+            .ok_or_else(|| Error::Internal(format!("no communicator for rank {rank} in this process")))
     }
 
     /// Aborts rank `rank`'s communicator after it failed or timed out: the
@@ -216,16 +222,46 @@ impl GroupComms {
 }
 
 static COMMS: OnceLock<CommCache<GroupComms>> = OnceLock::new();
+static IDS: OnceLock<IdLedger> = OnceLock::new();
 
-/// The cached communicators of `key`'s group, all of whose members are the
-/// CUDA devices `ordinals` of this process (rank order), created together on
-/// first use. `current` is restored as the thread's context afterwards.
-pub fn local_group(key: &CommKey, ordinals: &[i32], current: &Device, deadline: Instant) -> Result<Arc<GroupComms>> {
+/// The cached communicators of `key`'s group, created together on first
+/// use for the members in this process: `members[rank]` is the member's CUDA
+/// ordinal here, or `None` for a member of another process. A group
+/// entirely in this process makes its own unique id; one spanning processes
+/// uses `id`, the id its lowering exchanged (`comms::Placement::id`), once.
+/// `current` is restored as the thread's context afterwards.
+pub fn group_comms(
+    key: &CommKey,
+    members: &[Option<i32>],
+    id: Option<&[u8; NCCL_ID_BYTES]>,
+    current: &Device,
+    deadline: Instant,
+) -> Result<Arc<GroupComms>> {
     COMMS.get_or_init(Default::default).get_or_create(key, || {
-        let made = create_local(ordinals, deadline);
+        let id = match id {
+            Some(id) => {
+                IDS.get_or_init(Default::default).claim(key, id)?;
+                nsys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) }
+            }
+            None if members.iter().all(Option::is_some) => nc::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?,
+            None => {
+                return Err(Error::Internal(format!(
+                    "the group {:?} spans processes but has no unique id",
+                    key.devices
+                )))
+            }
+        };
+        let made = create(members, id, deadline);
         current.make_current()?;
         made
     })
+}
+
+/// A fresh NCCL unique id (`ncclGetUniqueId`), for the lowering of a group
+/// spanning processes: its rank 0's process makes it and publishes it.
+pub fn unique_id() -> Result<[u8; NCCL_ID_BYTES]> {
+    let id = nc::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+    Ok(id.internal.map(|c| c as u8))
 }
 
 /// Drops a failed group from the cache (the next call creates it afresh),
@@ -279,14 +315,14 @@ unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
     }
 }
 
-fn create_local(ordinals: &[i32], deadline: Instant) -> Result<GroupComms> {
-    let n = i32::try_from(ordinals.len()).map_err(|_| Error::Internal("group too large".into()))?;
-    let id = nc::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
+    let n = i32::try_from(members.len()).map_err(|_| Error::Internal("group too large".into()))?;
     let mut config = config()?;
-    let mut group = GroupComms { comms: vec![ptr::null_mut(); ordinals.len()] };
+    let mut group = GroupComms { comms: vec![ptr::null_mut(); members.len()] };
     nc::group_start().map_err(nccl_err("ncclGroupStart"))?;
     let posted = (|| -> Result<()> {
-        for (rank, (&o, comm)) in ordinals.iter().zip(group.comms.iter_mut()).enumerate() {
+        for (rank, (member, comm)) in members.iter().zip(group.comms.iter_mut()).enumerate() {
+            let Some(o) = *member else { continue };
             let dev = drv::device::get(o).map_err(driver("cuDeviceGet"))?;
             // SAFETY: `dev` comes from `cuDeviceGet`; the primary context is
             // retained for the life of the process (XLA holds it too).
@@ -303,14 +339,19 @@ fn create_local(ordinals: &[i32], deadline: Instant) -> Result<GroupComms> {
     })();
     let ended = nc::group_end().map_err(nccl_err("ncclGroupEnd"));
     let ready = posted.and(ended.map(|_| ())).and_then(|()| {
-        for &c in &group.comms {
+        for (&c, member) in group.comms.iter().zip(members) {
+            if member.is_none() {
+                continue;
+            }
             if c.is_null() {
                 return Err(Error::Internal("NCCL created no communicator".into()));
             }
             // SAFETY: `c` was created above.
-            poll_until(deadline, "NCCL communicator creation for this process's CUDA devices", || unsafe {
-                probe(c, "communicator creation")
-            })?;
+            poll_until(
+                deadline,
+                "NCCL communicator creation (a member of the group may not have joined)",
+                || unsafe { probe(c, "communicator creation") },
+            )?;
         }
         Ok(())
     });
@@ -564,9 +605,9 @@ mod tests {
         let device = bind(stream as *mut c_void).unwrap();
         let comms = (n > 1).then(|| {
             let key = CommKey { devices: (0..n as i64).collect() };
-            let ordinals: Vec<i32> = (0..n as i32).collect();
+            let members: Vec<Option<i32>> = (0..n as i32).map(Some).collect();
             let d = device.lock().unwrap();
-            local_group(&key, &ordinals, &d, deadline).unwrap()
+            group_comms(&key, &members, None, &d, deadline).unwrap()
         });
         let mut d = device.lock().unwrap();
         CallOps::prepare(&mut d, events_needed(&sched)).unwrap();

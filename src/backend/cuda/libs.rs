@@ -16,6 +16,8 @@ pub enum Lib {
     Driver,
     /// cuBLAS: the GEMMs.
     Cublas,
+    /// cuBLASLt: the fp8 GEMMs (`lt`).
+    CublasLt,
     /// NCCL: point-to-point transfers.
     Nccl,
     /// NVRTC: compiles `kernels/` at run time.
@@ -23,13 +25,14 @@ pub enum Lib {
 }
 
 impl Lib {
-    pub const ALL: [Lib; 4] = [Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc];
+    pub const ALL: [Lib; 5] = [Lib::Driver, Lib::Cublas, Lib::CublasLt, Lib::Nccl, Lib::Nvrtc];
 
     /// The library's file name stem and what provides it, for messages.
     pub fn describe(self) -> (&'static str, &'static str) {
         match self {
             Lib::Driver => ("libcuda", "the NVIDIA driver"),
             Lib::Cublas => ("libcublas", "the CUDA toolkit or pip `nvidia-cublas-cu12`"),
+            Lib::CublasLt => ("libcublasLt", "the CUDA toolkit or pip `nvidia-cublas-cu12`"),
             Lib::Nccl => ("libnccl", "pip `nvidia-nccl-cu12` (a CUDA jaxlib installs it)"),
             Lib::Nvrtc => ("libnvrtc", "the CUDA toolkit or pip `nvidia-cuda-nvrtc-cu12`"),
         }
@@ -42,6 +45,7 @@ impl Lib {
             match self {
                 Lib::Driver => cudarc::driver::sys::is_culib_present(),
                 Lib::Cublas => cudarc::cublas::sys::is_culib_present(),
+                Lib::CublasLt => cudarc::cublaslt::sys::is_culib_present(),
                 Lib::Nccl => cudarc::nccl::sys::is_culib_present(),
                 Lib::Nvrtc => cudarc::nvrtc::sys::is_culib_present(),
             }
@@ -51,7 +55,7 @@ impl Lib {
 
     /// Whether the library can be loaded (probed once per process).
     pub fn present(self) -> bool {
-        static FOUND: [OnceLock<bool>; 4] = [OnceLock::new(), OnceLock::new(), OnceLock::new(), OnceLock::new()];
+        static FOUND: [OnceLock<bool>; 5] = [const { OnceLock::new() }; 5];
         let i = Lib::ALL.iter().position(|&l| l == self).expect("listed");
         *FOUND[i].get_or_init(|| self.probe())
     }

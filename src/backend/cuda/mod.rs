@@ -4,14 +4,16 @@
 //! It shares the plans, the GEMM geometry and the stream ordering with the
 //! CPU path: `exec::stream` turns a plan into per-stream commands, `issue`
 //! forks lanes off XLA's stream and joins them back, `gemm` runs each
-//! `Problem::gemms` view with cuBLAS on XLA's buffers, `nccl` posts each
-//! exchange as one group, `comms` keys and caches communicators, `kernels`
+//! `Problem::gemms` view with cuBLAS on XLA's buffers (`lt`: fp8 GEMMs with
+//! cuBLASLt, not yet reachable from a call), `nccl` posts each
+//! exchange as one group, `comms` keys and caches communicators and maps
+//! groups spanning processes (placement, exchanged unique ids), `kernels`
 //! compiles `kernels/` with NVRTC, `libs` checks the libraries first.
 //!
 //! `calls` maps a call's plan buffers onto XLA's device addresses (pure,
 //! tested without a device) and `device` drives the driver, cuBLAS, the
 //! kernels and NCCL with them. What still needs a GPU to be verified, and
-//! what is missing (several processes, device-side timeouts), is in GPU.md.
+//! what is missing (device-side timeouts, fp8), is in GPU.md.
 #![deny(unsafe_code)]
 
 pub mod calls;
@@ -27,6 +29,8 @@ pub mod kernels;
 #[allow(unsafe_code)]
 pub mod libs;
 #[allow(unsafe_code)]
+pub mod lt;
+#[allow(unsafe_code)]
 pub mod nccl;
 
 use crate::comm::Group;
@@ -36,10 +40,28 @@ use crate::plan::{self, Action, Schedule, Workspace};
 use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
 use calls::{DeviceBuffers, Region, Resolver};
-use comms::CommKey;
+use comms::{CommKey, Placement};
 use device::CallOps;
 use libs::{require, Lib};
 use std::time::Instant;
+
+/// The optional placement attributes of a mesh spanning processes (see
+/// `comms::Placement`); absent in a single process.
+fn placement<'a>(frame: &Frame<'a>) -> Result<Placement<'a>> {
+    let optional = |name| if frame.has_attr(name) { frame.attr_i64_array(name).map(Some) } else { Ok(None) };
+    Ok(Placement {
+        local_ordinals: optional("local_ordinals")?,
+        groups: optional("nccl_groups")?.unwrap_or(&[]),
+        ids: optional("nccl_ids")?.unwrap_or(&[]),
+    })
+}
+
+/// A fresh NCCL unique id for the lowering of a group spanning processes
+/// (`commfuse_nccl_unique_id`); UNIMPLEMENTED when NCCL cannot be loaded.
+pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
+    require(&[Lib::Nccl])?;
+    device::unique_id()
+}
 
 /// One device's call of a fused op on a GPU: the same checks, problem and
 /// plan as the CPU path, then the plan's stream schedule enqueued on the
@@ -52,13 +74,12 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let schedule_code = frame.attr_i64("schedule")?;
     let schedule = Schedule::from_code(schedule_code)
         .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {schedule_code}", kind.name())))?;
-    let device = i64::from(frame.device_ordinal()?);
-    let group = Group::from_mesh(
-        frame.attr_i64_array("mesh_devices")?,
-        frame.attr_i64_array("mesh_shape")?,
-        frame.attr_i64_array("axes")?,
-        device,
-    )?;
+    let ordinal = frame.device_ordinal()?;
+    let mesh_devices = frame.attr_i64_array("mesh_devices")?;
+    let placement = placement(frame)?;
+    let device = placement.my_device(mesh_devices, ordinal)?;
+    let group =
+        Group::from_mesh(mesh_devices, frame.attr_i64_array("mesh_shape")?, frame.attr_i64_array("axes")?, device)?;
     require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc])?;
 
     let x = frame.device_arg(0, "x")?;
@@ -93,10 +114,11 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
     let key = CommKey::of(&group);
     let comms = if exchanges {
-        let ordinal = dev.lock().unwrap_or_else(|e| e.into_inner()).ordinal;
-        let ordinals = calls::local_cuda_ordinals(&group.devices, device::device_count()?, device, ordinal)?;
         let d = dev.lock().unwrap_or_else(|e| e.into_inner());
-        let made = device::local_group(&key, &ordinals, &d, deadline);
+        calls::check_same_device(ordinal, d.ordinal)?;
+        let members = placement.members(mesh_devices, &key, device::device_count()?)?;
+        let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
+        let made = device::group_comms(&key, &members, id.as_ref(), &d, deadline);
         drop(d);
         Some(made?)
     } else {

@@ -1,0 +1,440 @@
+//! fp8 GEMMs through cuBLASLt (sm_90): e4m3/e5m2 operands with per-tensor
+//! float32 scales, f32 accumulation, bf16/f16/f32 output.
+//!
+//! One GEMM computes, row-major,
+//! `out[m, n] (+)= x_scale * w_scale * (x[m, k] · w[k, n])`, where `x` is
+//! stored `[m, k]` (row stride `ldx`) and `w` is stored **K-major**, `[n, k]`
+//! (row stride `ldw`): cuBLASLt's fp8 kernels only take the "TN" layout
+//! (A transposed, B not), which in the column-major view of these row-major
+//! buffers means both operands contiguous along `k`. `x_scale` and `w_scale`
+//! are device addresses of one float32 each (`CUBLASLT_MATMUL_DESC_B/A_SCALE_POINTER`),
+//! read by the kernel, so scales computed on the device never go through the
+//! host.
+//!
+//! [`Fp8Gemm::lower`] (pure, tested without a device) checks cuBLASLt's fp8
+//! rules and gives the descriptors' contents; [`enqueue`] builds them and
+//! enqueues `cublasLtMatmul`. What is not wired yet (fp8 dtypes in the call
+//! frame and the plans' GEMM views with K-major weights) is in GPU.md.
+
+use crate::error::{Error, Result};
+
+/// An fp8 format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8 {
+    /// `float8_e4m3fn`: more precision (activations and weights).
+    E4M3,
+    /// `float8_e5m2`: more range (gradients).
+    E5M2,
+}
+
+/// The output (and accumulated-into) type of an fp8 GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutType {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// cuBLASLt's data types, as `cudaDataType_t` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LtType {
+    E4M3,
+    E5M2,
+    Bf16,
+    F16,
+    F32,
+}
+
+impl From<Fp8> for LtType {
+    fn from(f: Fp8) -> LtType {
+        match f {
+            Fp8::E4M3 => LtType::E4M3,
+            Fp8::E5M2 => LtType::E5M2,
+        }
+    }
+}
+
+impl From<OutType> for LtType {
+    fn from(o: OutType) -> LtType {
+        match o {
+            OutType::Bf16 => LtType::Bf16,
+            OutType::F16 => LtType::F16,
+            OutType::F32 => LtType::F32,
+        }
+    }
+}
+
+/// One operand or result: a device address, its element type, its row stride.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Matrix<T> {
+    pub addr: u64,
+    pub dtype: T,
+    /// Elements between consecutive rows (row-major).
+    pub ld: usize,
+}
+
+/// One fp8 GEMM (see the module comment for the layouts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// `[m, k]`, row stride `ld`.
+    pub x: Matrix<Fp8>,
+    /// `[n, k]` (K-major), row stride `ld`.
+    pub w: Matrix<Fp8>,
+    /// `[m, n]`, row stride `ld`.
+    pub out: Matrix<OutType>,
+    /// Device addresses of one float32 each.
+    pub x_scale: u64,
+    pub w_scale: u64,
+    /// Adds to `out` (beta = 1) instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// A column-major matrix layout (`cublasLtMatrixLayoutCreate`'s arguments).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub dtype: LtType,
+    pub rows: u64,
+    pub cols: u64,
+    pub ld: i64,
+}
+
+/// The contents of one `cublasLtMatmul` call: D = alpha·op(A)·op(B) + beta·C
+/// with C = D, compute type `CUBLAS_COMPUTE_32F`, scale type float32,
+/// `transa` = T, `transb` = N, and the scales of A and B as device pointers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LtCall {
+    pub a: u64,
+    pub a_layout: Layout,
+    pub a_scale: u64,
+    pub b: u64,
+    pub b_layout: Layout,
+    pub b_scale: u64,
+    pub d: u64,
+    pub d_layout: Layout,
+    pub beta: f32,
+}
+
+/// Bytes every fp8 operand pointer is aligned to, and that `k` and every
+/// leading dimension are multiples of (in fp8 elements: one byte each), as
+/// cuBLASLt's fp8 kernels require.
+pub const FP8_ALIGN: usize = 16;
+
+impl Fp8Gemm {
+    /// Checks the GEMM against cuBLASLt's fp8 rules on a device of compute
+    /// capability `(major, minor)` and maps it onto one `cublasLtMatmul`:
+    /// out^T[n, m] = (w_kmajor)^T · x^T in the column-major view, i.e.
+    /// A = `w` (k × n, ld `ldw`, transposed), B = `x` (k × m, ld `ldx`), D = C
+    /// = `out` (n × m, ld `ldo`); A's scale is `w_scale`, B's `x_scale`.
+    pub fn lower(&self, capability: (i32, i32)) -> Result<LtCall> {
+        if capability.0 < 9 {
+            return Err(Error::Unimplemented(format!(
+                "fp8 GEMMs need compute capability 9.0 (sm_90) or newer; this device is sm_{}{}",
+                capability.0, capability.1
+            )));
+        }
+        if self.x.dtype == Fp8::E5M2 && self.w.dtype == Fp8::E5M2 {
+            return Err(Error::Unimplemented(
+                "cuBLASLt has no fp8 GEMM with both operands float8_e5m2; make one of them float8_e4m3fn".into(),
+            ));
+        }
+        if self.m == 0 || self.n == 0 || self.k == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "fp8 GEMM of an empty shape (m {}, n {}, k {})",
+                self.m, self.n, self.k
+            )));
+        }
+        let misaligned = |what: &str, v: usize| {
+            (v % FP8_ALIGN != 0).then(|| format!("{what} ({v}) is not a multiple of {FP8_ALIGN}"))
+        };
+        let problems: Vec<String> = [
+            misaligned("k", self.k),
+            misaligned("x's row stride", self.x.ld),
+            misaligned("w's row stride", self.w.ld),
+            misaligned("x's address", self.x.addr as usize),
+            misaligned("w's address", self.w.addr as usize),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !problems.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "cuBLASLt's fp8 GEMMs need 16-byte aligned operands: {}",
+                problems.join("; ")
+            )));
+        }
+        if self.x.ld < self.k || self.w.ld < self.k || self.out.ld < self.n {
+            return Err(Error::InvalidArgument(format!(
+                "row strides too small: x {} and w {} (k {}), out {} (n {})",
+                self.x.ld, self.w.ld, self.k, self.out.ld, self.n
+            )));
+        }
+        if self.x_scale == 0 || self.w_scale == 0 {
+            return Err(Error::InvalidArgument("fp8 GEMM without a scale address".into()));
+        }
+        let dim = |v: usize| u64::try_from(v).map_err(|_| Error::InvalidArgument(format!("{v} out of range")));
+        let ld = |v: usize| i64::try_from(v).map_err(|_| Error::InvalidArgument(format!("{v} out of range")));
+        Ok(LtCall {
+            a: self.w.addr,
+            a_layout: Layout { dtype: self.w.dtype.into(), rows: dim(self.k)?, cols: dim(self.n)?, ld: ld(self.w.ld)? },
+            a_scale: self.w_scale,
+            b: self.x.addr,
+            b_layout: Layout { dtype: self.x.dtype.into(), rows: dim(self.k)?, cols: dim(self.m)?, ld: ld(self.x.ld)? },
+            b_scale: self.x_scale,
+            d: self.out.addr,
+            d_layout: Layout {
+                dtype: self.out.dtype.into(),
+                rows: dim(self.n)?,
+                cols: dim(self.m)?,
+                ld: ld(self.out.ld)?,
+            },
+            beta: if self.accumulate { 1.0 } else { 0.0 },
+        })
+    }
+}
+
+mod device {
+    use super::{LtCall, LtType};
+    use crate::error::{Error, Result};
+    use cudarc::cublaslt::{result as lt, sys};
+    use std::ffi::c_void;
+
+    fn fail(what: &'static str) -> impl Fn(lt::CublasError) -> Error {
+        move |e| Error::Internal(format!("cuBLASLt {what}: {e}"))
+    }
+
+    fn data_type(t: LtType) -> sys::cudaDataType {
+        match t {
+            LtType::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+            LtType::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+            LtType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            LtType::F16 => sys::cudaDataType::CUDA_R_16F,
+            LtType::F32 => sys::cudaDataType::CUDA_R_32F,
+        }
+    }
+
+    /// Host-side cuBLASLt descriptors, destroyed on drop (after
+    /// `cublasLtMatmul` has returned: it reads them while enqueueing only).
+    struct Descriptors {
+        desc: sys::cublasLtMatmulDesc_t,
+        layouts: Vec<sys::cublasLtMatrixLayout_t>,
+        pref: sys::cublasLtMatmulPreference_t,
+    }
+
+    impl Drop for Descriptors {
+        fn drop(&mut self) {
+            // SAFETY: each handle was created by this struct and is destroyed once.
+            unsafe {
+                for &l in &self.layouts {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+                if !self.desc.is_null() {
+                    let _ = lt::destroy_matmul_desc(self.desc);
+                }
+                if !self.pref.is_null() {
+                    let _ = lt::destroy_matmul_pref(self.pref);
+                }
+            }
+        }
+    }
+
+    /// Enqueues `call` on `stream` with `handle`, letting cuBLASLt use up to
+    /// `workspace.1` bytes at `workspace.0` (device memory; may be 0 bytes).
+    ///
+    /// # Safety
+    /// `handle` is a live cuBLASLt handle of the current context, `stream` a
+    /// stream of it; `call`'s addresses (operands, result, the two float32
+    /// scales) and the workspace are device memory of that context of the
+    /// sizes its layouts imply, alive and unchanged (but the result) until
+    /// `stream` passes this GEMM.
+    pub unsafe fn enqueue(
+        handle: sys::cublasLtHandle_t,
+        stream: sys::cudaStream_t,
+        call: &LtCall,
+        workspace: (u64, usize),
+    ) -> Result<()> {
+        let mut d = Descriptors {
+            desc: lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
+                .map_err(fail("cublasLtMatmulDescCreate"))?,
+            layouts: Vec::with_capacity(3),
+            pref: std::ptr::null_mut(),
+        };
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        // cublasOperation_t values: CUBLAS_OP_T = 1, CUBLAS_OP_N = 0.
+        let (transa, transb): (i32, i32) = (1, 0);
+        let (a_scale, b_scale) = (call.a_scale as *const c_void, call.b_scale as *const c_void);
+        let attrs: [(A, *const c_void, usize); 4] = [
+            (A::CUBLASLT_MATMUL_DESC_TRANSA, (&transa as *const i32).cast(), 4),
+            (A::CUBLASLT_MATMUL_DESC_TRANSB, (&transb as *const i32).cast(), 4),
+            (A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, (&a_scale as *const *const c_void).cast(), 8),
+            (A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, (&b_scale as *const *const c_void).cast(), 8),
+        ];
+        for (attr, value, size) in attrs {
+            // SAFETY: `d.desc` is live; `value` points at `size` bytes of the
+            // attribute's type, alive for the call (cuBLASLt copies it).
+            unsafe { lt::set_matmul_desc_attribute(d.desc, attr, value, size) }
+                .map_err(fail("cublasLtMatmulDescSetAttribute"))?;
+        }
+        for l in [call.a_layout, call.b_layout, call.d_layout] {
+            let layout = lt::create_matrix_layout(data_type(l.dtype), l.rows, l.cols, l.ld)
+                .map_err(fail("cublasLtMatrixLayoutCreate"))?;
+            d.layouts.push(layout);
+        }
+        d.pref = lt::create_matmul_pref().map_err(fail("cublasLtMatmulPreferenceCreate"))?;
+        let max_workspace = workspace.1;
+        // SAFETY: `d.pref` is live; the value is a `usize` (uint64_t) for the call.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                d.pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&max_workspace as *const usize).cast(),
+                std::mem::size_of::<usize>(),
+            )
+        }
+        .map_err(fail("cublasLtMatmulPreferenceSetAttribute"))?;
+        let (a, b, dl) = (d.layouts[0], d.layouts[1], d.layouts[2]);
+        // SAFETY: every descriptor is live; C and D share a layout.
+        let heuristic = unsafe { lt::get_matmul_algo_heuristic(handle, d.desc, a, b, dl, dl, d.pref) }
+            .map_err(fail("cublasLtMatmulAlgoGetHeuristic (no fp8 algorithm for this shape)"))?;
+        let (alpha, beta) = (1.0f32, call.beta);
+        // SAFETY: the caller's contract for the addresses, handle and stream;
+        // alpha and beta are host floats (the default pointer mode), alive
+        // for the call; the algorithm comes from this very configuration.
+        unsafe {
+            lt::matmul(
+                handle,
+                d.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                call.a as *const c_void,
+                a,
+                call.b as *const c_void,
+                b,
+                call.d as *const c_void,
+                dl,
+                call.d as *mut c_void,
+                dl,
+                &heuristic.algo,
+                workspace.0 as *mut c_void,
+                workspace.1,
+                stream,
+            )
+        }
+        .map_err(fail("cublasLtMatmul"))
+    }
+
+    /// The cudaDataType of each `LtType` (checked against cuBLASLt's values).
+    #[cfg(test)]
+    pub(super) fn data_type_code(t: LtType) -> u32 {
+        data_type(t) as u32
+    }
+}
+
+pub use device::enqueue;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemm(m: usize, n: usize, k: usize) -> Fp8Gemm {
+        Fp8Gemm {
+            m,
+            n,
+            k,
+            x: Matrix { addr: 0x1000, dtype: Fp8::E4M3, ld: k },
+            w: Matrix { addr: 0x8000, dtype: Fp8::E4M3, ld: k },
+            out: Matrix { addr: 0x10000, dtype: OutType::Bf16, ld: n },
+            x_scale: 0x20000,
+            w_scale: 0x20004,
+            accumulate: false,
+        }
+    }
+
+    #[test]
+    fn row_major_fp8_gemms_map_to_tn_column_major_calls() {
+        let call = gemm(48, 80, 64).lower((9, 0)).unwrap();
+        // A = w, K-major: k x n column-major with ld k, transposed by the call.
+        assert_eq!((call.a, call.a_scale), (0x8000, 0x20004));
+        assert_eq!(call.a_layout, Layout { dtype: LtType::E4M3, rows: 64, cols: 80, ld: 64 });
+        // B = x: k x m column-major with ld k.
+        assert_eq!((call.b, call.b_scale), (0x1000, 0x20000));
+        assert_eq!(call.b_layout, Layout { dtype: LtType::E4M3, rows: 64, cols: 48, ld: 64 });
+        // D = C = out^T: n x m column-major with ld n.
+        assert_eq!(call.d_layout, Layout { dtype: LtType::Bf16, rows: 80, cols: 48, ld: 80 });
+        assert_eq!(call.beta, 0.0);
+        let mut acc = gemm(16, 16, 16);
+        acc.accumulate = true;
+        acc.out = Matrix { addr: 0x40000, dtype: OutType::F32, ld: 32 };
+        let call = acc.lower((10, 0)).unwrap();
+        assert_eq!(call.beta, 1.0);
+        assert_eq!(call.d_layout, Layout { dtype: LtType::F32, rows: 16, cols: 16, ld: 32 });
+    }
+
+    /// The column-major call computes the row-major product: evaluate the
+    /// call's D = op(A)·op(B) on host data laid out as `lower` says.
+    #[test]
+    fn the_lowered_call_computes_x_times_w() {
+        let (m, n, k) = (3usize, 5usize, 16usize);
+        let (ldx, ldw, ldo) = (32usize, 16usize, 7usize);
+        let x: Vec<f32> = (0..m * ldx).map(|i| (i % 7) as f32).collect();
+        let w_kmajor: Vec<f32> = (0..n * ldw).map(|i| (i % 5) as f32 - 2.0).collect();
+        let mut g = gemm(m, n, k);
+        g.x.ld = ldx;
+        g.w.ld = ldw;
+        g.out.ld = ldo;
+        let call = g.lower((9, 0)).unwrap();
+        // Column-major element (r, c) of a layout is at c * ld + r.
+        let a = |r: usize, c: usize| w_kmajor[c * call.a_layout.ld as usize + r]; // k x n
+        let b = |r: usize, c: usize| x[c * call.b_layout.ld as usize + r]; // k x m
+        let mut d = vec![0f32; m * ldo];
+        for c in 0..call.d_layout.cols as usize {
+            for r in 0..call.d_layout.rows as usize {
+                // op(A) = A^T (n x k): op(A)(r, kk) = A(kk, r).
+                d[c * call.d_layout.ld as usize + r] = (0..k).map(|kk| a(kk, r) * b(kk, c)).sum();
+            }
+        }
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|kk| x[i * ldx + kk] * w_kmajor[j * ldw + kk]).sum();
+                assert_eq!(d[i * ldo + j], want, "out[{i}, {j}]");
+            }
+        }
+    }
+
+    #[test]
+    fn cublaslt_fp8_rules_are_checked_with_clear_errors() {
+        let e = gemm(16, 16, 16).lower((8, 0)).unwrap_err();
+        assert!(matches!(&e, Error::Unimplemented(m) if m.contains("sm_80")), "{e}");
+        let mut both = gemm(16, 16, 16);
+        both.x.dtype = Fp8::E5M2;
+        both.w.dtype = Fp8::E5M2;
+        assert!(matches!(both.lower((9, 0)), Err(Error::Unimplemented(_))));
+        both.w.dtype = Fp8::E4M3;
+        assert_eq!(both.lower((9, 0)).unwrap().b_layout.dtype, LtType::E5M2);
+        let e = gemm(16, 16, 24).lower((9, 0)).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("k (24)")), "{e}");
+        let mut odd = gemm(16, 16, 16);
+        odd.x.addr += 8;
+        odd.w.ld = 40;
+        let e = odd.lower((9, 0)).unwrap_err();
+        assert!(e.message().contains("x's address") && e.message().contains("w's row stride"), "{e}");
+        let mut short = gemm(16, 32, 32);
+        short.out.ld = 16;
+        assert!(matches!(short.lower((9, 0)), Err(Error::InvalidArgument(_))));
+        let mut unscaled = gemm(16, 16, 16);
+        unscaled.x_scale = 0;
+        assert!(matches!(unscaled.lower((9, 0)), Err(Error::InvalidArgument(_))));
+        assert!(matches!(gemm(0, 16, 16).lower((9, 0)), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn data_types_are_cudas() {
+        // cudaDataType_t values from library_types.h.
+        let codes = [(LtType::E4M3, 28), (LtType::E5M2, 29), (LtType::Bf16, 14), (LtType::F16, 2), (LtType::F32, 0)];
+        for (t, code) in codes {
+            assert_eq!(device::data_type_code(t), code, "{t:?}");
+        }
+    }
+}

@@ -191,6 +191,80 @@ fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
     ))
 }
 
+/// The cost model's answer for one call (see `sim::explain`): writes the JSON,
+/// NUL-terminated, to `out[..out_len]` when it fits and returns its length in
+/// bytes (call again with a larger buffer when that is >= `out_len`), or
+/// returns -1 with the reason written there instead. `machine` is a preset
+/// name (NUL-terminated); `gemm_gflops` <= 0 means none measured.
+///
+/// # Safety
+/// Each `(pointer, len)` pair must be a readable array of that many i64s (or
+/// len 0), `machine` a NUL-terminated string, and `out` a writable buffer of
+/// `out_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_explain(
+    kind: i64,
+    ranks: i64,
+    dimension: i64,
+    shapes: *const *const i64,
+    ranks_of_shapes: *const usize,
+    dtypes: *const u32,
+    machine: *const std::ffi::c_char,
+    gemm_gflops: f64,
+    out: *mut u8,
+    out_len: usize,
+) -> i64 {
+    let result = catch_unwind(|| {
+        if shapes.is_null() || ranks_of_shapes.is_null() || dtypes.is_null() || machine.is_null() {
+            return Err("null argument".to_string());
+        }
+        // SAFETY: the caller passes three shapes (x, w, out), their ranks, two
+        // dtype codes (input, output) and a NUL-terminated machine name.
+        let (shapes, lens, codes) = unsafe {
+            (
+                std::slice::from_raw_parts(shapes, 3),
+                std::slice::from_raw_parts(ranks_of_shapes, 3),
+                std::slice::from_raw_parts(dtypes, 2),
+            )
+        };
+        let dims = |i: usize| {
+            if shapes[i].is_null() || lens[i] == 0 {
+                &[][..]
+            } else {
+                unsafe { std::slice::from_raw_parts(shapes[i], lens[i]) }
+            }
+        };
+        let machine = unsafe { std::ffi::CStr::from_ptr(machine) }.to_str().map_err(|e| e.to_string())?;
+        let query = crate::sim::explain::Query {
+            kind,
+            ranks,
+            dimension,
+            x: dims(0),
+            w: dims(1),
+            out: dims(2),
+            input: codes[0],
+            output: codes[1],
+            machine,
+            gemm_gflops: (gemm_gflops > 0.0).then_some(gemm_gflops),
+            cores: std::thread::available_parallelism().map_or(1, |p| p.get()),
+        };
+        crate::sim::explain::explain_json(&query).map_err(|e| e.to_string())
+    });
+    let (code, text) = match result {
+        Ok(Ok(json)) => (i64::try_from(json.len()).unwrap_or(i64::MAX), json),
+        Ok(Err(e)) => (-1, e),
+        Err(_) => (-1, "panic while explaining".to_string()),
+    };
+    if !out.is_null() && out_len > 0 && (code < 0 || text.len() < out_len) {
+        let n = text.len().min(out_len - 1);
+        // SAFETY: the caller guarantees `out_len` writable bytes at `out`.
+        let buffer = unsafe { std::slice::from_raw_parts_mut(out, out_len) };
+        buffer[..n].copy_from_slice(&text.as_bytes()[..n]);
+        buffer[n] = 0;
+    }
+    code
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

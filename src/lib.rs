@@ -13,5 +13,6 @@ pub mod handlers;
 pub mod ops;
 pub mod plan;
 pub mod problem;
+pub mod sim;
 pub mod trace;
 pub mod xla;

@@ -132,10 +132,10 @@ pub struct Gemm {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Problem {
     pub kind: OpKind,
-    /// How many equal parts `Buf::XBlock` cuts the local `x` into (what the
-    /// backends send for an `XBlock`): the group size, except in a sliced
-    /// gather, whose `XBlock(c)` is chunk c of the local x (see `sliced`).
-    pub ranks: usize,
+    /// How many equal parts `Buf::XBlock` cuts the local `x` into (see
+    /// `x_block`): the group size, except in a sliced gather, whose
+    /// `XBlock(c)` is chunk c of the local x (see `sliced`).
+    x_parts: usize,
     /// The group size.
     group: usize,
     /// `Schedule::Sliced { slices }`: block indices are fine (`j * slices + c`).
@@ -306,7 +306,7 @@ impl Problem {
         }
         Ok(Problem {
             kind,
-            ranks: nr,
+            x_parts: nr,
             group: nr,
             slices: None,
             outer,
@@ -352,10 +352,17 @@ impl Problem {
             );
         }
         if self.kind == OpKind::AllGatherMatmul {
-            self.ranks = slices;
+            self.x_parts = slices;
         }
         self.slices = Some(slices);
         Ok(self)
+    }
+
+    /// The elements of the local `x` that `Buf::XBlock(j)` names (what a
+    /// backend sends for it), or `None` past the last part.
+    pub fn x_block(&self, j: usize) -> Option<std::ops::Range<usize>> {
+        let part = self.x_len / self.x_parts;
+        (j < self.x_parts).then(|| j * part..(j + 1) * part)
     }
 
     pub fn accumulator(&self) -> DType {

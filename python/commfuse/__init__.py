@@ -13,6 +13,7 @@ import math
 from . import reference
 from ._all_gather_matmul import all_gather_matmul
 from ._all_to_all import all_to_all_matmul, matmul_all_to_all
+from ._explain import explain
 from ._matmul_all_gather import matmul_all_gather
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, set_timeout_ms as _set_timeout_ms
@@ -28,6 +29,7 @@ __all__ = [
     "matmul_all_to_all",
     "overlap",
     "trace",
+    "explain",
     "configure",
     "reference",
 ]

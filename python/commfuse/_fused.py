@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from . import _native
+from . import _native, _nccl_id
 
 SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4}
 
@@ -320,17 +320,20 @@ def _lower_cpu(ctx, x, w, **params):
     return _lower_target(_native.CPU_TARGET, ctx, x, w, **params)
 
 
-def _lower_cuda(ctx, x, w, *, kind, **params):
+def _lower_cuda(ctx, x, w, *, kind, axes, **params):
     try:
         target = _native.cuda_target()
     except NotImplementedError as e:
         raise NotImplementedError(
             f"commfuse ({kind.name.lower()}) cannot run on CUDA here: {e}; run on CPU devices, or use "
             "commfuse.reference") from e
-    return _lower_target(target, ctx, x, w, kind=kind, **params)
+    # Groups spanning processes get their NCCL ids through the distributed
+    # key-value store; nothing when the whole mesh is in this process.
+    placement = _nccl_id.lowering_attributes(_lowering_mesh(kind, ctx), axes)
+    return _lower_target(target, ctx, x, w, kind=kind, axes=axes, extra=placement, **params)
 
 
-def _lower_target(target, ctx, x, w, *, kind, site, schedule, dimension, axes, **_):
+def _lower_target(target, ctx, x, w, *, kind, site, schedule, dimension, axes, extra=None, **_):
     """The FFI call of `target`, with the same attributes on every platform."""
     mesh = _lowering_mesh(kind, ctx)
     lowering = jax.ffi.ffi_lowering(target)
@@ -343,6 +346,7 @@ def _lower_target(target, ctx, x, w, *, kind, site, schedule, dimension, axes, *
         mesh_devices=np.asarray(mesh.device_ids, np.int64).reshape(-1),
         mesh_shape=np.asarray(mesh.device_ids.shape, np.int64),
         axes=np.asarray([mesh.axis_names.index(a) for a in axes], np.int64),
+        **(extra or {}),
     )
 
 

@@ -160,8 +160,9 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         match buf {
             Buf::X => Ok(self.x),
             Buf::XBlock(j) => {
-                let block = self.x.len() / self.problem.ranks;
-                Ok(&self.x[j * block..(j + 1) * block])
+                let part = self.problem.x_block(j).ok_or_else(|| Error::Internal(format!("no part {j} of x")))?;
+                let size = self.problem.input.size();
+                Ok(&self.x[part.start * size..part.end * size])
             }
             other => Err(Error::Internal(format!("{other:?} is not part of x"))),
         }

@@ -186,12 +186,9 @@ impl Resolver<'_> {
         let (addr, bytes) = match t.buf {
             Buf::X => (self.buffers.x.addr, self.buffers.x.bytes),
             Buf::XBlock(j) => {
-                let ranks = self.problem.ranks;
-                if j >= ranks || self.buffers.x.bytes % ranks != 0 {
-                    return Err(Error::Internal(format!("block {j} of x over {ranks} ranks")));
-                }
-                let block = self.buffers.x.bytes / ranks;
-                (self.buffers.x.addr + (j * block) as u64, block)
+                let part = self.problem.x_block(j).ok_or_else(|| Error::Internal(format!("no part {j} of x")))?;
+                let size = self.problem.input.size();
+                (self.buffers.x.addr + (part.start * size) as u64, part.len() * size)
             }
             Buf::Slot(i) => {
                 let s = self.slot(i)?;

@@ -1,0 +1,126 @@
+"""commfuse.explain: the cost model's predictions for one call, printed and returned."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import commfuse
+
+MACHINES = ["cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie"]
+
+CASES = [
+    # (op, x, w, n, dimension)
+    ("all_gather_matmul", (512, 1024), (1024, 2048), 4, 0),
+    ("all_gather_matmul", (2, 128, 256), (256, 512), 8, 1),
+    ("matmul_reduce_scatter", (4096, 1024), (1024, 1024), 8, 0),
+    ("matmul_reduce_scatter", (256, 1024), (1024, 2048), 4, -1),
+    ("all_gather_matmul", (256, 128), (512, 256), 4, -1),
+    ("matmul_all_gather", (256, 512), (512, 128), 4, 1),
+    ("matmul_all_gather", (256, 512), (128, 256), 4, 0),
+    ("all_to_all_matmul", (4, 128, 256), (256, 256), 4, 0),
+    ("matmul_all_to_all", (8, 64, 256), (256, 128), 8, 0),
+]
+
+
+def check_consistent(r, *, exact=False):
+    times = r["schedules"]
+    assert times and all(t > 0 and math.isfinite(t) for t in times.values())
+    assert r["floor"] == pytest.approx(max(r["t_compute"], r["t_comm"]))
+    for name, t in times.items():
+        assert r["floor"] <= t * (1 + 1e-9), (name, t, r["floor"])
+    # auto's choice is the fastest.
+    assert times[r["choice"]] == min(times.values())
+    # Sequential is its compute plus its communication: no overlap, except
+    # that a sequential all-to-all copies each received block in while the
+    # next one travels.
+    seq = times["sequential"]
+    parts = r["parts"]["sequential"]
+    if "all_to_all" in r["op"]:
+        assert max(parts["compute"], parts["comm"]) <= seq <= (parts["compute"] + parts["comm"]) * (1 + 1e-9)
+    else:
+        assert seq == pytest.approx(parts["compute"] + parts["comm"], rel=0.02), (seq, parts)
+    # T_compute and T_comm are the least of any schedule's compute-only and
+    # communication-only times (bidirectional pays half the latencies, and on
+    # a ring uses twice the links), so sequential takes at least their sum.
+    assert set(r["parts"]) == set(times)
+    assert r["t_compute"] == min(p["compute"] for p in r["parts"].values())
+    assert r["t_comm"] == min(p["comm"] for p in r["parts"].values())
+    if exact:
+        assert seq == pytest.approx(r["t_compute"] + r["t_comm"], rel=0.02)
+    # The plan of the chosen schedule is there, per lane, with times inside the prediction.
+    plan = r["plan"]
+    steps = plan["compute"] + plan["comm"]
+    assert steps
+    assert all(0 <= s["start"] <= s["end"] <= times[r["choice"]] * (1 + 1e-9) for s in steps)
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-n{c[3]}-d{c[4]}")
+def test_numbers_are_consistent(case, machine, capsys):
+    op, x, w, n, dimension = case
+    r = commfuse.explain(op, x, w, n, dimension=dimension, machine=machine,
+                         gemm_gflops=20.0 if machine == "cpu_here" else None)
+    # Where latency is negligible against the bytes (this host's in-process
+    # links), sequential is T_compute + T_comm.
+    check_consistent(r, exact=machine == "cpu_here")
+    out = capsys.readouterr().out
+    assert "floor" in out and "<- chosen" in out and r["choice"] in out
+    for name in r["schedules"]:
+        assert name in out
+
+
+def test_row_gathers_and_scatters_compare_every_schedule(capsys):
+    r = commfuse.explain("all_gather_matmul", (1024, 4096), (4096, 4096), 8, dtype="bfloat16",
+                         machine="h100_nvlink")
+    assert set(r["schedules"]) == {"sequential", "ring", "bidirectional", "sliced(2)", "sliced(4)", "sliced(8)"}
+    assert r["dtype"] == "bfloat16"
+    # A large GEMM on NVLink: overlap hides the transfers, slicing leaves its head exposed.
+    assert r["choice"] in ("ring", "bidirectional")
+    assert r["schedules"][r["choice"]] <= 1.05 * r["floor"]
+    assert r["schedules"][r["choice"]] < r["schedules"]["sliced(4)"]
+    assert r["schedules"][r["choice"]] <= 0.8 * r["schedules"]["sequential"]
+    out = capsys.readouterr().out
+    assert "plan of rank 0" in out and "matmul" in out and "exchange" in out
+
+
+def test_bidirectional_wins_on_a_comm_bound_ring():
+    r = commfuse.explain("all_gather_matmul", (512, 4096), (4096, 256), 8, dtype="bfloat16",
+                         machine="h100_pcie:topology=ring")
+    check_consistent(r)
+    assert r["machine"]["topology"] == "ring"
+    assert r["t_comm"] > r["t_compute"]
+    assert r["schedules"]["bidirectional"] < 0.8 * r["schedules"]["ring"]
+    assert r["choice"] == "bidirectional"
+
+
+def test_cpu_here_follows_the_link_model_and_the_measured_rate(monkeypatch):
+    case = ("matmul_reduce_scatter", (1024, 512), (512, 512), 4)
+    monkeypatch.delenv("COMMFUSE_CPU_LINK", raising=False)
+    fast = commfuse.explain(*case, gemm_gflops=40.0)
+    slow = commfuse.explain(*case, gemm_gflops=10.0)
+    assert slow["t_compute"] == pytest.approx(4 * fast["t_compute"], rel=0.05)
+    monkeypatch.setenv("COMMFUSE_CPU_LINK", "gbytes_per_s=0.5,latency_us=20,topology=switch")
+    linked = commfuse.explain(*case, gemm_gflops=40.0)
+    assert linked["machine"]["link_bytes_per_s"] == pytest.approx(0.5e9)
+    assert linked["machine"]["latency_s"] == pytest.approx(20e-6)
+    assert linked["t_comm"] > fast["t_comm"]
+    check_consistent(linked)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(op="all_reduce_matmul"), "unknown op"),
+    (dict(machine="tpu_v5"), "unknown machine"),
+    (dict(machine="h100_pcie:topology=torus"), "topology"),
+    (dict(dtype="int32"), "unsupported dtype"),
+    (dict(n=0), "n must be"),
+    (dict(w_shape=(100, 64)), "contract"),
+    (dict(dimension=3), "out of range"),
+    (dict(gemm_gflops=-1.0), "gemm_gflops"),
+])
+def test_bad_arguments_say_what_is_wrong(kwargs, message):
+    args = dict(op="all_gather_matmul", x_shape=(64, 128), w_shape=(128, 64), n=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        commfuse.explain(args.pop("op"), args.pop("x_shape"), args.pop("w_shape"), args.pop("n"), **args)

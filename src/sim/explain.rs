@@ -1,0 +1,164 @@
+//! `commfuse.explain`: the planner's choice for one call, as JSON.
+
+use super::model::{choose, predict, schedule_name, Mode};
+use super::Machine;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::{self, Action, Buf, Lane};
+use crate::problem::{OpKind, Operand, Problem};
+use std::fmt::Write;
+
+/// One call as Python describes it (kind and dtype codes as in `ops::CallShapes`).
+pub struct Query<'a> {
+    pub kind: i64,
+    pub ranks: i64,
+    pub dimension: i64,
+    pub x: &'a [i64],
+    pub w: &'a [i64],
+    pub out: &'a [i64],
+    pub input: u32,
+    pub output: u32,
+    /// A preset name, optionally with overrides (`Machine::from_spec`).
+    pub machine: &'a str,
+    pub gemm_gflops: Option<f64>,
+    /// Processors of this host (for `cpu_here`).
+    pub cores: usize,
+}
+
+fn buf_name(buf: Buf) -> String {
+    match buf {
+        Buf::X => "x".into(),
+        Buf::XBlock(j) => format!("x[{j}]"),
+        Buf::Slot(i) => format!("slot{i}"),
+        Buf::Out => "out".into(),
+        Buf::OutBlock(j) => format!("out[{j}]"),
+    }
+}
+
+fn action_brief(action: &Action) -> String {
+    match action {
+        Action::Matmul { block, src, dst, accumulate } => {
+            format!(
+                "matmul b{block} {}{}{}",
+                buf_name(*src),
+                if *accumulate { " +-> " } else { " -> " },
+                buf_name(*dst)
+            )
+        }
+        Action::Sum { terms, dst } => {
+            let terms: Vec<String> = terms.iter().map(|b| buf_name(*b)).collect();
+            format!("sum {} -> {}", terms.join("+"), buf_name(*dst))
+        }
+        Action::Exchange { sends, recvs } => {
+            let sends: Vec<String> = sends.iter().map(|t| format!("{}->{}", buf_name(t.buf), t.peer)).collect();
+            let recvs: Vec<String> = recvs.iter().map(|t| format!("{}<-{}", buf_name(t.buf), t.peer)).collect();
+            format!("exchange send {} recv {}", sends.join(" "), recvs.join(" "))
+        }
+    }
+}
+
+fn string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn number(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:e}")
+    } else {
+        "null".into()
+    }
+}
+
+/// The JSON `commfuse.explain` returns: the machine, every candidate
+/// schedule's predicted seconds, T_compute, T_comm, the floor, the choice, and
+/// rank 0's plan under it (steps per lane with their predicted start and end).
+pub fn explain_json(q: &Query) -> Result<String> {
+    let kind =
+        OpKind::from_code(q.kind).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {}", q.kind)))?;
+    let n = usize::try_from(q.ranks).ok().filter(|&r| r >= 1);
+    let n = n.ok_or_else(|| Error::InvalidArgument(format!("n must be >= 1, got {}", q.ranks)))?;
+    let dtype = |code: u32| {
+        DType::from_xla(code).ok_or_else(|| Error::InvalidArgument(format!("unsupported dtype code {code}")))
+    };
+    let (input, output) = (dtype(q.input)?, dtype(q.output)?);
+    let problem = Problem::new(
+        kind,
+        Operand { dims: q.x, dtype: input },
+        Operand { dims: q.w, dtype: input },
+        Operand { dims: q.out, dtype: output },
+        q.dimension,
+        n,
+    )?;
+    let machine = Machine::from_spec(q.machine, q.gemm_gflops, q.cores)?;
+    let choice = choose(&problem, n, &machine)?;
+    let timeline = predict(&problem, choice.best, n, &machine, Mode::Full)?;
+    let plan = plan::plan(kind.pattern(), choice.best, n, 0);
+
+    let mut j = String::from("{");
+    let _ = write!(j, "\"op\":{},\"n\":{n},\"dtype\":{},", string(kind.name()), string(input.name()));
+    let link = &machine.link;
+    let topology = match link.topology {
+        super::Topology::Switch => "switch",
+        super::Topology::Ring => "ring",
+    };
+    let _ = write!(
+        j,
+        "\"machine\":{{\"name\":{},\"peak_flops\":{},\"efficiency\":{},\"memory_bytes_per_s\":{},\
+         \"link_bytes_per_s\":{},\"latency_s\":{},\"topology\":{}}},",
+        string(&machine.name),
+        number(machine.compute.peak(input)),
+        number(machine.compute.efficiency),
+        number(machine.compute.memory_bytes_per_s),
+        number(link.bytes_per_s),
+        number(link.latency_s),
+        string(topology)
+    );
+    let schedules: Vec<String> =
+        choice.predictions.iter().map(|(s, t)| format!("{}:{}", string(&schedule_name(*s)), number(*t))).collect();
+    let _ = write!(j, "\"schedules\":{{{}}},", schedules.join(","));
+    let parts: Vec<String> = (choice.predictions.iter().zip(&choice.parts))
+        .map(|((s, _), (c, m))| {
+            format!("{}:{{\"compute\":{},\"comm\":{}}}", string(&schedule_name(*s)), number(*c), number(*m))
+        })
+        .collect();
+    let _ = write!(j, "\"parts\":{{{}}},", parts.join(","));
+    let _ = write!(
+        j,
+        "\"choice\":{},\"t_compute\":{},\"t_comm\":{},\"floor\":{},",
+        string(&schedule_name(choice.best)),
+        number(choice.t_compute),
+        number(choice.t_comm),
+        number(choice.floor())
+    );
+    let lane = |lane: Lane| -> String {
+        let steps: Vec<String> = plan
+            .lane_steps(lane)
+            .map(|s| {
+                let (start, end) = timeline.span(0, s.id);
+                format!(
+                    "{{\"id\":{},\"action\":{},\"deps\":{:?},\"start\":{},\"end\":{}}}",
+                    s.id,
+                    string(&action_brief(&s.action)),
+                    s.deps,
+                    number(start),
+                    number(end)
+                )
+            })
+            .collect();
+        format!("[{}]", steps.join(","))
+    };
+    let _ = write!(j, "\"plan\":{{\"rank\":0,\"compute\":{},\"comm\":{}}}}}", lane(Lane::Compute), lane(Lane::Comm));
+    Ok(j)
+}

@@ -1,0 +1,174 @@
+//! Per-step costs from a [`Problem`], predictions of each schedule, and the
+//! planner's choice.
+
+use super::engine::{simulate, Timeline};
+use super::Machine;
+use crate::error::{Error, Result};
+use crate::plan::{self, Action, Buf, Plan, Schedule, SlotKind, Step};
+use crate::problem::Problem;
+
+/// What a simulation counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Compute and communication.
+    Full,
+    /// Communication is free (infinite bandwidth, no latency): T_compute.
+    ComputeOnly,
+    /// Compute is free: T_comm.
+    CommOnly,
+}
+
+/// The problem as `schedule` cuts it, or why the schedule does not apply.
+fn cut(problem: &Problem, schedule: Schedule, n: usize) -> Result<Problem> {
+    match schedule {
+        Schedule::Sliced { slices } => {
+            if n < 2 || !Schedule::sliceable(problem.kind.pattern()) {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: no sliced schedule for this op over {n} ranks",
+                    problem.kind.name()
+                )));
+            }
+            problem.sliced(slices)
+        }
+        Schedule::Auto => Err(Error::InvalidArgument("sim: predict a concrete schedule, not Auto".into())),
+        _ => Ok(*problem),
+    }
+}
+
+/// Elements of `buf` in `plan` for `problem` (already cut), and its dtype's size.
+fn extent(problem: &Problem, plan: &Plan, buf: Buf) -> (usize, usize) {
+    let sizes = problem.sizes();
+    let acc = sizes.accumulator().size();
+    match buf {
+        Buf::X => (sizes.x, sizes.input.size()),
+        Buf::XBlock(j) => (problem.x_block(j).map_or(0, |r| r.len()), sizes.input.size()),
+        Buf::Out => (sizes.result, acc),
+        Buf::OutBlock(_) => (problem.out_range(buf).len(), acc),
+        Buf::Slot(i) => match plan.slots.get(i) {
+            Some(SlotKind::Input) => (sizes.travel, sizes.input.size()),
+            Some(SlotKind::Partial) => (sizes.partial, acc),
+            Some(SlotKind::Result) | None => (sizes.result, acc),
+        },
+    }
+}
+
+/// Seconds a GEMM or sum step of `plan` takes alone on `machine`.
+pub fn step_seconds(problem: &Problem, plan: &Plan, step: &Step, machine: &Machine) -> f64 {
+    let c = &machine.compute;
+    let acc = problem.accumulator();
+    match &step.action {
+        Action::Matmul { block, src, dst, accumulate } => problem
+            .gemms(*block, *src, *dst)
+            .iter()
+            .map(|g| c.gemm_s(g.dst.rows, g.lhs.1.cols, g.dst.cols, problem.input, acc, *accumulate))
+            .sum(),
+        Action::Sum { terms, dst } => c.sum_s(extent(problem, plan, *dst).0, terms.len(), acc),
+        Action::Exchange { .. } => 0.0,
+    }
+}
+
+/// Simulates all `n` ranks of `problem` (not cut) under `schedule`.
+pub fn predict(problem: &Problem, schedule: Schedule, n: usize, machine: &Machine, mode: Mode) -> Result<Timeline> {
+    let cut = cut(problem, schedule, n)?;
+    let plans: Vec<Plan> = (0..n).map(|r| plan::plan(problem.kind.pattern(), schedule, n, r)).collect();
+    let mut link = machine.link;
+    if mode == Mode::ComputeOnly {
+        link.bytes_per_s = f64::INFINITY;
+        link.latency_s = 0.0;
+    }
+    let work = |r: usize, step: &Step| match mode {
+        Mode::CommOnly => 0.0,
+        _ => step_seconds(&cut, &plans[r], step, machine),
+    };
+    let bytes = |r: usize, buf: Buf| {
+        let (elements, size) = extent(&cut, &plans[r], buf);
+        (elements * size) as f64
+    };
+    simulate(&plans, &link, machine.shared_processors, &work, &bytes)
+}
+
+/// The schedules the planner compares for `problem` over `n` ranks.
+pub fn candidates(problem: &Problem, n: usize) -> Vec<Schedule> {
+    let pattern = problem.kind.pattern();
+    let mut out = vec![Schedule::Sequential, Schedule::Ring];
+    if pattern.uses_ring() && n >= 3 {
+        out.push(Schedule::Bidirectional);
+    }
+    for slices in [2, 4, 8] {
+        if cut(problem, Schedule::Sliced { slices }, n).is_ok() {
+            out.push(Schedule::Sliced { slices });
+        }
+    }
+    out
+}
+
+/// The planner's answer: the fastest schedule by the model, every
+/// candidate's predicted time, and the floor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub best: Schedule,
+    /// (schedule, predicted seconds), in `candidates` order.
+    pub predictions: Vec<(Schedule, f64)>,
+    /// The least compute-only time of any candidate (no communication).
+    pub t_compute: f64,
+    /// The least communication-only time of any candidate (free compute).
+    pub t_comm: f64,
+    /// (compute-only, communication-only) seconds of each candidate, in
+    /// `predictions` order: a sequential schedule takes about their sum.
+    pub parts: Vec<(f64, f64)>,
+}
+
+impl Choice {
+    /// max(T_compute, T_comm): no schedule can beat it.
+    pub fn floor(&self) -> f64 {
+        self.t_compute.max(self.t_comm)
+    }
+
+    pub fn time(&self, schedule: Schedule) -> Option<f64> {
+        self.predictions.iter().find(|(s, _)| *s == schedule).map(|(_, t)| *t)
+    }
+}
+
+/// Picks the schedule the model predicts fastest for `problem` (its op kind
+/// and shapes) over `n` ranks on `machine`. What `schedule="auto"` can call.
+pub fn choose(problem: &Problem, n: usize, machine: &Machine) -> Result<Choice> {
+    let (mut predictions, mut parts) = (vec![], vec![]);
+    for schedule in candidates(problem, n) {
+        let time = predict(problem, schedule, n, machine, Mode::Full)?.makespan;
+        let compute = predict(problem, schedule, n, machine, Mode::ComputeOnly)?.makespan;
+        let comm = predict(problem, schedule, n, machine, Mode::CommOnly)?.makespan;
+        predictions.push((schedule, time));
+        parts.push((compute, comm));
+    }
+    let t_compute = parts.iter().map(|p| p.0).fold(f64::INFINITY, f64::min);
+    let t_comm = parts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+    // Ties go to the earlier candidate (the simpler schedule).
+    let best = predictions.iter().fold(None, |best: Option<(Schedule, f64)>, &(s, t)| match best {
+        Some((_, bt)) if bt <= t => best,
+        _ => Some((s, t)),
+    });
+    let best = best.map(|(s, _)| s).unwrap_or(Schedule::Ring);
+    Ok(Choice { best, predictions, t_compute, t_comm, parts })
+}
+
+/// The schedule `schedule="auto"` should run for `problem` over `n` ranks on
+/// `machine`: the model's choice, or `Schedule::resolve`'s rule if the model
+/// cannot time it. (The hook for the planner; the resolver calls it when it
+/// has a machine description.)
+pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule {
+    match choose(problem, n, machine) {
+        Ok(choice) => choice.best,
+        Err(_) => Schedule::Auto.resolve(n, problem.kind.pattern()),
+    }
+}
+
+/// A schedule's name as Python spells it.
+pub fn schedule_name(schedule: Schedule) -> String {
+    match schedule {
+        Schedule::Auto => "auto".into(),
+        Schedule::Ring => "ring".into(),
+        Schedule::Bidirectional => "bidirectional".into(),
+        Schedule::Sequential => "sequential".into(),
+        Schedule::Sliced { slices } => format!("sliced({slices})"),
+    }
+}

@@ -14,8 +14,7 @@ use std::time::Instant;
 /// One device's call of a fused op on the CPU backend.
 pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
     let start = Instant::now();
-    let code = frame.attr_i64("kind")?;
-    let kind = OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))?;
+    let kind = kind(frame.attr_i64("kind")?)?;
     let x = frame.arg(0, "x")?;
     let w = frame.arg(1, "w")?;
     let out = frame.take_ret(0, "out")?;
@@ -86,7 +85,13 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
 }
 
 /// The problem as `schedule` cuts it (sliced schedules address chunks of blocks).
-fn slice(problem: Problem, schedule: Schedule) -> Result<Problem> {
+/// The op kind of the `kind` attribute.
+pub fn kind(code: i64) -> Result<OpKind> {
+    OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))
+}
+
+/// The problem as a schedule sees it (a sliced schedule cuts blocks into chunks).
+pub fn slice(problem: Problem, schedule: Schedule) -> Result<Problem> {
     match schedule {
         Schedule::Sliced { slices } => problem.sliced(slices),
         _ => Ok(problem),
@@ -106,25 +111,32 @@ pub struct CallShapes<'a> {
     pub output: u32,
 }
 
+impl CallShapes<'_> {
+    /// The op, group size and problem these shapes describe (before slicing).
+    pub fn problem(&self) -> Result<(OpKind, usize, Problem)> {
+        let kind = kind(self.kind)?;
+        let ranks = usize::try_from(self.ranks).ok().filter(|&r| r >= 1);
+        let ranks = ranks.ok_or_else(|| Error::InvalidArgument(format!("ranks must be >= 1, got {}", self.ranks)))?;
+        let dtype = |code: u32| {
+            DType::from_xla(code).ok_or_else(|| Error::InvalidArgument(format!("unsupported dtype code {code}")))
+        };
+        let (input, output) = (dtype(self.input)?, dtype(self.output)?);
+        let problem = Problem::new(
+            kind,
+            Operand { dims: self.x, dtype: input },
+            Operand { dims: self.w, dtype: input },
+            Operand { dims: self.out, dtype: output },
+            self.dimension,
+            ranks,
+        )?;
+        Ok((kind, ranks, problem))
+    }
+}
+
 /// Workspace bytes a call needs; Python asks at trace time.
 pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
-    let kind =
-        OpKind::from_code(call.kind).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {}", call.kind)))?;
+    let (kind, ranks, problem) = call.problem()?;
     let schedule = schedule(kind, call.schedule)?;
-    let ranks = usize::try_from(call.ranks).ok().filter(|&r| r >= 1);
-    let ranks = ranks.ok_or_else(|| Error::InvalidArgument(format!("ranks must be >= 1, got {}", call.ranks)))?;
-    let dtype = |code: u32| {
-        DType::from_xla(code).ok_or_else(|| Error::InvalidArgument(format!("unsupported dtype code {code}")))
-    };
-    let (input, output) = (dtype(call.input)?, dtype(call.output)?);
-    let problem = Problem::new(
-        kind,
-        Operand { dims: call.x, dtype: input },
-        Operand { dims: call.w, dtype: input },
-        Operand { dims: call.out, dtype: output },
-        call.dimension,
-        ranks,
-    )?;
     let problem = slice(problem, schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
     Ok(Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total)

@@ -2,10 +2,8 @@
 
 use super::model::{choose, predict, schedule_name, Mode};
 use super::Machine;
-use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::plan::{self, Action, Buf, Lane};
-use crate::problem::{OpKind, Operand, Problem};
 use std::fmt::Write;
 
 /// One call as Python describes it (kind and dtype codes as in `ops::CallShapes`).
@@ -85,22 +83,19 @@ fn number(v: f64) -> String {
 /// schedule's predicted seconds, T_compute, T_comm, the floor, the choice, and
 /// rank 0's plan under it (steps per lane with their predicted start and end).
 pub fn explain_json(q: &Query) -> Result<String> {
-    let kind =
-        OpKind::from_code(q.kind).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {}", q.kind)))?;
-    let n = usize::try_from(q.ranks).ok().filter(|&r| r >= 1);
-    let n = n.ok_or_else(|| Error::InvalidArgument(format!("n must be >= 1, got {}", q.ranks)))?;
-    let dtype = |code: u32| {
-        DType::from_xla(code).ok_or_else(|| Error::InvalidArgument(format!("unsupported dtype code {code}")))
+    let shapes = crate::ops::CallShapes {
+        kind: q.kind,
+        schedule: 0,
+        ranks: q.ranks,
+        dimension: q.dimension,
+        x: q.x,
+        w: q.w,
+        out: q.out,
+        input: q.input,
+        output: q.output,
     };
-    let (input, output) = (dtype(q.input)?, dtype(q.output)?);
-    let problem = Problem::new(
-        kind,
-        Operand { dims: q.x, dtype: input },
-        Operand { dims: q.w, dtype: input },
-        Operand { dims: q.out, dtype: output },
-        q.dimension,
-        n,
-    )?;
+    let (kind, n, problem) = shapes.problem()?;
+    let input = problem.input;
     let machine = Machine::from_spec(q.machine, q.gemm_gflops, q.cores)?;
     let choice = choose(&problem, n, &machine)?;
     let timeline = predict(&problem, choice.best, n, &machine, Mode::Full)?;

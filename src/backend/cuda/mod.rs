@@ -36,8 +36,8 @@ pub mod nccl;
 use crate::comm::Group;
 use crate::error::{Error, Result};
 use crate::exec::stream::StreamSchedule;
-use crate::plan::{self, Action, Schedule, Workspace};
-use crate::problem::{OpKind, Operand, Problem};
+use crate::plan::{self, Action, Workspace};
+use crate::problem::{Operand, Problem};
 use crate::xla::Frame;
 use calls::{DeviceBuffers, Region, Resolver};
 use comms::{CommKey, Placement};
@@ -69,11 +69,8 @@ pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
 /// once everything is enqueued (no host synchronisation).
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let start = Instant::now();
-    let code = frame.attr_i64("kind")?;
-    let kind = OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))?;
-    let schedule_code = frame.attr_i64("schedule")?;
-    let schedule = Schedule::from_code(schedule_code)
-        .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {schedule_code}", kind.name())))?;
+    let kind = crate::ops::kind(frame.attr_i64("kind")?)?;
+    let schedule = crate::ops::schedule(kind, frame.attr_i64("schedule")?)?;
     let ordinal = frame.device_ordinal()?;
     let mesh_devices = frame.attr_i64_array("mesh_devices")?;
     let placement = placement(frame)?;
@@ -94,6 +91,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         frame.attr_i64("dimension")?,
         group.size(),
     )?;
+    let problem = crate::ops::slice(problem, schedule)?;
     let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
     let layout = Workspace::layout(&plan, &problem.sizes());
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };

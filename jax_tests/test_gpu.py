@@ -400,18 +400,11 @@ _FP8 = [(jnp.float8_e4m3fn, jnp.float8_e4m3fn), (jnp.float8_e5m2, jnp.float8_e4m
         (jnp.float8_e4m3fn, jnp.float8_e5m2)]
 
 
-# Mixed formats fail earlier, in jnp.promote_types inside _fused.promote, with
-# jax's TypePromotionError (a ValueError): a strict xfail until promote turns
-# it into the same TypeError (GPU.md, fp8).
-_MIXED = pytest.mark.xfail(strict=True, raises=jax.dtypes.TypePromotionError,
-                           reason="mixed fp8 formats raise TypePromotionError, not TypeError")
-
-
 @pytest.mark.parametrize("x_dtype,w_dtype", [
     (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
     (jnp.float8_e5m2, jnp.float8_e5m2),
-    pytest.param(jnp.float8_e5m2, jnp.float8_e4m3fn, marks=_MIXED),
-    pytest.param(jnp.float8_e4m3fn, jnp.float8_e5m2, marks=_MIXED),
+    (jnp.float8_e5m2, jnp.float8_e4m3fn),
+    (jnp.float8_e4m3fn, jnp.float8_e5m2),
 ])
 def test_fp8_operands_are_a_type_error_on_cpu(x_dtype, w_dtype):
     mesh = mesh1d(2)

@@ -105,7 +105,10 @@ def check_matmul_operands(op: str, x, w) -> None:
 
 def promote(op: str, x, w, preferred_element_type):
     """Casts `x` and `w` to their common type as jnp.matmul does; returns them and the output dtype."""
-    dtype = jnp.promote_types(x.dtype, w.dtype)
+    try:
+        dtype = jnp.promote_types(x.dtype, w.dtype)
+    except jax.dtypes.TypePromotionError as e:  # e.g. two fp8 formats
+        raise TypeError(f"commfuse.{op}: unsupported dtype combination x: {x.dtype}, w: {w.dtype} ({e})") from e
     if dtype not in DTYPE_CODES:
         raise TypeError(
             f"commfuse.{op}: unsupported dtype {dtype} (from x: {x.dtype}, w: {w.dtype}); expected "

@@ -501,4 +501,4 @@ impl Problem {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -119,14 +119,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-    const PATTERNS: [Pattern; 6] = [
-        Pattern::Gather { accumulate: false },
-        Pattern::Gather { accumulate: true },
-        Pattern::Scatter,
-        Pattern::ExchangeThenMatmul { accumulate: false },
-        Pattern::ExchangeThenMatmul { accumulate: true },
-        Pattern::MatmulThenExchange,
-    ];
+    const PATTERNS: [Pattern; 6] = Pattern::ALL;
 
     fn all_plans() -> impl Iterator<Item = Plan> {
         PATTERNS.into_iter().flat_map(|p| {

@@ -36,6 +36,16 @@ pub enum Pattern {
 }
 
 impl Pattern {
+    /// Every pattern (for exhaustive tests).
+    pub const ALL: [Pattern; 6] = [
+        Pattern::Gather { accumulate: false },
+        Pattern::Gather { accumulate: true },
+        Pattern::Scatter,
+        Pattern::ExchangeThenMatmul { accumulate: false },
+        Pattern::ExchangeThenMatmul { accumulate: true },
+        Pattern::MatmulThenExchange,
+    ];
+
     /// Whether blocks go round the ring (so a bidirectional schedule exists)
     /// rather than straight to their peer.
     pub fn uses_ring(self) -> bool {

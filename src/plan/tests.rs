@@ -4,14 +4,7 @@ use super::*;
 use std::collections::{BTreeSet, HashMap};
 
 const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-const PATTERNS: [Pattern; 6] = [
-    Pattern::Gather { accumulate: false },
-    Pattern::Gather { accumulate: true },
-    Pattern::Scatter,
-    Pattern::ExchangeThenMatmul { accumulate: false },
-    Pattern::ExchangeThenMatmul { accumulate: true },
-    Pattern::MatmulThenExchange,
-];
+const PATTERNS: [Pattern; 6] = Pattern::ALL;
 
 fn all_plans() -> impl Iterator<Item = (Pattern, Schedule, usize, Vec<Plan>)> {
     PATTERNS.into_iter().flat_map(|op| {

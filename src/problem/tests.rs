@@ -6,10 +6,10 @@ fn op(dims: &[i64]) -> Operand<'_> {
 }
 
 /// (kind, x dims, w dims, out dims, dimension) of one valid case.
-type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>, i64);
+pub(crate) type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>, i64);
 
-/// One valid case per kind, N = 4.
-fn cases() -> Vec<Case> {
+/// One valid case per kind, N = 4 (also used by the CUDA backend's tests).
+pub(crate) fn cases() -> Vec<Case> {
     use OpKind::*;
     vec![
         (AllGatherMatmul, vec![2, 3, 5, 8], vec![8, 6], vec![2, 12, 5, 6], 1),

@@ -146,7 +146,7 @@ pub unsafe fn enqueue(
 mod tests {
     use super::*;
     use crate::plan::{plan, Action, Schedule};
-    use crate::problem::{OpKind, Operand, Problem, Side};
+    use crate::problem::{Operand, Problem, Side};
 
     /// cuBLAS's documented semantics, column-major, no transposes, on host arrays.
     fn host_gemm(c: &ColMajor, a: &[f64], b: &[f64], out: &mut [f64], beta: f64) {
@@ -179,20 +179,7 @@ mod tests {
 
     #[test]
     fn the_transpose_trick_computes_every_gemm_of_every_op() {
-        use OpKind::*;
-        type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>, i64);
-        let cases: Vec<Case> = vec![
-            (AllGatherMatmul, vec![2, 3, 5, 8], vec![8, 6], vec![2, 12, 5, 6], 1),
-            (AllGatherMatmulContract, vec![5, 3], vec![12, 7], vec![5, 7], 0),
-            (MatmulAllGather, vec![8, 3], vec![5, 8], vec![5, 12], 0),
-            (MatmulAllGatherContract, vec![3, 7], vec![5, 12], vec![5, 7], 0),
-            (MatmulReduceScatter, vec![2, 12, 5, 8], vec![8, 6], vec![2, 3, 5, 6], 1),
-            (MatmulReduceScatterCols, vec![5, 8], vec![8, 12], vec![5, 3], 0),
-            (AllToAllMatmul, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
-            (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6], 0),
-            (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
-            (MatmulAllToAllCols, vec![5, 8], vec![8, 12], vec![4, 5, 3], 0),
-        ];
+        let cases = crate::problem::tests::cases();
         let mut checked = 0;
         for (kind, x, w, out, d) in cases {
             let op = |dims| Operand { dims, dtype: DType::F32 };

@@ -65,14 +65,25 @@ pub unsafe extern "C" fn commfuse_workspace_bytes(
         Ok(Err(e)) => e.to_string(),
         Err(_) => "panic while sizing the workspace".to_string(),
     };
-    if !error.is_null() && error_len > 0 {
-        let n = message.len().min(error_len - 1);
-        // SAFETY: the caller guarantees `error_len` writable bytes at `error`.
-        let buffer = unsafe { std::slice::from_raw_parts_mut(error, error_len) };
-        buffer[..n].copy_from_slice(&message.as_bytes()[..n]);
-        buffer[n] = 0;
-    }
+    // SAFETY: the caller guarantees `error_len` writable bytes at `error` (or null).
+    unsafe { write_c_string(error, error_len, &message) };
     -1
+}
+
+/// Writes `text` to `buffer[..len]`, truncated and NUL-terminated; nothing
+/// when `buffer` is null or `len` is 0.
+///
+/// # Safety
+/// `buffer` must be null or writable for `len` bytes.
+unsafe fn write_c_string(buffer: *mut u8, len: usize, text: &str) {
+    if buffer.is_null() || len == 0 {
+        return;
+    }
+    let n = text.len().min(len - 1);
+    // SAFETY: the caller guarantees `len` writable bytes at `buffer`.
+    let out = unsafe { std::slice::from_raw_parts_mut(buffer, len) };
+    out[..n].copy_from_slice(&text.as_bytes()[..n]);
+    out[n] = 0;
 }
 
 /// Sets the deadline of cross-device waits in milliseconds; 0 returns to
@@ -129,13 +140,8 @@ pub unsafe extern "C" fn commfuse_trace_write(path: *const std::ffi::c_char, err
         Ok(Err(e)) => e,
         Err(_) => "panic while writing the trace".to_string(),
     };
-    if !error.is_null() && error_len > 0 {
-        let n = message.len().min(error_len - 1);
-        // SAFETY: the caller guarantees `error_len` writable bytes at `error`.
-        let buffer = unsafe { std::slice::from_raw_parts_mut(error, error_len) };
-        buffer[..n].copy_from_slice(&message.as_bytes()[..n]);
-        buffer[n] = 0;
-    }
+    // SAFETY: the caller guarantees `error_len` writable bytes at `error` (or null).
+    unsafe { write_c_string(error, error_len, &message) };
     -1
 }
 
@@ -167,13 +173,8 @@ pub unsafe extern "C" fn commfuse_nccl_unique_id(
         Ok(Err(e)) => (2, e.to_string()),
         Err(_) => (2, "panic while making an NCCL unique id".to_string()),
     };
-    if !error.is_null() && error_len > 0 {
-        let n = message.len().min(error_len - 1);
-        // SAFETY: the caller guarantees `error_len` writable bytes at `error`.
-        let buffer = unsafe { std::slice::from_raw_parts_mut(error, error_len) };
-        buffer[..n].copy_from_slice(&message.as_bytes()[..n]);
-        buffer[n] = 0;
-    }
+    // SAFETY: the caller guarantees `error_len` writable bytes at `error` (or null).
+    unsafe { write_c_string(error, error_len, &message) };
     code
 }
 
@@ -255,12 +256,9 @@ pub unsafe extern "C" fn commfuse_explain(
         Ok(Err(e)) => (-1, e),
         Err(_) => (-1, "panic while explaining".to_string()),
     };
-    if !out.is_null() && out_len > 0 && (code < 0 || text.len() < out_len) {
-        let n = text.len().min(out_len - 1);
-        // SAFETY: the caller guarantees `out_len` writable bytes at `out`.
-        let buffer = unsafe { std::slice::from_raw_parts_mut(out, out_len) };
-        buffer[..n].copy_from_slice(&text.as_bytes()[..n]);
-        buffer[n] = 0;
+    if code < 0 || text.len() < out_len {
+        // SAFETY: the caller guarantees `out_len` writable bytes at `out` (or null).
+        unsafe { write_c_string(out, out_len, &text) };
     }
     code
 }

@@ -54,7 +54,11 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
         .with_link(link);
     let _trace = crate::trace::enter(device, site, kind.name(), &plan, &problem, x.data.len());
     let buffers = cpu::Buffers { x: x.data, w: w.data, out: out.data, workspace };
-    cpu::run(&problem, &plan, buffers, &endpoint, start + timeout)
+    let result = cpu::run(&problem, &plan, buffers, &endpoint, start + timeout);
+    if result.is_err() {
+        endpoint.fail();
+    }
+    result
 }
 
 /// The low byte of a schedule code that means `Schedule::Sliced`; the number

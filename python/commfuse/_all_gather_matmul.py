@@ -7,7 +7,7 @@ contraction-gather loop (x_j travels, each step accumulates). Both fused."""
 from __future__ import annotations
 
 from . import _fused
-from ._fused import Kind, Static
+from ._fused import Kind
 
 OP = "all_gather_matmul"
 
@@ -32,10 +32,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", s
     _fused.check_matmul_operands(OP, x, w)
     dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)
     code = _fused.check_schedule(OP, schedule, slices)
-    _fused.check_precision(OP, precision)
-    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    x, w = _fused.vary_together(x, w, axes)
-    return _gather_rows(x, w, Static(axes, ranks, dimension, code, out_dtype))
+    x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
+                                  precision=precision, preferred_element_type=preferred_element_type)
+    return _gather_rows(x, w, static)
 
 
 def _gather_rows_bwd(static, residuals, dy):

@@ -18,7 +18,7 @@ from functools import partial
 import jax
 
 from . import _fused, reference
-from ._fused import Kind, Static
+from ._fused import Kind
 
 A2A_MM = "all_to_all_matmul"
 MM_A2A = "matmul_all_to_all"
@@ -28,25 +28,21 @@ def _check(op, x, w, axis_name, split_dimension, concat_dimension, schedule, pre
            split_may_be_last):
     axes, ranks = _fused.axis_group(op, axis_name)
     if x.ndim < 2 or w.ndim != 2:
-        _fused.check_matmul_operands(op, x, w)
+        _fused.check_matmul_operands(op, x, w)  # the rank errors, before the dims are read
     split = _fused.normalize_dimension(op, "split_dimension", split_dimension, x.ndim, allow_last=split_may_be_last)
     concat = _fused.normalize_dimension(op, "concat_dimension", concat_dimension, x.ndim, allow_last=True)
     # all_to_all_matmul contracts after the exchange, which widens x's last dim when it concatenates there.
-    k = x.shape[-1] * (ranks if op == A2A_MM and concat == x.ndim - 1 else 1)
-    if k != w.shape[0]:
-        raise ValueError(
-            f"commfuse.{op}: the matmul contracts a last dim of {k} with `w`'s first ({w.shape[0]}); they "
-            f"must be equal (x.shape={x.shape}, w.shape={w.shape})")
+    widens = op == A2A_MM and concat == x.ndim - 1
+    _fused.check_matmul_operands(op, x, w, x_factor=ranks if widens else 1)
     size = w.shape[1] if split == x.ndim - 1 else x.shape[split]
     if size % ranks:
         raise ValueError(
             f"commfuse.{op}: split_dimension {split} has size {size}, which is not divisible by the size "
             f"{ranks} of axis {axis_name!r}")
     code = _fused.check_schedule(op, schedule)
-    _fused.check_precision(op, precision)
-    x, w, out_dtype = _fused.promote(op, x, w, preferred_element_type)
-    x, w = _fused.vary_together(x, w, axes)
-    return x, w, (split, concat), Static(axes, ranks, 0, code, out_dtype)
+    x, w, static = _fused.prepare(op, x, w, axes=axes, ranks=ranks, dimension=0, schedule_code=code,
+                                  precision=precision, preferred_element_type=preferred_element_type)
+    return x, w, (split, concat), static
 
 
 def all_to_all_matmul(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,

@@ -92,15 +92,30 @@ def normalize_dimension(op: str, arg: str, dimension, ndim: int, *, allow_last: 
     return d
 
 
-def check_matmul_operands(op: str, x, w) -> None:
+def check_matmul_operands(op: str, x, w, *, x_factor: int = 1, w_factor: int = 1) -> None:
+    """`x` (rank >= 2) contracts its last dim with 2-D `w`'s first; the factors
+    say how the collective widens either side first (e.g. N for a gathered w)."""
     if x.ndim < 2:
         raise ValueError(f"commfuse.{op}: `x` must have rank >= 2, got shape {x.shape}")
     if w.ndim != 2:
         raise ValueError(f"commfuse.{op}: `w` must be 2-D (rank 2), got shape {w.shape}")
-    if x.shape[-1] != w.shape[0]:
+    xk, wk = x.shape[-1] * x_factor, w.shape[0] * w_factor
+    if xk != wk:
+        widened = (f" ({'N * ' if x_factor > 1 else ''}{x.shape[-1]} vs {'N * ' if w_factor > 1 else ''}{w.shape[0]}"
+                   f" after the collective)" if x_factor > 1 or w_factor > 1 else "")
         raise ValueError(
-            f"commfuse.{op}: `x` contracts its last dim ({x.shape[-1]}) with `w`'s first "
-            f"({w.shape[0]}); they must be equal (x.shape={x.shape}, w.shape={w.shape})")
+            f"commfuse.{op}: `x` contracts its last dim ({xk}) with `w`'s first ({wk}){widened}; they must be "
+            f"equal (x.shape={x.shape}, w.shape={w.shape})")
+
+
+def prepare(op: str, x, w, *, axes, ranks: int, dimension: int, schedule_code: int, precision,
+            preferred_element_type):
+    """The common tail of every op's checks: precision, dtype promotion, the
+    operands' varying axes, and the static arguments of the fused call."""
+    check_precision(op, precision)
+    x, w, out_dtype = promote(op, x, w, preferred_element_type)
+    x, w = vary_together(x, w, axes)
+    return x, w, Static(tuple(axes), ranks, dimension, schedule_code, out_dtype)
 
 
 def promote(op: str, x, w, preferred_element_type):

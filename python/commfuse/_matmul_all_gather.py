@@ -9,7 +9,7 @@ matmul_reduce_scatter of xᵀ @ dY over the gathered dim. All fused."""
 from __future__ import annotations
 
 from . import _fused
-from ._fused import Kind, Static
+from ._fused import Kind
 
 OP = "matmul_all_gather"
 
@@ -26,19 +26,11 @@ def matmul_all_gather(x, w, axis_name, *, gather_dimension=1, schedule="auto", p
     axes, ranks = _fused.axis_group(OP, axis_name)
     if w.ndim != 2:
         raise ValueError(f"commfuse.{OP}: `w` must be 2-D (rank 2), got shape {w.shape}")
-    if x.ndim < 2:
-        raise ValueError(f"commfuse.{OP}: `x` must have rank >= 2, got shape {x.shape}")
     dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, 2, allow_last=True)
-    k = w.shape[0] * (ranks if dimension == 0 else 1)
-    if x.shape[-1] != k:
-        raise ValueError(
-            f"commfuse.{OP}: `x` contracts its last dim ({x.shape[-1]}) with the gathered `w`'s first "
-            f"({k} = {'N * ' if dimension == 0 else ''}{w.shape[0]}); they must be equal")
+    _fused.check_matmul_operands(OP, x, w, w_factor=ranks if dimension == 0 else 1)
     code = _fused.check_schedule(OP, schedule)
-    _fused.check_precision(OP, precision)
-    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    x, w = _fused.vary_together(x, w, axes)
-    static = Static(axes, ranks, dimension, code, out_dtype)
+    x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
+                                  precision=precision, preferred_element_type=preferred_element_type)
     rows = x.reshape(-1, x.shape[-1])
     out = _gather_cols(w, rows, static) if dimension == 1 else _gather_contraction(w, rows, static)
     return out.reshape(x.shape[:-1] + (out.shape[-1],))

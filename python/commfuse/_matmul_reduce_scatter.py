@@ -10,7 +10,7 @@ column gather (columns). All fused."""
 from __future__ import annotations
 
 from . import _fused
-from ._fused import Kind, Static
+from ._fused import Kind
 
 OP = "matmul_reduce_scatter"
 
@@ -41,10 +41,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
             f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {size}, which is not "
             f"divisible by the size {ranks} of axis {axis_name!r}")
     code = _fused.check_schedule(OP, schedule, slices)
-    _fused.check_precision(OP, precision)
-    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    x, w = _fused.vary_together(x, w, axes)
-    static = Static(axes, ranks, dimension, code, out_dtype)
+    x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
+                                  precision=precision, preferred_element_type=preferred_element_type)
     if dimension == x.ndim - 1:
         out = _scatter_cols(x.reshape(-1, x.shape[-1]), w, static)
         return out.reshape(x.shape[:-1] + (out.shape[-1],))

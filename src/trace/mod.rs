@@ -187,6 +187,8 @@ pub struct CallInfo {
     /// Bytes of each workspace slot, and of the whole local `x`.
     pub slot_bytes: Vec<usize>,
     pub x_bytes: usize,
+    /// Bytes of each `Buf::XBlock(j)` (`Problem::x_block`).
+    pub x_block_bytes: Vec<usize>,
 }
 
 thread_local! {
@@ -212,7 +214,8 @@ pub fn enter(device: i64, site: i64, op: &'static str, plan: &Plan, problem: &Pr
         return CallGuard(false);
     }
     let slot_bytes = Workspace::layout(plan, &problem.sizes()).slots.iter().map(|r| r.len()).collect();
-    let info = CallInfo { device, rank: plan.rank, op, site, slot_bytes, x_bytes };
+    let x_block_bytes = (0..).map_while(|j| problem.x_block(j)).map(|part| part.len() * problem.input.size()).collect();
+    let info = CallInfo { device, rank: plan.rank, op, site, slot_bytes, x_bytes, x_block_bytes };
     CURRENT.with(|c| *c.borrow_mut() = Some(info));
     CallGuard(true)
 }
@@ -243,6 +246,7 @@ impl Recording {
             site: -1,
             slot_bytes: Vec::new(),
             x_bytes: 0,
+            x_block_bytes: Vec::new(),
         });
         let call = CALLS.fetch_add(1, Ordering::Relaxed);
         Some(Recording { info, call, n: plan.n, schedule: format!("{:?}", plan.schedule).to_lowercase() })
@@ -257,7 +261,7 @@ impl Recording {
         match buf {
             Buf::Slot(i) => self.info.slot_bytes.get(i).copied(),
             Buf::X => Some(self.info.x_bytes),
-            Buf::XBlock(_) => Some(self.info.x_bytes / self.n.max(1)),
+            Buf::XBlock(j) => self.info.x_block_bytes.get(j).copied(),
             Buf::Out | Buf::OutBlock(_) => None,
         }
     }

@@ -153,7 +153,15 @@ fn executor_records_every_step_in_plan_order() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let n = 4;
     let plan = plan::plan(Pattern::Gather { accumulate: false }, Schedule::Ring, n, 2);
-    let info = CallInfo { device: 902, rank: 2, op: "trace_test", site: 5, slot_bytes: vec![64, 64], x_bytes: 64 };
+    let info = CallInfo {
+        device: 902,
+        rank: 2,
+        op: "trace_test",
+        site: 5,
+        slot_bytes: vec![64, 64],
+        x_bytes: 64,
+        x_block_bytes: vec![16; 4],
+    };
 
     // Off: nothing is recorded.
     crate::exec::run(&plan, &Sleepy(false), Instant::now() + Duration::from_secs(10)).unwrap();

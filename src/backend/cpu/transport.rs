@@ -178,6 +178,12 @@ impl Endpoint {
         result
     }
 
+    /// The op failed on this rank: late peers will not be served, so the
+    /// session is dropped once those who came have left.
+    pub fn fail(&self) {
+        lock(&self.session.state).failed = true;
+    }
+
     fn timeout(&self, state: &State, from: usize, tag: Tag) -> Error {
         let CallInfo { op, rank, timeout } = &self.info;
         let SessionKey { group, site, run, .. } = &self.key;

@@ -21,16 +21,25 @@ pub trait Backend: Sync {
     fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()>;
     /// `dst = Σ terms` (`dst` may be `terms[0]`).
     fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()>;
-    /// Post the sends, then wait for every receive. While a trace is being
-    /// recorded (`crate::trace`) the executor calls this once per transfer,
-    /// sends first, so that each transfer gets its own slice.
-    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<()>;
+    /// Post the sends, then wait for every receive. Returns when the exchange
+    /// ended: under a link model when its last message arrived in the model
+    /// (a moment before now if this thread got a core late), else now. While
+    /// a trace is being recorded (`crate::trace`) the executor calls this once
+    /// per transfer, sends first, so that each transfer gets its own slice.
+    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant>;
 }
 
-/// How long a step may wait, and whether another lane has already failed.
+/// How long a step may wait, whether another lane has already failed, and
+/// when the step became ready.
 pub struct Wait<'a> {
     pub deadline: Instant,
     cancelled: &'a AtomicBool,
+    /// When the step's dependencies (and its lane's previous step) had
+    /// finished, with exchanges finishing when their messages arrived in the
+    /// link model. A modelled transfer starts then: on a GPU a copy engine
+    /// starts it at once, while here the comm thread may wait for a core
+    /// that another device's GEMM holds.
+    pub ready: Instant,
 }
 
 impl Wait<'_> {
@@ -44,9 +53,10 @@ pub fn lane_programs(plan: &Plan) -> Vec<(Lane, Vec<&Step>)> {
     plan.lanes().into_iter().map(|lane| (lane, plan.lane_steps(lane).collect())).collect()
 }
 
-/// Which steps have finished, and the first error of any lane.
+/// When each step finished (model time, see `Wait::ready`), and the first
+/// error of any lane.
 struct Progress {
-    done: Mutex<Vec<bool>>,
+    done: Mutex<Vec<Option<Instant>>>,
     changed: Condvar,
     cancelled: AtomicBool,
     first_error: Mutex<Option<Error>>,
@@ -57,8 +67,8 @@ struct Progress {
 const LOCAL_GRACE: Duration = Duration::from_secs(1);
 
 impl Progress {
-    /// Returns whether the step had to wait.
-    fn wait_for(&self, deps: &[StepId], step: StepId, deadline: Instant) -> Result<bool> {
+    /// Returns whether the step had to wait, and when its dependencies finished.
+    fn wait_for(&self, deps: &[StepId], step: StepId, deadline: Instant) -> Result<(bool, Option<Instant>)> {
         let deadline = deadline + LOCAL_GRACE;
         let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
         let mut waited = false;
@@ -66,12 +76,12 @@ impl Progress {
             if self.cancelled.load(Ordering::Acquire) {
                 return Err(Error::Internal("cancelled because another lane failed".into()));
             }
-            if deps.iter().all(|&d| done[d]) {
-                return Ok(waited);
+            if deps.iter().all(|&d| done[d].is_some()) {
+                return Ok((waited, deps.iter().filter_map(|&d| done[d]).max()));
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<_> = deps.iter().filter(|&&d| !done[d]).collect();
+                let missing: Vec<_> = deps.iter().filter(|&&d| done[d].is_none()).collect();
                 return Err(Error::DeadlineExceeded(format!("step {step} still waits for local steps {missing:?}")));
             }
             waited = true;
@@ -79,8 +89,8 @@ impl Progress {
         }
     }
 
-    fn finish(&self, step: StepId) {
-        self.done.lock().unwrap_or_else(|e| e.into_inner())[step] = true;
+    fn finish(&self, step: StepId, at: Instant) {
+        self.done.lock().unwrap_or_else(|e| e.into_inner())[step] = Some(at);
         self.changed.notify_all();
     }
 
@@ -100,7 +110,7 @@ impl Progress {
 /// Runs `plan` to the end, or returns the first error of any lane.
 pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> {
     let progress = Progress {
-        done: Mutex::new(vec![false; plan.steps.len()]),
+        done: Mutex::new(vec![None; plan.steps.len()]),
         changed: Condvar::new(),
         cancelled: AtomicBool::new(false),
         first_error: Mutex::new(None),
@@ -108,52 +118,129 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
     let programs = lane_programs(plan);
     // `None` unless a trace is being recorded (one relaxed load).
     let recording = crate::trace::Recording::begin(plan);
+    let start = Instant::now();
     let run_lane = |lane: Lane, steps: &[&Step]| {
-        let wait = Wait { deadline, cancelled: &progress.cancelled };
         let mut log = recording.as_ref().map(|r| r.lane(lane));
+        let mut previous = start;
         for step in steps {
             let since = log.as_ref().map(|_| crate::trace::now_ns());
-            let result = progress.wait_for(&step.deps, step.id, deadline).and_then(|waited| match (&mut log, since) {
-                (Some(log), Some(since)) => {
-                    if waited {
-                        log.wait(step, since);
+            let result = progress.wait_for(&step.deps, step.id, deadline).and_then(|(waited, deps_done)| {
+                let wait = Wait {
+                    deadline,
+                    cancelled: &progress.cancelled,
+                    ready: deps_done.map_or(previous, |d| d.max(previous)),
+                };
+                match (&mut log, since) {
+                    (Some(log), Some(since)) => {
+                        if waited {
+                            log.wait(step, since);
+                        }
+                        log.execute(backend, step, &wait)
                     }
-                    log.execute(backend, step, &wait)
+                    _ => execute(backend, &step.action, &wait),
                 }
-                _ => execute(backend, &step.action, &wait),
             });
-            if let Err(e) = result {
-                progress.fail(e);
-                return;
+            match result {
+                Ok(finished) => {
+                    previous = finished;
+                    progress.finish(step.id, finished);
+                }
+                Err(e) => {
+                    progress.fail(e);
+                    return;
+                }
             }
-            progress.finish(step.id);
         }
     };
-    std::thread::scope(|scope| {
-        let (local, others) = programs.split_first().expect("a plan has at least one step");
-        for (lane, steps) in others {
-            let run_lane = &run_lane;
-            scope.spawn(move || run_lane(*lane, steps));
-        }
-        run_lane(local.0, &local.1);
-    });
+    let (local, others) = programs.split_first().expect("a plan has at least one step");
+    match lane_threads::reserve(others.len()) {
+        Some(reserved) => reserved.pool().in_place_scope(|scope| {
+            for (lane, steps) in others {
+                let run_lane = &run_lane;
+                scope.spawn(move |_| run_lane(*lane, steps));
+            }
+            run_lane(local.0, &local.1);
+        }),
+        None => std::thread::scope(|scope| {
+            for (lane, steps) in others {
+                let run_lane = &run_lane;
+                scope.spawn(move || run_lane(*lane, steps));
+            }
+            run_lane(local.0, &local.1);
+        }),
+    }
     match progress.first_error.into_inner().unwrap_or_else(|e| e.into_inner()) {
         Some(e) => Err(e),
         None => Ok(()),
     }
 }
 
-fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<()> {
-    match action {
-        Action::Matmul { block, src, dst, accumulate } => backend.matmul(*block, *src, *dst, *accumulate),
-        Action::Sum { terms, dst } => backend.sum(terms, *dst),
-        Action::Exchange { sends, recvs } => backend.exchange(sends, recvs, wait),
+/// Threads for the lanes other than the caller's, kept between calls. A
+/// parked thread that is woken runs at once, where a freshly spawned one
+/// queues behind the busy compute lanes of the other devices: on a loaded
+/// 2-core host that delayed every comm lane by 1-3 ms, which was exposed.
+/// The pool is fixed-size, and a lane blocks while it waits for peers, so a
+/// call only uses it while enough threads are free; otherwise it spawns.
+mod lane_threads {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::OnceLock;
+
+    /// Enough for the comm lanes of 32 devices calling at once.
+    const THREADS: usize = 32;
+
+    static IN_USE: AtomicUsize = AtomicUsize::new(0);
+
+    fn pool() -> Option<&'static rayon::ThreadPool> {
+        static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+        POOL.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(THREADS)
+                .thread_name(|i| format!("commfuse-lane-{i}"))
+                .build()
+                .ok()
+        })
+        .as_ref()
     }
+
+    /// `count` threads of the pool, held until the guard drops.
+    pub struct Reserved(usize);
+
+    impl Reserved {
+        pub fn pool(&self) -> &'static rayon::ThreadPool {
+            pool().expect("reserved from an existing pool")
+        }
+    }
+
+    impl Drop for Reserved {
+        fn drop(&mut self) {
+            IN_USE.fetch_sub(self.0, Ordering::AcqRel);
+        }
+    }
+
+    pub fn reserve(count: usize) -> Option<Reserved> {
+        pool()?;
+        let previous = IN_USE.fetch_add(count, Ordering::AcqRel);
+        if previous + count > THREADS {
+            IN_USE.fetch_sub(count, Ordering::AcqRel);
+            return None;
+        }
+        Some(Reserved(count))
+    }
+}
+
+/// Runs one step; returns when it finished (model time, see `Wait::ready`).
+fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instant> {
+    match action {
+        Action::Matmul { block, src, dst, accumulate } => backend.matmul(*block, *src, *dst, *accumulate)?,
+        Action::Sum { terms, dst } => backend.sum(terms, *dst)?,
+        Action::Exchange { sends, recvs } => return backend.exchange(sends, recvs, wait),
+    }
+    Ok(Instant::now())
 }
 
 impl<'a> Wait<'a> {
     /// A wait outside an executor run, for tests of backends.
     pub fn for_test(deadline: Instant, cancelled: &'a AtomicBool) -> Wait<'a> {
-        Wait { deadline, cancelled }
+        Wait { deadline, cancelled, ready: Instant::now() }
     }
 }

@@ -362,9 +362,9 @@ mod tests {
             self.note(Action::Sum { terms: terms.to_vec(), dst });
             Ok(())
         }
-        fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], _wait: &Wait) -> Result<()> {
+        fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], _wait: &Wait) -> Result<std::time::Instant> {
             self.note(Action::Exchange { sends: sends.to_vec(), recvs: recvs.to_vec() });
-            Ok(())
+            Ok(std::time::Instant::now())
         }
     }
 

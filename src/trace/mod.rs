@@ -320,12 +320,13 @@ impl LaneLog<'_> {
     /// Runs `step` on `backend`, recording it. An exchange is run one
     /// transfer at a time (its sends, then its receives: the order a backend
     /// runs them in) so that each transfer gets its own slice.
-    pub fn execute(&mut self, backend: &dyn Backend, step: &Step, wait: &Wait) -> Result<()> {
+    /// Returns when the step finished, as `exec` counts it.
+    pub fn execute(&mut self, backend: &dyn Backend, step: &Step, wait: &Wait) -> Result<Instant> {
         let start = now_ns();
         let deps = ("deps", Value::S(list(&step.deps)));
         match &step.action {
             Action::Matmul { block, src, dst, accumulate } => {
-                let result = backend.matmul(*block, *src, *dst, *accumulate);
+                let result = backend.matmul(*block, *src, *dst, *accumulate).map(|()| Instant::now());
                 let args = vec![
                     deps,
                     ("block", Value::U(*block as u64)),
@@ -337,7 +338,7 @@ impl LaneLog<'_> {
                 result
             }
             Action::Sum { terms, dst } => {
-                let result = backend.sum(terms, *dst);
+                let result = backend.sum(terms, *dst).map(|()| Instant::now());
                 let args = vec![
                     deps,
                     ("terms", Value::S(list(terms.iter().map(|t| buf_name(*t))))),
@@ -347,16 +348,17 @@ impl LaneLog<'_> {
                 result
             }
             Action::Exchange { sends, recvs } => {
-                let mut result = Ok(());
+                let mut result = Ok(wait.ready);
                 let mut total = 0;
                 let transfers = sends.iter().map(|t| (Kind::Send, t)).chain(recvs.iter().map(|t| (Kind::Recv, t)));
                 for (kind, t) in transfers {
                     let begun = now_ns();
                     let one = std::slice::from_ref(t);
-                    result = match kind {
+                    let ended = match kind {
                         Kind::Send => backend.exchange(one, &[], wait),
                         _ => backend.exchange(&[], one, wait),
                     };
+                    result = result.and_then(|latest| Ok(ended?.max(latest)));
                     let mut args = vec![
                         ("peer", Value::U(t.peer as u64)),
                         ("buf", Value::S(buf_name(t.buf))),

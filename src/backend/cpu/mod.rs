@@ -270,16 +270,17 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
         Ok(())
     }
 
-    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<()> {
+    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
         for t in sends {
             match t.buf {
-                Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?),
-                _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?),
+                Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?, wait.ready),
+                _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?, wait.ready),
             }
         }
+        let mut ended = if recvs.is_empty() { Instant::now() } else { wait.ready };
         for t in recvs {
-            self.endpoint.recv(t.peer, t.tag, &mut self.write_slot(t.buf)?, wait)?;
+            ended = ended.max(self.endpoint.recv(t.peer, t.tag, &mut self.write_slot(t.buf)?, wait)?);
         }
-        Ok(())
+        Ok(ended)
     }
 }

@@ -127,9 +127,10 @@ impl Endpoint {
         self
     }
 
-    pub fn send(&self, to: usize, tag: Tag, data: &[u8]) {
-        // Under the link model the transfer starts when it is posted; the copy is part of it.
-        let posted = Instant::now();
+    /// Under the link model the transfer starts at `ready` (see
+    /// `exec::Wait::ready`), at most now; the copy is part of it.
+    pub fn send(&self, to: usize, tag: Tag, data: &[u8], ready: Instant) {
+        let posted = ready.min(Instant::now());
         let mut message = pool::take(data.len());
         bytemuck::cast_slice_mut::<u64, u8>(&mut message)[..data.len()].copy_from_slice(data);
         let arrival = self.link.map(|l| l.arrival(posted, &self.key.group, self.info.rank, to, data.len()));
@@ -141,15 +142,18 @@ impl Endpoint {
         self.session.delivered.notify_all();
     }
 
-    pub fn recv(&self, from: usize, tag: Tag, dst: &mut [u8], wait: &Wait) -> Result<()> {
+    /// Waits for the message and copies it into `dst`; returns when it
+    /// arrived (under the link model, when the model says, else now).
+    pub fn recv(&self, from: usize, tag: Tag, dst: &mut [u8], wait: &Wait) -> Result<Instant> {
         let key = (self.info.rank, from, tag);
         let mut state = lock(&self.session.state);
-        let message = loop {
+        let (message, arrived) = loop {
             let now = Instant::now();
             // A message under the link model is there once it has arrived.
             let arrival = state.mailbox.get(&key).map(|m| m.arrival.filter(|&a| a > now));
             if let Some(None) = arrival {
-                break state.mailbox.remove(&key).expect("present").data;
+                let message = state.mailbox.remove(&key).expect("present");
+                break (message.data, message.arrival.unwrap_or(now));
             }
             if wait.cancelled() {
                 return Err(Error::Internal("cancelled because another lane failed".into()));
@@ -170,7 +174,7 @@ impl Endpoint {
         let bytes = bytemuck::cast_slice::<u64, u8>(&message);
         let result = if bytes.len() >= dst.len() {
             dst.copy_from_slice(&bytes[..dst.len()]);
-            Ok(())
+            Ok(arrived)
         } else {
             Err(Error::Internal(format!("message from rank {from} has {} bytes, expected {}", bytes.len(), dst.len())))
         };
@@ -285,7 +289,7 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 let a = Endpoint::join(key(1), info(0));
-                a.send(1, tag(0), &[1, 2, 3, 4, 5]);
+                a.send(1, tag(0), &[1, 2, 3, 4, 5], Instant::now());
             });
             let b = Endpoint::join(key(1), info(1));
             let wait = Wait::for_test(Instant::now() + Duration::from_secs(5), &cancelled);
@@ -344,7 +348,7 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         let start = Instant::now();
         for (i, &(from, to)) in sends.iter().enumerate() {
-            ends[from].send(to, tag(i), &data);
+            ends[from].send(to, tag(i), &data, Instant::now());
         }
         let mut dst = vec![0u8; bytes];
         let mut times = vec![];
@@ -392,6 +396,26 @@ mod tests {
         // Under a switch the same two share the out port.
         let t = timed_sends(LINK, vec![3400, 3401, 3402, 3403], &[(0, 1), (0, 3)], BYTES);
         within(t[1].max(t[0]), 170.0, "switch, both neighbours");
+    }
+
+    #[test]
+    fn a_transfer_starts_when_its_step_became_ready_not_when_its_thread_ran() {
+        // The sender's thread got a core 40 ms after the step was ready: the
+        // message still arrives 90 ms after `ready`, so 50 ms from now.
+        let model = link::LinkModel::parse(LINK).unwrap();
+        let key = SessionKey { group: vec![3500, 3501], site: 78, run: 1, sequence: 0 };
+        let end = |rank| {
+            let info = CallInfo { op: "test_op", rank, timeout: Duration::from_secs(10) };
+            Endpoint::join(key.clone(), info).with_link(model)
+        };
+        let (a, b) = (end(0), end(1));
+        let ready = Instant::now() - Duration::from_millis(40);
+        a.send(1, tag(0), &vec![7u8; BYTES], ready);
+        let cancelled = AtomicBool::new(false);
+        let wait = Wait::for_test(Instant::now() + Duration::from_secs(10), &cancelled);
+        let arrived = b.recv(0, tag(0), &mut vec![0u8; BYTES], &wait).unwrap();
+        within(arrived - ready, 90.0, "arrival after ready");
+        within(Instant::now() - ready, 90.0, "receive after ready");
     }
 
     #[test]

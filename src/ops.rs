@@ -61,28 +61,34 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
     result
 }
 
-/// The low byte of a schedule code that means `Schedule::Sliced`; the number
-/// of slices is in the bits above it (`SLICED | slices << 8`). Python builds
-/// these codes (`_fused.schedule_code`).
+/// The low byte of a schedule code that means `Schedule::Sliced` or
+/// `Schedule::Tiled`; the number of slices or tiles is in the bits above it
+/// (`SLICED | slices << 8`). Python builds these codes (`_fused.schedule_code`).
 pub const SLICED: i64 = 4;
+pub const TILED: i64 = 5;
 
-/// Decodes the `schedule` attribute: `Schedule::from_code`'s codes, or a sliced code.
+/// Decodes the `schedule` attribute: `Schedule::from_code`'s codes, or a sliced or tiled code.
 pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
-    if code >= 0 && code & 0xff == SLICED {
-        let slices = usize::try_from(code >> 8).unwrap_or(0);
-        if slices == 0 {
-            return Err(Error::InvalidArgument(format!("{}: the sliced schedule needs slices >= 1", kind.name())));
+    if code >= 0 && matches!(code & 0xff, SLICED | TILED) {
+        let (what, unit) = if code & 0xff == SLICED { ("sliced", "slices") } else { ("tiled", "tiles") };
+        let chunks = usize::try_from(code >> 8).unwrap_or(0);
+        if chunks == 0 {
+            return Err(Error::InvalidArgument(format!("{}: the {what} schedule needs {unit} >= 1", kind.name())));
         }
         if !Schedule::sliceable(kind.pattern())
             || !matches!(kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter)
         {
             return Err(Error::InvalidArgument(format!(
-                "{}: schedule \"sliced\" exists only for all_gather_matmul and matmul_reduce_scatter along a row \
+                "{}: schedule \"{what}\" exists only for all_gather_matmul and matmul_reduce_scatter along a row \
                  dim",
                 kind.name()
             )));
         }
-        return Ok(Schedule::Sliced { slices });
+        return Ok(if code & 0xff == SLICED {
+            Schedule::Sliced { slices: chunks }
+        } else {
+            Schedule::Tiled { tiles: chunks }
+        });
     }
     Schedule::from_code(code)
         .ok_or_else(|| Error::InvalidArgument(format!("{}: unknown schedule code {code}", kind.name())))
@@ -94,12 +100,9 @@ pub fn kind(code: i64) -> Result<OpKind> {
     OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))
 }
 
-/// The problem as a schedule sees it (a sliced schedule cuts blocks into chunks).
+/// The problem as a schedule sees it (sliced and tiled schedules cut blocks into chunks).
 pub fn slice(problem: Problem, schedule: Schedule) -> Result<Problem> {
-    match schedule {
-        Schedule::Sliced { slices } => problem.sliced(slices),
-        _ => Ok(problem),
-    }
+    problem.for_schedule(schedule)
 }
 
 /// The shapes of one call as Python describes them at trace time.

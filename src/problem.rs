@@ -326,18 +326,37 @@ impl Problem {
     /// is chunk c of block j), and a workspace slot holds one chunk. Row
     /// gathers and scatters along the leading dim (one segment) only; the
     /// rows of a block must divide into the chunks.
-    pub fn sliced(mut self, slices: usize) -> Result<Problem> {
+    pub fn sliced(self, slices: usize) -> Result<Problem> {
+        self.cut_blocks(slices, "sliced", "slices")
+    }
+
+    /// The problem under `Schedule::Tiled { tiles }`: the blocks cut as `sliced` cuts them.
+    pub fn tiled(self, tiles: usize) -> Result<Problem> {
+        self.cut_blocks(tiles, "tiled", "tiles")
+    }
+
+    /// The problem under `schedule` (`Sliced`, `Tiled`: blocks cut into chunks).
+    pub fn for_schedule(self, schedule: crate::plan::Schedule) -> Result<Problem> {
+        match schedule {
+            crate::plan::Schedule::Sliced { slices } => self.sliced(slices),
+            crate::plan::Schedule::Tiled { tiles } => self.tiled(tiles),
+            _ => Ok(self),
+        }
+    }
+
+    /// `sliced` and `tiled`; `what` and `unit` name the schedule and its chunks in errors.
+    fn cut_blocks(mut self, slices: usize, what: &str, unit: &str) -> Result<Problem> {
         let name = self.kind.name();
         if !matches!(self.kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter) {
-            bail!(InvalidArgument, "{name}: the sliced schedule needs a row gather or scatter");
+            bail!(InvalidArgument, "{name}: the {what} schedule needs a row gather or scatter");
         }
         if slices == 0 {
-            bail!(InvalidArgument, "{name}: the sliced schedule needs slices >= 1, got 0");
+            bail!(InvalidArgument, "{name}: the {what} schedule needs {unit} >= 1, got 0");
         }
         if self.outer != 1 {
             bail!(
                 InvalidArgument,
-                "{name}: the sliced schedule needs the gathered or scattered dim to be the leading one \
+                "{name}: the {what} schedule needs the gathered or scattered dim to be the leading one \
                  ({} leading segments here)",
                 self.outer
             );
@@ -345,7 +364,7 @@ impl Problem {
         if self.seg % slices != 0 {
             bail!(
                 InvalidArgument,
-                "{name}: the sliced schedule cuts the {} rows of each block into {slices} equal chunks; \
+                "{name}: the {what} schedule cuts the {} rows of each block into {slices} equal chunks; \
                  {slices} must divide {}",
                 self.seg,
                 self.seg

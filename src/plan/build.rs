@@ -18,6 +18,15 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
         }
         return Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps };
     }
+    if let Schedule::Tiled { tiles } = schedule {
+        assert!(tiles >= 1, "a tiled schedule needs at least one tile");
+        match pattern {
+            Pattern::Gather { accumulate: false } => b.gather_tiled(tiles),
+            Pattern::Scatter => b.scatter_tiled(tiles),
+            other => panic!("no tiled plan for {other:?}: only row gathers and scatters are tiled"),
+        }
+        return Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps };
+    }
     match pattern {
         Pattern::Gather { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
@@ -461,6 +470,83 @@ impl Builder {
             }
             let dst = Buf::OutBlock(self.rank * k + c);
             reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, deps));
+        }
+    }
+
+    /// Tiled gather (ring): tile t of the block held at step s travels on as
+    /// soon as it has arrived, and is multiplied then. Two slots per tile
+    /// alternate; a slot is received into again only after the tile it held
+    /// two steps before was multiplied.
+    fn gather_tiled(&mut self, k: usize) {
+        let n = self.n;
+        let slots: Vec<Vec<usize>> = (0..k).map(|_| self.slots(SlotKind::Input, 2.min(n - 1))).collect();
+        let held = |s: usize, t: usize| if s == 0 { Buf::XBlock(t) } else { Buf::Slot(slots[t][s % slots[t].len()]) };
+        let mut products: Vec<Vec<StepId>> = vec![];
+        let mut exchanges: Vec<Vec<StepId>> = vec![];
+        for s in 0..n {
+            let q = self.block(-(s as isize));
+            let (mut done, mut sent) = (vec![], vec![]);
+            for t in 0..k {
+                let deps = if s == 0 { vec![] } else { vec![exchanges[s - 1][t]] };
+                let fine = q * k + t;
+                let product =
+                    Action::Matmul { block: fine, src: held(s, t), dst: Buf::OutBlock(fine), accumulate: false };
+                done.push(self.push(Lane::Compute, product, deps));
+                if s + 1 < n {
+                    let tag = tag(Direction::Forward, s * k + t);
+                    let sends = vec![Transfer { peer: self.next(), buf: held(s, t), tag }];
+                    let recvs = vec![Transfer { peer: self.prev(), buf: held(s + 1, t), tag }];
+                    // The slot received into last held this tile at step s-1.
+                    let deps = if s >= 2 { vec![products[s - 1][t]] } else { vec![] };
+                    sent.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, deps));
+                }
+            }
+            products.push(done);
+            exchanges.push(sent);
+        }
+    }
+
+    /// Tiled scatter (ring): at step s tile t of the partial is computed,
+    /// the sum received for it added, and it is sent on at once. Two partial
+    /// and two incoming slots per tile alternate (as `partial_sum` explains
+    /// for whole blocks); the own block's tiles are summed into the output
+    /// last, each as soon as its final sum has arrived.
+    fn scatter_tiled(&mut self, k: usize) {
+        let n = self.n;
+        let partial: Vec<Vec<usize>> = (0..k).map(|_| self.slots(SlotKind::Partial, 2)).collect();
+        let incoming: Vec<Vec<usize>> = (0..k).map(|_| self.slots(SlotKind::Partial, 2)).collect();
+        let own = self.slot(SlotKind::Partial);
+        let mut exchanges: Vec<Vec<StepId>> = vec![];
+        for s in 0..n - 1 {
+            let j = self.block(-1 - s as isize);
+            let mut sent = vec![];
+            for t in 0..k {
+                let slot = Buf::Slot(partial[t][s % 2]);
+                let product = Action::Matmul { block: j * k + t, src: Buf::XBlock(j), dst: slot, accumulate: false };
+                let mut ready = self.push(Lane::Compute, product, vec![]);
+                if s > 0 {
+                    let terms = vec![slot, Buf::Slot(incoming[t][(s - 1) % 2])];
+                    ready = self.push(Lane::Compute, Action::Sum { terms, dst: slot }, vec![exchanges[s - 1][t]]);
+                }
+                let tag = tag(Direction::Forward, s * k + t);
+                let sends = vec![Transfer { peer: self.next(), buf: slot, tag }];
+                let recvs = vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[t][s % 2]), tag }];
+                sent.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![ready]));
+            }
+            exchanges.push(sent);
+        }
+        let r = self.rank;
+        for t in 0..k {
+            let product =
+                Action::Matmul { block: r * k + t, src: Buf::XBlock(r), dst: Buf::Slot(own), accumulate: false };
+            self.push(Lane::Compute, product, vec![]);
+            let mut terms = vec![Buf::Slot(own)];
+            let mut deps = vec![];
+            if n > 1 {
+                terms.push(Buf::Slot(incoming[t][(n - 2) % 2]));
+                deps.push(exchanges[n - 2][t]);
+            }
+            self.push(Lane::Compute, Action::Sum { terms, dst: Buf::OutBlock(r * k + t) }, deps);
         }
     }
 

@@ -76,6 +76,14 @@ pub enum Schedule {
     /// chunk c of block j (in `Matmul::block` and `OutBlock`), `XBlock(c)` of a
     /// gather is chunk c of the local x, and a slot holds one chunk.
     Sliced { slices: usize },
+    /// Ring order at tile granularity: each step's matmul is cut into `tiles`
+    /// row tiles and each tile travels on its own as soon as it is computed
+    /// (scatter: and summed), so the transfer of tile t runs while tile t+1
+    /// is multiplied. Only one tile's compute is left exposed behind the last
+    /// transfer (gather) or one tile's transfer after the last compute
+    /// (scatter), where per-step granularity exposes a whole block's. Same
+    /// patterns and fine block indices as `Sliced`; one chain (forward).
+    Tiled { tiles: usize },
 }
 
 impl Schedule {
@@ -90,17 +98,24 @@ impl Schedule {
         }
     }
 
-    /// Whether sliced plans exist for `pattern`.
+    /// Whether sliced and tiled plans exist for `pattern`.
     pub fn sliceable(pattern: Pattern) -> bool {
         matches!(pattern, Pattern::Gather { accumulate: false } | Pattern::Scatter)
     }
 
-    /// The number of chunks of a sliced schedule, else 1.
+    /// The chunks each block is cut into: a sliced schedule's slices or a
+    /// tiled schedule's tiles, else 1.
     pub fn slices(self) -> usize {
         match self {
             Schedule::Sliced { slices } => slices,
+            Schedule::Tiled { tiles } => tiles,
             _ => 1,
         }
+    }
+
+    /// Whether block indices are fine (`j * slices() + c`), see `Sliced`.
+    pub fn cuts_blocks(self) -> bool {
+        matches!(self, Schedule::Sliced { .. } | Schedule::Tiled { .. })
     }
 
     /// `Auto` becomes a concrete schedule. Both directions of a ring of links
@@ -111,6 +126,7 @@ impl Schedule {
         match self {
             Schedule::Sequential => Schedule::Sequential,
             Schedule::Sliced { slices } => Schedule::Sliced { slices },
+            Schedule::Tiled { tiles } => Schedule::Tiled { tiles },
             _ if !pattern.uses_ring() => Schedule::Ring,
             Schedule::Auto if n <= 2 => Schedule::Ring,
             Schedule::Auto => Schedule::Bidirectional,

@@ -111,7 +111,7 @@ fn sliced_piece(pattern: Pattern, rank: usize, block: usize, k: usize) -> (usize
 fn simulate(plans: &[Plan], label: &str) {
     let n = plans.len();
     let pattern = plans[0].pattern;
-    let sliced = matches!(plans[0].schedule, Schedule::Sliced { .. });
+    let sliced = plans[0].schedule.cuts_blocks();
     let k = plans[0].schedule.slices();
     let mut ranks: Vec<RankState> = (0..n)
         .map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() })
@@ -415,16 +415,23 @@ fn workspace_regions_do_not_overlap() {
 const SLICEABLE: [Pattern; 2] = [GATHER, Pattern::Scatter];
 
 fn sliced_plans(n: usize, k: usize, pattern: Pattern) -> Vec<Plan> {
-    (0..n).map(|r| plan(pattern, Schedule::Sliced { slices: k }, n, r)).collect()
+    cut_plans(n, Schedule::Sliced { slices: k }, pattern)
+}
+
+fn cut_plans(n: usize, schedule: Schedule, pattern: Pattern) -> Vec<Plan> {
+    (0..n).map(|r| plan(pattern, schedule, n, r)).collect()
 }
 
 #[test]
-fn every_sliced_plan_is_correct_and_race_free() {
+fn every_sliced_and_tiled_plan_is_correct_and_race_free() {
     for pattern in SLICEABLE {
         for n in 1..=16 {
-            for k in [1, 2, 3, 4, 5, 8, 16] {
-                let plans = sliced_plans(n, k, pattern);
-                let label = format!("{pattern:?} sliced({k}) N={n}");
+            for (k, schedule) in [1, 2, 3, 4, 5, 8, 16]
+                .into_iter()
+                .flat_map(|k| [(k, Schedule::Sliced { slices: k }), (k, Schedule::Tiled { tiles: k })])
+            {
+                let plans = cut_plans(n, schedule, pattern);
+                let label = format!("{pattern:?} {schedule:?} N={n}");
                 for p in &plans {
                     check_hazards(p, &format!("{label} rank={}", p.rank));
                     for step in &p.steps {
@@ -434,7 +441,7 @@ fn every_sliced_plan_is_correct_and_race_free() {
                             }
                         }
                     }
-                    // One whole ring collective per chunk.
+                    // One whole ring collective per chunk, or per tile.
                     assert_eq!(
                         p.lane_steps(Lane::Comm).filter(|s| matches!(s.action, Action::Exchange { .. })).count(),
                         k * (n - 1)
@@ -503,6 +510,35 @@ fn slicing_overlaps_neighbouring_chunks_and_exposes_the_head_or_the_tail() {
                 assert!(per[k - 1].0.iter().all(|&x| hb[last_product][x]));
                 let last = p.steps.last().unwrap();
                 assert!(matches!(last.action, Action::Sum { dst: Buf::OutBlock(_), .. }) && last.lane == Lane::Comm);
+            }
+        }
+    }
+}
+
+/// Tile-level triggering: a scatter's first transfer waits for one tile's
+/// product only, and after the last transfer a gather multiplies one tile
+/// (a scatter adds one tile); per-step granularity waits for, and leaves,
+/// a whole block.
+#[test]
+fn tiles_start_transfers_after_one_tile_and_leave_one_tile_at_the_end() {
+    for n in 2..=8 {
+        for k in [2, 4, 8] {
+            for rank in 0..n {
+                let p = plan(Pattern::Scatter, Schedule::Tiled { tiles: k }, n, rank);
+                let first = p.lane_steps(Lane::Comm).next().unwrap();
+                let compute: Vec<&Step> = p.lane_steps(Lane::Compute).collect();
+                assert_eq!(first.deps, vec![compute[0].id], "N={n} k={k}: the first tile alone");
+                assert!(matches!(compute[0].action, Action::Matmul { .. }));
+                let last_exchange = p.lane_steps(Lane::Comm).last().unwrap().id;
+                let after: Vec<&&Step> = compute.iter().filter(|s| s.deps.contains(&last_exchange)).collect();
+                assert_eq!(after.len(), 1, "N={n} k={k}");
+                assert!(matches!(after[0].action, Action::Sum { .. }));
+                let p = plan(GATHER, Schedule::Tiled { tiles: k }, n, rank);
+                let last_exchange = p.lane_steps(Lane::Comm).last().unwrap().id;
+                let compute: Vec<&Step> = p.lane_steps(Lane::Compute).collect();
+                let waiting = compute.iter().position(|s| s.deps.contains(&last_exchange)).unwrap();
+                assert_eq!(waiting, compute.len() - 1, "N={n} k={k}: one tile's product after the last transfer");
+                assert_eq!(p.lane_steps(Lane::Comm).next().unwrap().deps, Vec::<StepId>::new());
             }
         }
     }

@@ -21,14 +21,15 @@ pub enum Mode {
 /// The problem as `schedule` cuts it, or why the schedule does not apply.
 fn cut(problem: &Problem, schedule: Schedule, n: usize) -> Result<Problem> {
     match schedule {
-        Schedule::Sliced { slices } => {
+        Schedule::Sliced { .. } | Schedule::Tiled { .. } => {
             if n < 2 || !Schedule::sliceable(problem.kind.pattern()) {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: no sliced schedule for this op over {n} ranks",
-                    problem.kind.name()
+                    "{}: no {} schedule for this op over {n} ranks",
+                    problem.kind.name(),
+                    schedule_name(schedule)
                 )));
             }
-            problem.sliced(slices)
+            problem.for_schedule(schedule)
         }
         Schedule::Auto => Err(Error::InvalidArgument("sim: predict a concrete schedule, not Auto".into())),
         _ => Ok(*problem),
@@ -97,6 +98,11 @@ pub fn candidates(problem: &Problem, n: usize) -> Vec<Schedule> {
     for slices in [2, 4, 8] {
         if cut(problem, Schedule::Sliced { slices }, n).is_ok() {
             out.push(Schedule::Sliced { slices });
+        }
+    }
+    for tiles in [2, 4, 8] {
+        if cut(problem, Schedule::Tiled { tiles }, n).is_ok() {
+            out.push(Schedule::Tiled { tiles });
         }
     }
     out
@@ -170,5 +176,6 @@ pub fn schedule_name(schedule: Schedule) -> String {
         Schedule::Bidirectional => "bidirectional".into(),
         Schedule::Sequential => "sequential".into(),
         Schedule::Sliced { slices } => format!("sliced({slices})"),
+        Schedule::Tiled { tiles } => format!("tiled({tiles})"),
     }
 }

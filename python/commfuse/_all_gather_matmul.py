@@ -12,7 +12,8 @@ from ._fused import Kind
 OP = "all_gather_matmul"
 
 
-def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", slices=4, precision=None,
+def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", slices=4, tiles=4,
+                      precision=None,
                       preferred_element_type=None):
     """Returns ``jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True) @ w``.
 
@@ -26,12 +27,15 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", s
     then multiply: the unoverlapped baseline), or "sliced" (the data-slicing
     baseline: the rows are cut into ``slices`` chunks, each gathered by one
     ring all-gather while the previous chunk is multiplied; ``slices`` must
-    divide the rows of x, all dims but the last).
+    divide the rows of x, all dims but the last), or "tiled" (the ring at
+    tile granularity: each block travels and is multiplied as ``tiles`` row
+    tiles, each passed on as soon as it arrives, so only one tile's product
+    is left after the last transfer; ``tiles`` must divide the rows of x).
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
     dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)
-    code = _fused.check_schedule(OP, schedule, slices)
+    code = _fused.check_schedule(OP, schedule, slices, tiles)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
     return _gather_rows(x, w, static)

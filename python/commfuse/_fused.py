@@ -18,25 +18,28 @@ from jax.interpreters import batching, mlir
 
 from . import _native, _nccl_id
 
-SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4}
+SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4, "tiled": 5}
 
-# A sliced schedule's code carries its number of slices above the low byte
-# (decoded by the Rust `ops::schedule`).
-_SLICED = SCHEDULES["sliced"]
+# Schedules that cut each block into chunks (the keyword naming how many);
+# their code carries the number above the low byte (decoded by the Rust
+# `ops::schedule`).
+CUT_SCHEDULES = {"sliced": "slices", "tiled": "tiles"}
+_CUT_CODES = {SCHEDULES[name]: name for name in CUT_SCHEDULES}
 DEFAULT_SLICES = 4
 
 
-def schedule_code(schedule: str, slices: int = DEFAULT_SLICES) -> int:
-    """The `schedule` attribute for Rust: the schedule's code, with the slices of "sliced"."""
+def schedule_code(schedule: str, chunks: int = DEFAULT_SLICES) -> int:
+    """The `schedule` attribute for Rust: the schedule's code, with the chunks of "sliced" and "tiled"."""
     code = SCHEDULES[schedule]
-    return code | (slices << 8) if code == _SLICED else code
+    return code | (chunks << 8) if schedule in CUT_SCHEDULES else code
 
 
-def is_sliced(code: int) -> bool:
-    return code & 0xFF == _SLICED
+def cut_schedule(code: int):
+    """"sliced" or "tiled" for the codes of those schedules, else None."""
+    return _CUT_CODES.get(code & 0xFF)
 
 
-def slices_of(code: int) -> int:
+def chunks_of(code: int) -> int:
     return code >> 8
 
 # XLA PrimitiveType numbers of the dtypes the ops take.
@@ -155,42 +158,46 @@ def vary_together(x, w, axes):
     return cast(x), cast(w)
 
 
-_NO_SLICES = object()
+_ABSENT = object()
 
 
-def check_schedule(op: str, schedule, slices=_NO_SLICES) -> int:
-    """The schedule's code. Ops that take ``slices`` pass it; the others reject "sliced"."""
+def check_schedule(op: str, schedule, slices=_ABSENT, tiles=_ABSENT) -> int:
+    """The schedule's code. Ops that take ``slices`` and ``tiles`` (row
+    gathers and scatters) pass them; the others reject "sliced" and "tiled"."""
     if schedule not in SCHEDULES:
         raise ValueError(f"commfuse.{op}: unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
-    if slices is _NO_SLICES:
-        if schedule == "sliced":
+    if slices is _ABSENT:
+        if schedule in CUT_SCHEDULES:
             raise ValueError(
-                f"commfuse.{op}: schedule='sliced' (the data-slicing baseline) exists only for all_gather_matmul "
-                f"and matmul_reduce_scatter along a row dimension; use one of "
-                f"{[s for s in SCHEDULES if s != 'sliced']}")
+                f"commfuse.{op}: schedule={schedule!r} exists only for all_gather_matmul and matmul_reduce_scatter "
+                f"along a row dimension; use one of {[s for s in SCHEDULES if s not in CUT_SCHEDULES]}")
         return SCHEDULES[schedule]
-    if not isinstance(slices, (int, np.integer)) or isinstance(slices, bool) or slices < 1:
-        raise ValueError(f"commfuse.{op}: slices must be an int >= 1, got {slices!r}")
-    if schedule != "sliced":
-        return SCHEDULES[schedule]
-    return schedule_code(schedule, int(slices))
+    for name, value in (("slices", slices), ("tiles", tiles)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"commfuse.{op}: {name} must be an int >= 1, got {value!r}")
+    if schedule == "sliced":
+        return schedule_code(schedule, int(slices))
+    if schedule == "tiled":
+        return schedule_code(schedule, int(tiles))
+    return SCHEDULES[schedule]
 
 
-def _check_sliced(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> None:
-    """A sliced call must be a row gather or scatter whose block rows divide into the slices."""
+def _check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> None:
+    """A sliced or tiled call must be a row gather or scatter whose block rows divide into the chunks."""
+    schedule = cut_schedule(code)
     if kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
         raise ValueError(
-            f"commfuse ({kind.name.lower()}): schedule='sliced' exists only for all_gather_matmul and "
+            f"commfuse ({kind.name.lower()}): schedule={schedule!r} exists only for all_gather_matmul and "
             f"matmul_reduce_scatter along a row dimension (not the last dim)")
     rows = math.prod(x_shape[:-1])
     if kind == Kind.MATMUL_REDUCE_SCATTER:
         rows //= ranks
-    slices = slices_of(code)
-    if rows % slices:
+    chunks, unit = chunks_of(code), CUT_SCHEDULES[schedule]
+    if rows % chunks:
         op = "all_gather_matmul" if kind == Kind.ALL_GATHER_MATMUL else "matmul_reduce_scatter"
         raise ValueError(
-            f"commfuse.{op}: schedule='sliced' cuts each rank's block of {rows} rows (all dims of x but the "
-            f"last, x.shape={tuple(x_shape)}) into slices={slices} equal chunks; slices must divide {rows}")
+            f"commfuse.{op}: schedule={schedule!r} cuts each rank's block of {rows} rows (all dims of x but the "
+            f"last, x.shape={tuple(x_shape)}) into {unit}={chunks} equal chunks; {unit} must divide {rows}")
 
 
 def check_precision(op: str, precision) -> None:
@@ -281,11 +288,11 @@ def result_shape(kind: Kind, x_shape, w_shape, dimension: int, ranks: int) -> tu
 
 def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype=None, forward=False):
     """`call` with the settings of a user's op (for its VJP's inner ops). A
-    sliced op's VJP slices the row gathers and scatters it can and runs the
-    other kinds (weight gradients) with "auto"."""
+    sliced or tiled op's VJP cuts the row gathers and scatters it can and
+    runs the other kinds (weight gradients) with "auto"."""
     x, w = common(x, w)
     schedule = static.schedule
-    if is_sliced(schedule) and not forward and kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
+    if cut_schedule(schedule) and not forward and kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
         schedule = SCHEDULES["auto"]
     return call(kind, x, w, out_dtype=static.out_dtype if out_dtype is None else out_dtype, schedule=schedule,
                 axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension)
@@ -307,8 +314,8 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0):
     """Issues one fused op (operands already checked and laid out for `kind`)."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
-    if is_sliced(schedule):
-        _check_sliced(kind, x.shape, dimension, ranks, schedule)
+    if cut_schedule(schedule):
+        _check_cut(kind, x.shape, dimension, ranks, schedule)
         if x.ndim != 2 or dimension != 0:
             # Slices are chunks of contiguous rows: run on x with the row dim
             # leading (its blocks stay row blocks), then put the dims back.

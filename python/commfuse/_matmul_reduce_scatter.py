@@ -15,7 +15,8 @@ from ._fused import Kind
 OP = "matmul_reduce_scatter"
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, precision=None,
+def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, tiles=4,
+                          precision=None,
                           preferred_element_type=None):
     """Returns ``jax.lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)``.
 
@@ -30,7 +31,12 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     then reduce-scatter: the unoverlapped baseline), or "sliced" (the
     data-slicing baseline, rows only: each block's rows are cut into
     ``slices`` chunks, each reduce-scattered by one ring while the next chunk
-    is multiplied; ``slices`` must divide each block's rows).
+    is multiplied; ``slices`` must divide each block's rows), or "tiled"
+    (the ring at tile granularity, rows only: each block's partial is
+    computed as ``tiles`` row tiles, each summed and sent on as soon as it is
+    computed, so only one tile's transfer waits for a whole step's product
+    and only one tile's is left at the tail; ``tiles`` must divide each
+    block's rows).
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
@@ -40,7 +46,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
         raise ValueError(
             f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {size}, which is not "
             f"divisible by the size {ranks} of axis {axis_name!r}")
-    code = _fused.check_schedule(OP, schedule, slices)
+    code = _fused.check_schedule(OP, schedule, slices, tiles)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
     if dimension == x.ndim - 1:

@@ -263,6 +263,13 @@ pub unsafe extern "C" fn commfuse_explain(
     code
 }
 
+/// This host's single-thread f32 GEMM rate in GFLOP/s (measured once per
+/// process), which calibrates the cost model's `cpu_here` machine.
+#[no_mangle]
+pub extern "C" fn commfuse_cpu_gemm_gflops() -> f64 {
+    catch_unwind(crate::backend::cpu::gemm_gflops).unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,9 +8,11 @@ ring topology, one compute and one comm lane per device) and picks the fastest.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 
 from ._native import lib
@@ -112,27 +114,89 @@ def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     if machine == "cpu_here" and link:
         spec = f"cpu_here:{link}"
     kind, dim, first, second, out = _call(op, x, w, n, int(dimension))
-
-    arrays = [(ctypes.c_int64 * max(1, len(s)))(*s) for s in (first, second, out)]
-    shapes = (ctypes.POINTER(ctypes.c_int64) * 3)(*[ctypes.cast(a, ctypes.POINTER(ctypes.c_int64)) for a in arrays])
-    ranks = (ctypes.c_size_t * 3)(len(first), len(second), len(out))
-    codes = (ctypes.c_uint32 * 2)(_DTYPES[name], _DTYPES[name])
     rate = float(gemm_gflops) if gemm_gflops is not None else 0.0
     if gemm_gflops is not None and not rate > 0:
         raise ValueError(f"commfuse.explain: gemm_gflops must be positive, got {gemm_gflops!r}")
+    if machine.startswith("cpu_here") and gemm_gflops is None:
+        rate = cpu_gemm_gflops()
+    try:
+        result = _query(kind, dim, first, second, out, n, _DTYPES[name], _DTYPES[name], spec, rate)
+    except ValueError as e:
+        raise ValueError(f"commfuse.explain: {e}") from None
+    result["op"] = op
+    _print(result, x, w)
+    return result
+
+
+def _query(kind: int, dim: int, first, second, out, n: int, input_code: int, output_code: int, spec: str,
+           rate: float) -> dict:
+    """The library's JSON answer for one call in its own layout (kind, shapes, dtype codes)."""
+    arrays = [(ctypes.c_int64 * max(1, len(s)))(*s) for s in (first, second, out)]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * 3)(*[ctypes.cast(a, ctypes.POINTER(ctypes.c_int64)) for a in arrays])
+    ranks = (ctypes.c_size_t * 3)(len(first), len(second), len(out))
+    codes = (ctypes.c_uint32 * 2)(input_code, output_code)
     size = 1 << 16
     while True:
         buffer = ctypes.create_string_buffer(size)
         length = lib.commfuse_explain(kind, n, dim, shapes, ranks, codes, spec.encode(), rate, buffer, size)
         if length < 0:
-            raise ValueError(f"commfuse.explain: {buffer.value.decode(errors='replace')}")
+            raise ValueError(buffer.value.decode(errors="replace"))
         if length < size:
             break
         size = length + 1
-    result = json.loads(buffer.value.decode())
-    result["op"] = op
-    _print(result, x, w)
-    return result
+    return json.loads(buffer.value.decode())
+
+
+lib.commfuse_cpu_gemm_gflops.restype = ctypes.c_double
+lib.commfuse_cpu_gemm_gflops.argtypes = []
+
+
+def cpu_gemm_gflops() -> float:
+    """This host's single-thread f32 GEMM rate (GFLOP/s), measured once per process."""
+    return float(lib.commfuse_cpu_gemm_gflops())
+
+
+MACHINE_VAR = "COMMFUSE_MACHINE"
+
+
+def default_machine() -> str:
+    """The machine `schedule="auto"` plans for: ``COMMFUSE_MACHINE`` if set (a
+    preset, optionally with overrides), else by JAX's default backend: this
+    host's CPU devices under the link model in ``COMMFUSE_CPU_LINK``, or the
+    GPU preset matching the device kind (H200, H100 PCIe, else H100 NVLink)."""
+    spec = os.environ.get(MACHINE_VAR, "").strip()
+    if spec:
+        return spec
+    if jax.default_backend() == "cpu":
+        link = os.environ.get("COMMFUSE_CPU_LINK", "").strip()
+        return f"cpu_here:{link}" if link else "cpu_here"
+    kind = jax.devices()[0].device_kind.lower()
+    if "h200" in kind:
+        return "h200_nvlink"
+    return "h100_pcie" if "pcie" in kind else "h100_nvlink"
+
+
+def auto_schedule_code(kind: int, dim: int, x_shape, w_shape, out_shape, n: int, input_code: int,
+                       output_code: int) -> int:
+    """The schedule code `schedule="auto"` runs: the model's pick for this call
+    on `default_machine()` (see `sim::auto_schedule`), resolved at trace time so
+    that the workspace and the plan agree. 0 (the library's own rule) if the
+    model cannot time the call."""
+    spec = default_machine()
+    rate = cpu_gemm_gflops() if spec.startswith("cpu_here") else 0.0
+    return _auto_code(kind, dim, tuple(x_shape), tuple(w_shape), tuple(out_shape), n, input_code, output_code,
+                      spec, rate)
+
+
+@functools.lru_cache(maxsize=4096)
+def _auto_code(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate) -> int:
+    try:
+        choice = _query(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate)["choice"]
+    except ValueError:
+        return 0
+    if choice.startswith("tiled("):
+        return 5 | (int(choice[len("tiled("):-1]) << 8)
+    return {"ring": 1, "bidirectional": 2}.get(choice, 0)
 
 
 def _print(r: dict, x: tuple, w: tuple) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from . import _native, _nccl_id
+from . import _explain, _native, _nccl_id
 
 SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4, "tiled": 5}
 
@@ -314,6 +314,9 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0):
     """Issues one fused op (operands already checked and laid out for `kind`)."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
+    if schedule == SCHEDULES["auto"]:
+        schedule = _explain.auto_schedule_code(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
+                                               DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
     if cut_schedule(schedule):
         _check_cut(kind, x.shape, dimension, ranks, schedule)
         if x.ndim != 2 or dimension != 0:

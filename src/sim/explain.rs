@@ -1,6 +1,6 @@
 //! `commfuse.explain`: the planner's choice for one call, as JSON.
 
-use super::model::{choose, predict, schedule_name, Mode};
+use super::model::{auto_schedule, choose, predict, schedule_name, Mode};
 use super::Machine;
 use crate::error::Result;
 use crate::plan::{self, Action, Buf, Lane};
@@ -80,8 +80,9 @@ fn number(v: f64) -> String {
 }
 
 /// The JSON `commfuse.explain` returns: the machine, every candidate
-/// schedule's predicted seconds, T_compute, T_comm, the floor, the choice, and
-/// rank 0's plan under it (steps per lane with their predicted start and end).
+/// schedule's predicted seconds, T_compute, T_comm, the floor, the fastest
+/// candidate, the choice (what `schedule="auto"` runs, see `auto_schedule`),
+/// and rank 0's plan under it (steps per lane with their predicted start and end).
 pub fn explain_json(q: &Query) -> Result<String> {
     let shapes = crate::ops::CallShapes {
         kind: q.kind,
@@ -98,8 +99,9 @@ pub fn explain_json(q: &Query) -> Result<String> {
     let input = problem.input;
     let machine = Machine::from_spec(q.machine, q.gemm_gflops, q.cores)?;
     let choice = choose(&problem, n, &machine)?;
-    let timeline = predict(&problem, choice.best, n, &machine, Mode::Full)?;
-    let plan = plan::plan(kind.pattern(), choice.best, n, 0);
+    let auto = auto_schedule(&problem, n, &machine);
+    let timeline = predict(&problem, auto, n, &machine, Mode::Full)?;
+    let plan = plan::plan(kind.pattern(), auto, n, 0);
 
     let mut j = String::from("{");
     let _ = write!(j, "\"op\":{},\"n\":{n},\"dtype\":{},", string(kind.name()), string(input.name()));
@@ -131,8 +133,9 @@ pub fn explain_json(q: &Query) -> Result<String> {
     let _ = write!(j, "\"parts\":{{{}}},", parts.join(","));
     let _ = write!(
         j,
-        "\"choice\":{},\"t_compute\":{},\"t_comm\":{},\"floor\":{},",
+        "\"fastest\":{},\"choice\":{},\"t_compute\":{},\"t_comm\":{},\"floor\":{},",
         string(&schedule_name(choice.best)),
+        string(&schedule_name(auto)),
         number(choice.t_compute),
         number(choice.t_comm),
         number(choice.floor())

@@ -157,14 +157,39 @@ pub fn choose(problem: &Problem, n: usize, machine: &Machine) -> Result<Choice> 
     Ok(Choice { best, predictions, t_compute, t_comm, parts })
 }
 
-/// The schedule `schedule="auto"` should run for `problem` over `n` ranks on
-/// `machine`: the model's choice, or `Schedule::resolve`'s rule if the model
-/// cannot time it. (The hook for the planner; the resolver calls it when it
-/// has a machine description.)
+/// How much faster (by the model) a tiled schedule must be than the best
+/// per-step one for `auto` to take it: smaller GEMMs and more messages are
+/// where the model is least exact.
+const TILED_MARGIN: f64 = 0.97;
+
+/// The schedule `schedule="auto"` runs for `problem` over `n` ranks on
+/// `machine`: the overlapped schedule (ring, bidirectional or tiled) the
+/// model predicts fastest, tiled only if it beats the per-step ones by 3%;
+/// the baselines (sequential, sliced) are never picked. `Schedule::resolve`'s
+/// rule if the model cannot time it.
 pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule {
-    match choose(problem, n, machine) {
-        Ok(choice) => choice.best,
-        Err(_) => Schedule::Auto.resolve(n, problem.kind.pattern()),
+    let Ok(choice) = choose(problem, n, machine) else {
+        return Schedule::Auto.resolve(n, problem.kind.pattern());
+    };
+    // Ties go to the earlier candidate (ring before bidirectional, fewer tiles first).
+    let fastest = |tiled: bool| {
+        choice
+            .predictions
+            .iter()
+            .filter(|(s, _)| match s {
+                Schedule::Ring | Schedule::Bidirectional => !tiled,
+                Schedule::Tiled { .. } => tiled,
+                _ => false,
+            })
+            .fold(None, |best: Option<(Schedule, f64)>, &(s, t)| match best {
+                Some((_, bt)) if bt <= t => best,
+                _ => Some((s, t)),
+            })
+    };
+    match (fastest(false), fastest(true)) {
+        (Some((_, per_step)), Some((tiled, t))) if t < TILED_MARGIN * per_step => tiled,
+        (Some((per_step, _)), _) => per_step,
+        _ => Schedule::Auto.resolve(n, problem.kind.pattern()),
     }
 }
 

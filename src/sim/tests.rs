@@ -226,7 +226,11 @@ fn sequential_is_about_compute_plus_comm_on_the_presets() {
             let (own_compute, own_comm) = choice.parts[0];
             assert_eq!(choice.predictions[0].0, Schedule::Sequential);
             assert!(close(seq, own_compute + own_comm, 1e-6), "{seq} vs {own_compute} + {own_comm}");
-            assert_eq!(auto_schedule(&p, n, &machine), choice.best);
+            // Auto runs an overlapped schedule within the tiled margin of the fastest.
+            let auto = auto_schedule(&p, n, &machine);
+            assert!(matches!(auto, Schedule::Ring | Schedule::Bidirectional | Schedule::Tiled { .. }));
+            let (t_auto, t_best) = (choice.time(auto).unwrap(), choice.time(choice.best).unwrap());
+            assert!(t_auto <= t_best / 0.97 * (1.0 + 1e-9), "{} n={n}: {auto:?} {t_auto} vs {t_best}", machine.name);
             // Overlap wins on a big GEMM.
             assert_ne!(choice.best, Schedule::Sequential);
         }

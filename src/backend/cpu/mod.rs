@@ -284,3 +284,34 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
         Ok(ended)
     }
 }
+
+/// This host's single-thread f32 GEMM rate in GFLOP/s, measured once per
+/// process (the best of 3 products of 256x512 by 512x512, 134 MFLOP each):
+/// the calibration of the cost model's `cpu_here` machine.
+pub fn gemm_gflops() -> f64 {
+    static RATE: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *RATE.get_or_init(|| {
+        let (m, k, n) = (256, 512, 512);
+        // Not zeros: some kernels take shortcuts on them.
+        let fill = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len).map(|i| ((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5).collect()
+        };
+        let (a, b, mut c) = (fill(m * k, 1), fill(k * n, 2), vec![0f32; m * n]);
+        let best = (0..3)
+            .map(|_| {
+                let start = Instant::now();
+                let ok = gemm::matmul(
+                    (&a, View { offset: 0, rows: m, cols: k, row_stride: k }),
+                    (&b, View { offset: 0, rows: k, cols: n, row_stride: n }),
+                    (&mut c, View { offset: 0, rows: m, cols: n, row_stride: n }),
+                    false,
+                );
+                if ok.is_err() {
+                    return f64::INFINITY;
+                }
+                start.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        2.0 * (m * k * n) as f64 / best / 1e9
+    })
+}

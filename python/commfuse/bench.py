@@ -2,15 +2,22 @@
 under real in-process links and under the link model (COMMFUSE_CPU_LINK)
 set so that T_comm is a given multiple of T_compute.
 
-    python -m commfuse.bench [--quick] [--out bench_out]
+    python -m commfuse.bench [--quick] [--out bench_out] [--reps 7]
 
 For each (op, N, shape, dtype, link, schedule) it measures the median time of
 one jitted step over all devices (after a warm-up, on random inputs) and its
-spread, and reports T_compute (the same local matmuls with no communication),
-T_comm (what the link model charges one device for the collective), the
-floor max(T_compute, T_comm), the exposed communication (time - T_compute)
-and the ratios to the floor and to XLA unfused. It writes a CSV and a PNG
-plot and prints a short table last.
+spread (interquartile range), and reports:
+- T_compute: the same local matmuls with no communication (each device runs
+  its whole share as one commfuse GEMM, over a mesh axis of size 1);
+- T_comm: what the link model charges one device for the collective (for
+  real links: the cost model's in-process estimate);
+- the floor max(T_compute, T_comm), the exposed communication
+  (time - T_compute), and the ratios to the floor, to sequential and to XLA;
+- ideal: the time the cost model (`src/sim`, the plan of every rank run on
+  this machine's description) gives the schedule, its GEMM rate calibrated so
+  that its T_compute equals the measured one; `err` is measured/ideal - 1.
+It writes a CSV and a PNG plot, and prints a short table and the checks of
+issue 5 last.
 """
 
 from __future__ import annotations
@@ -27,14 +34,22 @@ import csv
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commfuse
+from commfuse import _explain
 
 LINK_VAR = "COMMFUSE_CPU_LINK"
 LATENCY_US = 20.0
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+# (name, schedule keyword arguments); "xla" is the pure-JAX expression.
+SCHEDULES = [("xla", None), ("sequential", {}), ("sliced(2)", {"slices": 2}), ("sliced(4)", {"slices": 4}),
+             ("sliced(8)", {"slices": 8}), ("ring", {}), ("bidirectional", {}), ("tiled(4)", {"tiles": 4}),
+             ("auto", {})]
+# (label, T_comm / T_compute or None for real links, topology, schedules run).
+LINKS = [("real", None, "switch", None), ("0.75x", 0.75, "switch", None), ("1x", 1.0, "switch", None),
+         ("2x", 2.0, "switch", None), ("ring-2x", 2.0, "ring", ("ring", "bidirectional"))]
 
 
 def _median_and_spread(fn, args, reps):
@@ -49,41 +64,34 @@ def _median_and_spread(fn, args, reps):
     return float(np.median(times)), float(np.percentile(times, 75) - np.percentile(times, 25))
 
 
-def _programs(op, mesh, schedule, slices):
-    """(step function, in_specs) of one op under one schedule ("xla" = unfused)."""
-    if op == "all_gather_matmul":
-        specs, out = (P("x"), P()), P("x")
-        if schedule == "xla":
-            body = lambda a, b: jax.lax.all_gather(a, "x", tiled=True) @ b
-        else:
-            kw = {"slices": slices} if schedule == "sliced" else {}
-            body = lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule=schedule, **kw)
-    else:
-        specs, out = (P(), P()), P("x")
-        if schedule == "xla":
-            body = lambda a, b: jax.lax.psum_scatter(a @ b, "x", tiled=True)
-        else:
-            kw = {"slices": slices} if schedule == "sliced" else {}
-            body = lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", schedule=schedule, **kw)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs
+def _schedule_kwargs(name, extra):
+    return {"schedule": name.split("(")[0], **extra}
 
 
-def _compute_only(op, mesh, n):
-    """The same local matmuls with no communication."""
+def _program(op, mesh, name, extra):
+    """(step function, in_specs) of one op under one schedule."""
+    fused = getattr(commfuse, op)
     if op == "all_gather_matmul":
-        body = lambda a, b: jnp.concatenate([a] * n) @ b
         specs = (P("x"), P())
+        lax = lambda a, b: jax.lax.all_gather(a, "x", tiled=True) @ b
     else:
-        body = lambda a, b: a @ b
         specs = (P(), P())
+        lax = lambda a, b: jax.lax.psum_scatter(a @ b, "x", tiled=True)
+    body = lax if name == "xla" else (lambda a, b: fused(a, b, "x", **_schedule_kwargs(name, extra)))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x"))), specs
 
 
-def _inputs(op, mesh, n, m, k, cols, dtype, rng):
-    rows = n * m  # AG: the global x; RS: each rank's x holds all N blocks
-    x = rng.uniform(-1, 1, (rows, k)).astype(dtype)
-    w = rng.uniform(-1, 1, (k, cols)).astype(dtype)
-    return x, w
+def _compute_only(op, devices):
+    """Each device's share of the products as one commfuse GEMM, over an axis of size 1 (no communication)."""
+    mesh = jax.make_mesh((len(devices), 1), ("d", "one"), devices=devices)
+    fused = getattr(commfuse, op)
+    fn = jax.jit(jax.shard_map(lambda a, b: fused(a, b, "one"), mesh=mesh, in_specs=(P(), P()),
+                                 out_specs=P(("d", "one"))))
+    return fn, mesh
+
+
+def _put(mesh, arrays, specs):
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
 
 
 def _comm_bytes(op, n, m, k, cols, dtype):
@@ -93,68 +101,83 @@ def _comm_bytes(op, n, m, k, cols, dtype):
     return (n - 1) * m * cols * 4  # partial sums travel in f32 (the accumulator)
 
 
+def _model(op, n, m, k, cols, dtype, spec, gflops):
+    """explain()'s numbers for one device's operands, without printing."""
+    x = (m, k) if op == "all_gather_matmul" else (n * m, k)
+    code = _explain._DTYPES[np.dtype(dtype).name]
+    kind, dim, first, second, out = _explain._call(op, x, (k, cols), n, 0)
+    return _explain._query(kind, dim, first, second, out, n, code, code, spec, gflops)
+
+
+def _calibrated_rate(op, n, m, k, cols, dtype, t_compute):
+    """The single-thread GEMM rate that makes the model's T_compute the measured one."""
+    rate = 50.0
+    for _ in range(3):  # the model's per-GEMM overhead makes it not quite linear
+        predicted = _model(op, n, m, k, cols, dtype, "cpu_here", rate)["t_compute"]
+        rate *= predicted / t_compute
+    return rate
+
+
 def run(quick: bool, out_dir: str, reps: int):
     rng = np.random.default_rng(0)
     devices = jax.devices()
     ranks_list = [4] if quick else [4, 8]
-    shapes = [(128, 512, 512)] if quick else [(128, 512, 512), (256, 512, 1024), (256, 1024, 1024)]
-    dtypes = [np.float32] if quick else [np.float32, jnp.bfloat16]
-    ratios = [None, 0.75, 1.0, 2.0]
-    schedules = [("xla", 0), ("sequential", 0)] + [("sliced", k) for k in (2, 4, 8)] + [
-        ("ring", 0), ("bidirectional", 0), ("auto", 0)]
+    # (rows per block m, contraction k, columns): one device's block is m x k.
+    shapes = [(256, 512, 1024)] if quick else [(256, 512, 1024), (512, 1024, 512), (256, 1024, 2048)]
+    dtypes = [np.float32] if quick else [np.float32, np.dtype("bfloat16")]
     rows = []
-    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+    for op in OPS:
         for n in ranks_list:
             mesh = jax.make_mesh((n,), ("x",), devices=devices[:n])
             for (m, k, cols) in shapes:
                 for dtype in dtypes:
-                    x, w = _inputs(op, mesh, n, m, k, cols, dtype, rng)
-                    compute_fn, specs = _compute_only(op, mesh, n)
-                    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
                     os.environ.pop(LINK_VAR, None)
-                    t_compute, _ = _median_and_spread(compute_fn, args, reps)
+                    x = rng.uniform(-1, 1, (n * m, k)).astype(dtype)  # AG: global x; RS: each device's x
+                    w = rng.uniform(-1, 1, (k, cols)).astype(dtype)
+                    compute_fn, compute_mesh = _compute_only(op, devices[:n])
+                    t_compute, _ = _median_and_spread(compute_fn, _put(compute_mesh, (x, w), (P(), P())), reps)
+                    rate = _calibrated_rate(op, n, m, k, cols, dtype, t_compute)
                     comm_bytes = _comm_bytes(op, n, m, k, cols, dtype)
-                    xla_time = None
-                    for ratio in ratios:
+                    times = {}
+                    for link, ratio, topology, only in LINKS:
                         if ratio is None:
                             os.environ.pop(LINK_VAR, None)
-                            t_comm, link = None, "real"
+                            spec = "cpu_here"
                         else:
-                            t_comm = ratio * t_compute
-                            steps = n - 1
-                            gbps = comm_bytes / max(t_comm - steps * LATENCY_US * 1e-6, 1e-9) / 1e9
-                            os.environ[LINK_VAR] = f"gbytes_per_s={gbps:.6f},latency_us={LATENCY_US},topology=switch"
-                            link = f"{ratio}x"
-                        for schedule, slices in schedules:
-                            if schedule == "xla" and ratio is not None:
+                            gbps = comm_bytes / max(ratio * t_compute - (n - 1) * LATENCY_US * 1e-6, 1e-9) / 1e9
+                            text = f"gbytes_per_s={gbps:.6f},latency_us={LATENCY_US},topology={topology}"
+                            os.environ[LINK_VAR] = text
+                            spec = f"cpu_here:{text}"
+                        model = _model(op, n, m, k, cols, dtype, spec, rate)
+                        t_comm = model["t_comm"] if ratio is None else ratio * t_compute
+                        floor = max(t_compute, t_comm)
+                        for name, extra in SCHEDULES:
+                            if (only and name not in only) or (name == "xla" and ratio is not None):
                                 continue  # the link model throttles commfuse's transport only
-                            name = f"sliced({slices})" if schedule == "sliced" else schedule
-                            try:
-                                fn, specs = _programs(op, mesh, schedule, slices)
-                                args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
-                                t, spread = _median_and_spread(fn, args, reps)
-                            except (ValueError, TypeError) as e:  # e.g. a schedule this build lacks
-                                print(f"skip {op} {name}: {e}", file=sys.stderr)
-                                continue
-                            if schedule == "xla":
-                                xla_time = t
-                            floor = max(t_compute, t_comm or 0.0)
+                            fn, specs = _program(op, mesh, name, extra)
+                            t, spread = _median_and_spread(fn, _put(mesh, (x, w), specs), reps)
+                            times[(link, name)] = t
+                            ideal = model["schedules"].get(model["choice"] if name == "auto" else name)
                             rows.append({
                                 "op": op, "N": n, "shape": f"{m}x{k}x{cols}", "dtype": np.dtype(dtype).name,
                                 "link": link, "schedule": name, "median_ms": t * 1e3, "spread_ms": spread * 1e3,
-                                "t_compute_ms": t_compute * 1e3,
-                                "t_comm_ms": None if t_comm is None else t_comm * 1e3,
-                                "floor_ms": floor * 1e3, "exposed_ms": (t - t_compute) * 1e3,
-                                "vs_floor": t / floor,
-                                "vs_xla": None if (xla_time is None or ratio is not None) else t / xla_time,
+                                "t_compute_ms": t_compute * 1e3, "t_comm_ms": t_comm * 1e3, "floor_ms": floor * 1e3,
+                                "exposed_ms": (t - t_compute) * 1e3, "vs_floor": t / floor,
+                                "vs_sequential": t / times[(link, "sequential")] if (link, "sequential") in times
+                                else None,
+                                "vs_xla": t / times[("real", "xla")] if ratio is None else None,
+                                "ideal_ms": None if ideal is None else ideal * 1e3,
+                                "model_err": None if ideal is None or name == "xla" else t / ideal - 1,
+                                "auto_picked": model["choice"] if name == "auto" else "",
                             })
-                            print(f"{op:22s} N={n} {m}x{k}x{cols} {np.dtype(dtype).name:8s} link={link:5s} "
-                                  f"{name:14s} {t * 1e3:9.2f} ms  floor x{t / floor:5.2f}", flush=True)
+                            print(f"{op:22s} N={n} {m}x{k}x{cols} {np.dtype(dtype).name:8s} link={link:7s} "
+                                  f"{name:14s} {t * 1e3:8.2f} ms  x floor {t / floor:5.2f}", flush=True)
     os.environ.pop(LINK_VAR, None)
     os.makedirs(out_dir, exist_ok=True)
     _write_csv(rows, os.path.join(out_dir, "bench.csv"))
     _plot(rows, os.path.join(out_dir, "bench.png"))
     _print_table(rows)
+    _print_checks(rows)
 
 
 def _write_csv(rows, path):
@@ -174,10 +197,10 @@ def _plot(rows, path):
         print("matplotlib is not installed: no plot (pip install '.[bench]')")
         return
     panels = sorted({(r["op"], r["N"], r["shape"], r["dtype"]) for r in rows})
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3 * len(panels)), squeeze=False)
     for ax, (op, n, shape, dtype) in zip(axes[:, 0], panels):
         sel = [r for r in rows if (r["op"], r["N"], r["shape"], r["dtype"]) == (op, n, shape, dtype)]
-        links = sorted({r["link"] for r in sel}, key=lambda s: (s != "real", s))
+        links = list(dict.fromkeys(r["link"] for r in sel))
         names = list(dict.fromkeys(r["schedule"] for r in sel))
         width = 0.8 / max(1, len(links))
         for i, link in enumerate(links):
@@ -186,21 +209,78 @@ def _plot(rows, path):
             ax.bar(np.arange(len(names)) + i * width, times, width, label=f"link {link}")
         ax.set_xticks(np.arange(len(names)) + width * (len(links) - 1) / 2, names, fontsize=8)
         ax.set_ylabel("ms")
-        ax.set_title(f"{op} N={n} {shape} {dtype}", fontsize=9)
+        ax.set_title(f"{op} N={n} {shape} {dtype} (T_compute {sel[0]['t_compute_ms']:.1f} ms)", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     print(f"wrote {path}")
 
 
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
 def _print_table(rows):
-    print("\nop                     N  shape          dtype    link  schedule        median  floor  x floor  x xla")
+    print("\nfloat32, real links and T_comm = 0.75 x T_compute (switch); times in ms")
+    print(f"{'op':22s} {'N':>2s} {'shape':13s} {'link':6s} {'schedule':14s} {'median':>7s} {'floor':>6s} "
+          f"{'xfloor':>6s} {'xseq':>5s} {'xxla':>5s} {'ideal':>7s} {'err':>6s}")
     for r in rows:
         if r["dtype"] != "float32" or r["link"] not in ("real", "0.75x"):
             continue
-        xla = "" if r["vs_xla"] is None else f"{r['vs_xla']:.2f}"
-        print(f"{r['op']:22s} {r['N']:2d} {r['shape']:14s} {r['dtype']:8s} {r['link']:5s} {r['schedule']:14s} "
-              f"{r['median_ms']:7.1f} {r['floor_ms']:6.1f} {r['vs_floor']:7.2f}  {xla}")
+        print(f"{r['op']:22s} {r['N']:2d} {r['shape']:13s} {r['link']:6s} {r['schedule']:14s} "
+              f"{r['median_ms']:7.1f} {r['floor_ms']:6.1f} {r['vs_floor']:6.2f} {_fmt(r['vs_sequential'], '5.2f'):>5s} "
+              f"{_fmt(r['vs_xla'], '5.2f'):>5s} {_fmt(r['ideal_ms'], '7.1f'):>7s} "
+              f"{_fmt(r['model_err'] and 100 * r['model_err'], '+5.0f'):>5s}%")
+
+
+def _print_checks(rows):
+    """Issue 5's acceptance checks, one line each, with the numbers behind them."""
+    by = {(r["op"], r["N"], r["shape"], r["dtype"], r["link"], r["schedule"]): r for r in rows}
+    cases = sorted({k[:4] for k in by})
+    lines = []
+
+    def check(label, ok, detail):
+        lines.append(f"{'PASS' if ok else 'MISS'}  {label}: {detail}")
+
+    for case in cases:
+        op, n, shape, dtype = case
+        get = lambda link, s: by.get(case + (link, s))
+        tag = f"{op} N={n} {shape} {dtype}"
+        if dtype == "float32" and get("0.75x", "ring"):
+            fused = min((get("0.75x", s) for s in ("ring", "bidirectional")), key=lambda r: r["median_ms"])
+            check(f"{tag} 0.75x fused <= 1.05 floor", fused["vs_floor"] <= 1.05,
+                  f"{fused['schedule']} {fused['vs_floor']:.3f}")
+            seq = fused["median_ms"] / get("0.75x", "sequential")["median_ms"]
+            check(f"{tag} 0.75x fused <= 0.65 sequential", seq <= 0.65, f"{seq:.3f}")
+            sliced = fused["median_ms"] / get("0.75x", "sliced(4)")["median_ms"]
+            check(f"{tag} 0.75x fused < sliced(4)", sliced < 1, f"{sliced:.3f}")
+        for link in ("1x", "2x"):
+            for s in ("sequential", "sliced(2)", "sliced(4)", "sliced(8)", "ring", "bidirectional", "tiled(4)"):
+                r = get(link, s)
+                if r and r["model_err"] is not None:
+                    check(f"{tag} {link} {s} within 10% of ideal", abs(r["model_err"]) <= 0.10,
+                          f"{100 * r['model_err']:+.1f}%")
+            step, tile = get(link, "ring"), get(link, "tiled(4)")
+            if step and tile:
+                check(f"{tag} {link} tiled(4) closer to the floor than ring", tile["vs_floor"] < step["vs_floor"],
+                      f"{tile['vs_floor']:.3f} vs {step['vs_floor']:.3f}")
+        ring, bidi = get("ring-2x", "ring"), get("ring-2x", "bidirectional")
+        if ring and bidi:
+            check(f"{tag} topology=ring: bidirectional beats ring", bidi["median_ms"] < ring["median_ms"],
+                  f"{bidi['median_ms']:.1f} vs {ring['median_ms']:.1f} ms")
+        xla = get("real", "xla")
+        if xla:
+            fused = min((get("real", s) for s in ("ring", "bidirectional", "auto")), key=lambda r: r["median_ms"])
+            check(f"{tag} real links: fused <= 1.00 XLA", fused["vs_xla"] <= 1.0,
+                  f"{fused['schedule']} {fused['vs_xla']:.3f}")
+    errors = [abs(r["model_err"]) for r in rows if r["model_err"] is not None and r["link"] != "real"]
+    if errors:
+        within = sum(e <= 0.15 for e in errors)
+        lines.append(f"cost model under the link model: {within}/{len(errors)} cases within 15% "
+                     f"(median |err| {100 * np.median(errors):.1f}%, max {100 * max(errors):.1f}%)")
+    passed = sum(line.startswith("PASS") for line in lines)
+    print(f"\nchecks: {passed} passed, {sum(line.startswith('MISS') for line in lines)} missed")
+    print("\n".join(lines))
 
 
 def main():

@@ -23,7 +23,7 @@
 //! no device memory and never synchronises the host with the device.
 
 use super::calls::{self, grid, poll_until, DeviceOp, Poll, Resolver, SumLaunch, BLOCK};
-use super::comms::{CommCache, CommKey, IdLedger, NCCL_ID_BYTES};
+use super::comms::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::issue::StreamOps;
 use super::kernels::{arch, PtxCache, SOURCES};
 use super::nccl::P2p;
@@ -181,42 +181,53 @@ impl Device {
 // ---- NCCL communicators ------------------------------------------------------
 
 /// The communicators of one group's members in this process, by rank.
+///
+/// Each is released exactly once: aborted by its rank's call when it fails
+/// or times out, or, for the rest, aborted when the group is dropped. A
+/// group is dropped only after it was evicted (a failure) or its creation
+/// failed, and then its other communicators may be connected to a peer that
+/// is gone: `ncclCommDestroy` would wait for that peer (it finalises first),
+/// `ncclCommAbort` frees them without waiting.
 pub struct GroupComms {
-    comms: Vec<nsys::ncclComm_t>,
+    comms: ReleaseOnce<nsys::ncclComm_t>,
 }
 
 // SAFETY: each communicator is used by one call at a time: rank r's only by
-// the calls of device r, which hold that device's lock while using it.
+// the calls of device r, which hold that device's lock while using it; the
+// release flags are atomic.
 unsafe impl Send for GroupComms {}
-// SAFETY: as above; shared references only read the handles.
+// SAFETY: as above; shared references only read the handles and flip flags.
 unsafe impl Sync for GroupComms {}
 
 impl GroupComms {
     pub fn rank(&self, rank: usize) -> Result<nsys::ncclComm_t> {
-        self.comms
-            .get(rank)
-            .copied()
-            .filter(|c| !c.is_null())
-            .ok_or_else(|| Error::Internal(format!("no communicator for rank {rank} in this process")))
+        self.comms.get(rank).ok_or_else(|| {
+            Error::Internal(format!(
+                "no live communicator for rank {rank} in this process (it failed in an earlier call; the next \
+                 call creates the group afresh)"
+            ))
+        })
     }
 
     /// Aborts rank `rank`'s communicator after it failed or timed out: the
     /// caller (the only user of that rank's communicator, under its device's
-    /// lock) evicts the group from the cache, so nothing uses it again. The
-    /// other ranks' communicators are left to their own calls, which fail or
-    /// time out and abort theirs.
+    /// lock) evicts the group from the cache, so no new call gets it; the
+    /// other ranks' communicators are aborted by their own failing calls or
+    /// when the group is dropped.
     pub fn abort_rank(&self, rank: usize) {
-        if let Some(&c) = self.comms.get(rank).filter(|c| !c.is_null()) {
-            // SAFETY: `c` is a communicator this struct created; see above.
+        if let Some(c) = self.comms.release(rank) {
+            // SAFETY: `c` is a communicator this struct created, released once.
             let _ = unsafe { nc::comm_abort(c) };
         }
     }
+}
 
-    /// Aborts every communicator (a group whose creation failed, which no
-    /// call has seen yet).
-    fn abort_all(&self) {
-        for rank in 0..self.comms.len() {
-            self.abort_rank(rank);
+impl Drop for GroupComms {
+    fn drop(&mut self) {
+        for c in self.comms.release_all() {
+            // SAFETY: no call holds the group any more (this is the last
+            // reference); each communicator is released once (see above).
+            let _ = unsafe { nc::comm_abort(c) };
         }
     }
 }
@@ -318,10 +329,10 @@ unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
 fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
     let n = i32::try_from(members.len()).map_err(|_| Error::Internal("group too large".into()))?;
     let mut config = config()?;
-    let mut group = GroupComms { comms: vec![ptr::null_mut(); members.len()] };
+    let mut comms: Vec<nsys::ncclComm_t> = vec![ptr::null_mut(); members.len()];
     nc::group_start().map_err(nccl_err("ncclGroupStart"))?;
     let posted = (|| -> Result<()> {
-        for (rank, (member, comm)) in members.iter().zip(group.comms.iter_mut()).enumerate() {
+        for (rank, (member, comm)) in members.iter().zip(comms.iter_mut()).enumerate() {
             let Some(o) = *member else { continue };
             let dev = drv::device::get(o).map_err(driver("cuDeviceGet"))?;
             // SAFETY: `dev` comes from `cuDeviceGet`; the primary context is
@@ -338,8 +349,11 @@ fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) ->
         Ok(())
     })();
     let ended = nc::group_end().map_err(nccl_err("ncclGroupEnd"));
+    // Owned from here on: on any failure below, dropping `group` aborts
+    // every communicator NCCL handed out, each once.
+    let group = GroupComms { comms: ReleaseOnce::new(comms.iter().map(|&c| (!c.is_null()).then_some(c)).collect()) };
     let ready = posted.and(ended.map(|_| ())).and_then(|()| {
-        for (&c, member) in group.comms.iter().zip(members) {
+        for (&c, member) in comms.iter().zip(members) {
             if member.is_none() {
                 continue;
             }
@@ -355,11 +369,7 @@ fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) ->
         }
         Ok(())
     });
-    if let Err(e) = ready {
-        group.abort_all();
-        return Err(e);
-    }
-    Ok(group)
+    ready.map(|()| group)
 }
 
 // ---- one call ------------------------------------------------------------------

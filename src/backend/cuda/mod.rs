@@ -107,7 +107,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
 
     let xla_stream = frame.stream()?;
     let dev = device::bind(xla_stream)?;
-    // Communicators first (their creation takes the cache lock and sets
+    // Communicators first (their creation takes the group's lock and sets
     // other devices' contexts), then this device's lock for the enqueueing.
     let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
     let key = CommKey::of(&group);

@@ -27,10 +27,11 @@ use super::comms::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::issue::StreamOps;
 use super::kernels::{arch, PtxCache, SOURCES};
 use super::nccl::P2p;
-use super::{gemm, nccl};
+use super::{gemm, lt, nccl};
 use crate::error::{Error, Result};
 use crate::plan::Step;
 use cudarc::cublas::{result as blas, sys as bsys};
+use cudarc::cublaslt::{result as ltres, sys as ltsys};
 use cudarc::driver::{result as drv, sys as dsys};
 use cudarc::nccl::{result as nc, sys as nsys};
 use std::collections::HashMap;
@@ -63,8 +64,26 @@ pub struct Device {
     lanes: [dsys::CUstream; 2],
     events: Vec<dsys::CUevent>,
     blas: Vec<(dsys::CUstream, bsys::cublasHandle_t)>,
+    /// Per internal stream that ran an fp8 GEMM: its cuBLASLt handle and
+    /// workspace (created at that stream's first fp8 GEMM, then reused).
+    lt: Vec<LtLane>,
+    /// Compute capability (major, minor): fp8 GEMMs need 9.0+.
+    capability: (i32, i32),
     sums: [dsys::CUfunction; 3],
 }
+
+/// One stream's cuBLASLt handle and the device workspace its GEMMs may use.
+#[derive(Clone, Copy)]
+struct LtLane {
+    stream: dsys::CUstream,
+    handle: ltsys::cublasLtHandle_t,
+    workspace: (u64, usize),
+}
+
+/// Device bytes cuBLASLt may use per stream: NVIDIA's recommendation for
+/// Hopper (smaller ones rule out some fp8 kernels). Allocated once per
+/// stream, at its first fp8 GEMM.
+const LT_WORKSPACE_BYTES: usize = 32 << 20;
 
 // SAFETY: the handles are plain driver/cuBLAS handles, usable from any thread
 // once the device's context is current (every user calls `bind` first); the
@@ -138,7 +157,17 @@ impl Device {
         }
         let make = || drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"));
         let lanes = [make()?, make()?];
-        Ok(Device { ordinal, ctx, multiprocessors, lanes, events: Vec::new(), blas: Vec::new(), sums })
+        Ok(Device {
+            ordinal,
+            ctx,
+            multiprocessors,
+            lanes,
+            events: Vec::new(),
+            blas: Vec::new(),
+            lt: Vec::new(),
+            capability: (major, minor),
+            sums,
+        })
     }
 
     /// Makes this device's context current on the calling thread.
@@ -167,6 +196,28 @@ impl Device {
         unsafe { blas::set_stream(h, stream as bsys::cudaStream_t) }.map_err(cublas("cublasSetStream"))?;
         self.blas.push((stream, h));
         Ok(h)
+    }
+
+    /// The cuBLASLt handle and workspace of `stream` (created on first use:
+    /// the hot path allocates nothing).
+    fn lt_for(&mut self, stream: dsys::CUstream) -> Result<LtLane> {
+        if let Some(&l) = self.lt.iter().find(|l| l.stream == stream) {
+            return Ok(l);
+        }
+        let handle = ltres::create_handle().map_err(|e| Error::Internal(format!("cuBLASLt cublasLtCreate: {e}")))?;
+        // SAFETY: a fresh allocation in the current context (this device's),
+        // kept for the life of the process with the handle that uses it.
+        let workspace = match unsafe { drv::malloc_sync(LT_WORKSPACE_BYTES) } {
+            Ok(addr) => (addr, LT_WORKSPACE_BYTES),
+            Err(e) => {
+                // SAFETY: `handle` was just created and is not used elsewhere.
+                let _ = unsafe { ltres::destroy_handle(handle) };
+                return Err(driver("cuMemAlloc (cuBLASLt workspace)")(e));
+            }
+        };
+        let lane = LtLane { stream, handle, workspace };
+        self.lt.push(lane);
+        Ok(lane)
     }
 
     fn sum_kernel(&self, name: &str) -> Result<dsys::CUfunction> {
@@ -486,6 +537,15 @@ impl StreamOps for CallOps<'_> {
                     // view inside XLA's buffers, alive until the join.
                     unsafe { gemm::enqueue(handle, &gemm, ops, accumulate) }?;
                 }
+                DeviceOp::Fp8Gemm(g) => {
+                    let call = g.lower(self.device.capability)?;
+                    let lane = self.device.lt_for(stream)?;
+                    // SAFETY: the handle and its workspace belong to this
+                    // device's (current) context and to this lane's stream
+                    // only; the resolver placed the operands, result and
+                    // scales inside XLA's buffers, alive until the join.
+                    unsafe { lt::enqueue(lane.handle, stream as ltsys::cudaStream_t, &call, lane.workspace) }?;
+                }
                 DeviceOp::Sum(launch) => self.launch_sum(stream, launch)?,
                 DeviceOp::Exchange { sends, recvs } => self.exchange(stream, &sends, &recvs)?,
             }
@@ -608,6 +668,7 @@ mod tests {
             w: region(&wd, sizes.w),
             out: region(&outd, sizes.result),
             workspace: (wsd.0, layout.total),
+            scales: None,
         };
         let resolver = Resolver::new(&problem, &layout, &p.slots, buffers).unwrap();
         let sched = StreamSchedule::new(&p);

@@ -387,33 +387,14 @@ def test_importing_commfuse_starts_no_jax_backend():
 
 
 # ---- fp8 ----------------------------------------------------------------------------
-# The API (GPU.md, "fp8"): x and w float8_e4m3fn or float8_e5m2 (not both
-# e5m2), `x_scale` and `w_scale` float32 scalars (dequantisation factors),
-# `preferred_element_type` bfloat16 (default), float16 or float32; the result
-# is preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w))) with f32
-# accumulation, on sm_90 through cuBLASLt. The front end (the ops' x_scale /
-# w_scale arguments, fp8 dtypes in the FFI call, K-major weight views in the
-# plans) is not wired yet: the GPU tests are strict xfails until it is, so a
-# GPU host reports them as expected failures, and as errors once they pass.
+# The API (GPU.md, "fp8"): x and w float8_e4m3fn, `x_scale` and `w_scale`
+# float32 scalars (dequantisation factors), `preferred_element_type` bfloat16
+# (default), float16 or float32; the result is
+# preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w))) with f32
+# accumulation, on sm_90 through cuBLASLt. Misuse and CPU-only hosts are
+# covered by test_fp8_api.py (runs everywhere); these have never run on a GPU.
 
-_FP8 = [(jnp.float8_e4m3fn, jnp.float8_e4m3fn), (jnp.float8_e5m2, jnp.float8_e4m3fn),
-        (jnp.float8_e4m3fn, jnp.float8_e5m2)]
-
-
-@pytest.mark.parametrize("x_dtype,w_dtype", [
-    (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
-    (jnp.float8_e5m2, jnp.float8_e5m2),
-    (jnp.float8_e5m2, jnp.float8_e4m3fn),
-    (jnp.float8_e4m3fn, jnp.float8_e5m2),
-])
-def test_fp8_operands_are_a_type_error_on_cpu(x_dtype, w_dtype):
-    mesh = mesh1d(2)
-    x = np.ones((2 * 32, 32), np.float32).astype(x_dtype)
-    w = np.ones((32, 16), np.float32).astype(w_dtype)
-    specs = (spec_on(2, 0, "x"), P())
-    with pytest.raises(TypeError, match="float8|unsupported|promot"):
-        run_sharded(lambda a, b: commfuse.all_gather_matmul(a, b, "x", preferred_element_type=jnp.bfloat16), mesh,
-                    specs, x, w)
+_FP8 = [(jnp.float8_e4m3fn, jnp.float8_e4m3fn)]
 
 
 def _sm90():
@@ -431,12 +412,7 @@ def _quantize(a, dtype):
     return (a / scale).astype(dtype), scale
 
 
-_FP8_NOT_WIRED = pytest.mark.xfail(strict=True, raises=(TypeError, NotImplementedError),
-                                   reason="fp8 front end not wired yet (GPU.md, fp8)")
-
-
 @pytest.mark.gpu
-@_FP8_NOT_WIRED
 @pytest.mark.parametrize("n", _gpu_counts())
 @pytest.mark.parametrize("x_dtype,w_dtype", _FP8)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, np.float32])
@@ -459,7 +435,6 @@ def test_fp8_all_gather_matmul_matches_the_dequantized_product(n, x_dtype, w_dty
 
 
 @pytest.mark.gpu
-@_FP8_NOT_WIRED
 @pytest.mark.parametrize("n", _gpu_counts())
 def test_fp8_matmul_reduce_scatter_matches_the_dequantized_product(n):
     if not _sm90():

@@ -8,6 +8,11 @@ pub enum DType {
     F64,
     BF16,
     F16,
+    /// `float8_e4m3fn`: fp8 operands of the CUDA backend (cuBLASLt, sm_90+)
+    /// only; the CPU backend refuses them (`cpu::run`).
+    F8E4M3FN,
+    /// `float8_e5m2`, likewise.
+    F8E5M2,
 }
 
 impl DType {
@@ -18,6 +23,8 @@ impl DType {
             12 => Some(DType::F64),
             16 => Some(DType::BF16),
             10 => Some(DType::F16),
+            20 => Some(DType::F8E4M3FN),
+            19 => Some(DType::F8E5M2),
             _ => None,
         }
     }
@@ -27,6 +34,7 @@ impl DType {
             DType::F32 => 4,
             DType::F64 => 8,
             DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3FN | DType::F8E5M2 => 1,
         }
     }
 
@@ -36,11 +44,17 @@ impl DType {
             DType::F64 => "float64",
             DType::BF16 => "bfloat16",
             DType::F16 => "float16",
+            DType::F8E4M3FN => "float8_e4m3fn",
+            DType::F8E5M2 => "float8_e5m2",
         }
     }
 
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3FN | DType::F8E5M2)
+    }
+
     /// The type the matmul accumulates in: f64 if either side is f64, else f32
-    /// (bf16 and f16 accumulate in f32).
+    /// (bf16, f16 and fp8 accumulate in f32).
     pub fn accumulator(input: DType, output: DType) -> DType {
         if input == DType::F64 || output == DType::F64 {
             DType::F64
@@ -66,6 +80,38 @@ pub fn xla_type_name(code: u32) -> &'static str {
         11 => "float32",
         12 => "float64",
         16 => "bfloat16",
+        19 => "float8_e5m2",
+        20 => "float8_e4m3fn",
         _ => "an unsupported type",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xla_type_codes_decode_to_the_types_of_their_names() {
+        // XLA_FFI_DataType values from the committed bindings.
+        use crate::xla::sys;
+        let codes = [
+            (sys::XLA_FFI_DataType_F32, DType::F32, 4),
+            (sys::XLA_FFI_DataType_F64, DType::F64, 8),
+            (sys::XLA_FFI_DataType_BF16, DType::BF16, 2),
+            (sys::XLA_FFI_DataType_F16, DType::F16, 2),
+            (sys::XLA_FFI_DataType_F8E4M3FN, DType::F8E4M3FN, 1),
+            (sys::XLA_FFI_DataType_F8E5M2, DType::F8E5M2, 1),
+        ];
+        for (code, dtype, size) in codes {
+            assert_eq!(DType::from_xla(code), Some(dtype), "code {code}");
+            assert_eq!(dtype.size(), size, "{dtype:?}");
+            assert_eq!(xla_type_name(code), dtype.name());
+            assert_eq!(dtype.is_fp8(), size == 1);
+            assert_eq!(DType::accumulator(dtype, DType::BF16), if dtype == DType::F64 { dtype } else { DType::F32 });
+        }
+        // Other fp8 formats are not taken (cuBLASLt's are e4m3fn and e5m2).
+        for code in [sys::XLA_FFI_DataType_F8E4M3, sys::XLA_FFI_DataType_F8E4M3FNUZ, sys::XLA_FFI_DataType_F8E5M2FNUZ] {
+            assert_eq!(DType::from_xla(code), None, "code {code}");
+        }
     }
 }

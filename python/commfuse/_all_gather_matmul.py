@@ -13,8 +13,7 @@ OP = "all_gather_matmul"
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", slices=4, tiles=4,
-                      precision=None,
-                      preferred_element_type=None):
+                      precision=None, preferred_element_type=None, x_scale=None, w_scale=None):
     """Returns ``jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True) @ w``.
 
     Call inside a ``jax.shard_map`` body. ``x`` has rank >= 2 and contracts
@@ -31,11 +30,21 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", s
     tile granularity: each block travels and is multiplied as ``tiles`` row
     tiles, each passed on as soon as it arrives, so only one tile's product
     is left after the last transfer; ``tiles`` must divide the rows of x).
+
+    fp8 (CUDA, sm_90+, forward only): ``x`` and ``w`` ``float8_e4m3fn``
+    with ``x_scale`` and ``w_scale`` float32 scalars; the result is
+    ``preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w)))``,
+    bfloat16 by default. On CPU, fp8 operands are a TypeError.
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
     dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)
     code = _fused.check_schedule(OP, schedule, slices, tiles)
+    fp8 = _fused.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
+    if fp8 is not None:
+        _fused.check_precision(OP, precision)
+        return _fused.fp8_call(Kind.ALL_GATHER_MATMUL, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
+                               schedule=code)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
     return _gather_rows(x, w, static)

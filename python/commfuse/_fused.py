@@ -50,6 +50,13 @@ DTYPE_CODES = {
     np.dtype(np.float16): 10,
 }
 
+# fp8 formats (CUDA only, sm_90+, with x_scale and w_scale): XLA's numbers.
+FP8_CODES = {
+    np.dtype(jnp.float8_e4m3fn): 20,
+    np.dtype(jnp.float8_e5m2): 19,
+}
+_FP8_RESULTS = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+
 _sites = itertools.count(1)
 
 
@@ -137,6 +144,88 @@ def promote(op: str, x, w, preferred_element_type):
             f"commfuse.{op}: unsupported preferred_element_type dtype {out}; expected float32, "
             f"bfloat16, float16 or float64")
     return x.astype(dtype), w.astype(dtype), out
+
+
+def fp8_scales(op: str, x, w, x_scale, w_scale, preferred_element_type):
+    """For fp8 operands: ``(x_scale, w_scale, out_dtype)`` checked; None for
+    other operands (which take no scales). fp8 needs the CUDA backend: on a
+    build or host without it this is a TypeError at trace time, rather than
+    an upcast that would silently change the numerics asked for."""
+    is_fp8 = [np.dtype(a.dtype) in FP8_CODES for a in (x, w)]
+    if not any(is_fp8):
+        for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if scale is not None:
+                raise TypeError(
+                    f"commfuse.{op}: `{name}` is for fp8 operands (float8_e4m3fn); x is {x.dtype} and w is "
+                    f"{w.dtype}")
+        return None
+    if x.dtype != w.dtype:
+        raise TypeError(
+            f"commfuse.{op}: unsupported dtype combination x: {x.dtype}, w: {w.dtype}; fp8 operands must both "
+            "be float8_e4m3fn")
+    if np.dtype(x.dtype) == np.dtype(jnp.float8_e5m2):
+        raise TypeError(
+            f"commfuse.{op}: x and w are both float8_e5m2, for which cuBLASLt has no GEMM; use float8_e4m3fn")
+    checked = []
+    for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+        if scale is None:
+            raise TypeError(
+                f"commfuse.{op}: fp8 operands need `{name}`, a float32 scalar (the dequantisation factor: "
+                "real value ~= fp8 value * scale)")
+        if jnp.shape(scale) != () or np.dtype(jnp.result_type(scale)) != np.dtype(np.float32):
+            raise TypeError(
+                f"commfuse.{op}: `{name}` must be a float32 scalar (shape ()), got "
+                f"{jnp.result_type(scale)} of shape {jnp.shape(scale)}")
+        checked.append(jnp.asarray(scale, np.float32))
+    out = np.dtype(jnp.bfloat16) if preferred_element_type is None else np.dtype(preferred_element_type)
+    if out not in _FP8_RESULTS:
+        raise TypeError(
+            f"commfuse.{op}: with fp8 operands, preferred_element_type must be bfloat16 (the default), float16 "
+            f"or float32; got {out}")
+    _require_fp8_backend(op, x.dtype)
+    return checked[0], checked[1], out
+
+
+def _require_fp8_backend(op: str, dtype) -> None:
+    """fp8 operands need the CUDA build and a GPU; TypeError naming `x` and `w` otherwise."""
+    why = None
+    if not _native.cuda_built():
+        why = f"the library {_native.LIBRARY_PATH} was built without the `cuda` feature"
+    else:
+        try:
+            has_gpu = bool(jax.devices("gpu"))
+        except RuntimeError:
+            has_gpu = False
+        if not has_gpu:
+            why = "JAX sees no GPU"
+    if why is not None:
+        raise TypeError(
+            f"commfuse.{op}: `x` and `w` are {dtype}: fp8 operands need a CUDA build of commfuse and a GPU of "
+            f"compute capability 9.0+ (sm_90), and {why}; on CPU, cast them yourself (e.g. to bfloat16, "
+            "multiplied by their scales)")
+
+
+def fp8_call(kind: "Kind", x, w, scales, *, axes, ranks: int, dimension: int, schedule: int):
+    """One fused op on fp8 operands (checked by `fp8_scales`): forward only."""
+    x_scale, w_scale, out_dtype = scales
+    x, w = vary_together(x, w, axes)
+    return _fp8_op(Kind(kind), x, w, x_scale, w_scale, Static(tuple(axes), ranks, dimension, schedule, out_dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _fp8_op(kind, x, w, x_scale, w_scale, static):
+    return call(kind, x, w, out_dtype=static.out_dtype, schedule=static.schedule, axes=static.axes,
+                ranks=static.ranks, dimension=static.dimension, scales=(x_scale, w_scale))
+
+
+def _fp8_bwd(kind, static, residuals, dy):
+    raise NotImplementedError(
+        f"commfuse ({kind.name.lower()}): gradients of fp8 operands are not defined; differentiate through "
+        "your own casts (e.g. quantise inside the function and pass the high-precision values to jax.grad "
+        "with a straight-through estimator)")
+
+
+_fp8_op.defvjp(lambda kind, x, w, xs, ws, static: (_fp8_op(kind, x, w, xs, ws, static), None), _fp8_bwd)
 
 
 def vary_together(x, w, axes):
@@ -311,10 +400,11 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
     return op
 
 
-def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0):
-    """Issues one fused op (operands already checked and laid out for `kind`)."""
+def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=()):
+    """Issues one fused op (operands already checked and laid out for `kind`);
+    `scales`: ``(x_scale, w_scale)`` with fp8 operands."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
-    if schedule == SCHEDULES["auto"]:
+    if schedule == SCHEDULES["auto"] and not scales:  # fp8: the library's own rule
         schedule = _explain.auto_schedule_code(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
                                                DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
     if cut_schedule(schedule):
@@ -323,18 +413,21 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
             # Slices are chunks of contiguous rows: run on x with the row dim
             # leading (its blocks stay row blocks), then put the dims back.
             out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
-                       ranks=ranks, dimension=0)
+                       ranks=ranks, dimension=0, scales=scales)
             return unrows_2d(out, out_shape, dimension)
     workspace = _native.workspace_bytes(
         int(kind), schedule, ranks, dimension, x.shape, w.shape, out_shape,
-        DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
+        _CODES[np.dtype(x.dtype)], _CODES[np.dtype(out_dtype)])
     out, _ = _PRIMITIVE.bind(
-        x, w, kind=Kind(kind), out_shape=tuple(out_shape), out_dtype=np.dtype(out_dtype), dimension=dimension,
+        x, w, *scales, kind=Kind(kind), out_shape=tuple(out_shape), out_dtype=np.dtype(out_dtype), dimension=dimension,
         schedule=schedule, axes=tuple(axes), ranks=ranks, workspace_bytes=workspace, site=next(_sites))
     return out
 
 
-def _abstract_eval(x, w, *, out_shape, out_dtype, workspace_bytes, axes, **_):
+_CODES = {**DTYPE_CODES, **FP8_CODES}
+
+
+def _abstract_eval(x, w, *scales, out_shape, out_dtype, workspace_bytes, axes, **_):
     # Typed as varying over the op's axes (and whatever x and w vary over), so
     # a custom_vjp or out_specs see the truth (see XLA_FFI_NOTES, point 3). The
     # workspace has x's rank, so it can share x's sharding.
@@ -344,11 +437,14 @@ def _abstract_eval(x, w, *, out_shape, out_dtype, workspace_bytes, axes, **_):
             _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
 
 
-def _lower_cpu(ctx, x, w, **params):
-    return _lower_target(_native.CPU_TARGET, ctx, x, w, **params)
+def _lower_cpu(ctx, x, w, *scales, kind, **params):
+    if scales:  # fp8 traced where a GPU exists, lowered for CPU devices
+        raise TypeError(
+            f"commfuse ({kind.name.lower()}): fp8 operands need CUDA devices (sm_90+); this mesh is on CPU")
+    return _lower_target(_native.CPU_TARGET, ctx, x, w, kind=kind, **params)
 
 
-def _lower_cuda(ctx, x, w, *, kind, axes, **params):
+def _lower_cuda(ctx, x, w, *scales, kind, axes, **params):
     try:
         target = _native.cuda_target()
     except NotImplementedError as e:
@@ -358,15 +454,19 @@ def _lower_cuda(ctx, x, w, *, kind, axes, **params):
     # Groups spanning processes get their NCCL ids through the distributed
     # key-value store; nothing when the whole mesh is in this process.
     placement = _nccl_id.lowering_attributes(_lowering_mesh(kind, ctx), axes)
-    return _lower_target(target, ctx, x, w, kind=kind, axes=axes, extra=placement, **params)
+    return _lower_target(target, ctx, x, w, *scales, kind=kind, axes=axes, extra=placement, **params)
 
 
-def _lower_target(target, ctx, x, w, *, kind, site, schedule, dimension, axes, extra=None, **_):
-    """The FFI call of `target`, with the same attributes on every platform."""
+def _lower_target(target, ctx, x, w, *scales, kind, site, schedule, dimension, axes, extra=None, **_):
+    """The FFI call of `target`, with the same attributes on every platform.
+    fp8 calls add the two scale operands and ask for `w` K-major
+    (column-major [k, n], minor-to-major (0, 1)): cuBLASLt's fp8 GEMMs take
+    only operands contiguous along k; XLA does the transpose."""
     mesh = _lowering_mesh(kind, ctx)
-    lowering = jax.ffi.ffi_lowering(target)
+    layouts = dict(operand_layouts=[None, (0, 1), None, None]) if scales else {}
+    lowering = jax.ffi.ffi_lowering(target, **layouts)
     return lowering(
-        ctx, x, w,
+        ctx, x, w, *scales,
         kind=int(kind),
         site=int(site),
         schedule=int(schedule),
@@ -389,6 +489,9 @@ _NOT_MAPPED = getattr(batching, "not_mapped", None)
 
 
 def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, **_):
+    if len(args) != 2:
+        raise NotImplementedError("vmap of commfuse ops with fp8 operands is not supported; fold the batch into "
+                                  "x's leading dims")
     x, w = args
     x_dim, w_dim = dims
     if kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER) or w_dim is not _NOT_MAPPED:

@@ -16,8 +16,7 @@ OP = "matmul_reduce_scatter"
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, tiles=4,
-                          precision=None,
-                          preferred_element_type=None):
+                          precision=None, preferred_element_type=None, x_scale=None, w_scale=None):
     """Returns ``jax.lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)``.
 
     Call inside a ``jax.shard_map`` body. ``x`` has rank >= 2 and contracts
@@ -37,6 +36,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     computed, so only one tile's transfer waits for a whole step's product
     and only one tile's is left at the tail; ``tiles`` must divide each
     block's rows).
+
+    fp8 (CUDA, sm_90+, forward only, row scatter): as for
+    ``all_gather_matmul``: ``x_scale`` and ``w_scale`` float32 scalars,
+    result ``preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w)))``.
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
@@ -47,6 +50,14 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
             f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {size}, which is not "
             f"divisible by the size {ranks} of axis {axis_name!r}")
     code = _fused.check_schedule(OP, schedule, slices, tiles)
+    fp8 = _fused.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
+    if fp8 is not None:
+        if dimension == x.ndim - 1:
+            raise NotImplementedError(
+                f"commfuse.{OP}: fp8 operands are supported for a row scatter_dimension only, not the last dim")
+        _fused.check_precision(OP, precision)
+        return _fused.fp8_call(Kind.MATMUL_REDUCE_SCATTER, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
+                               schedule=code)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
     if dimension == x.ndim - 1:

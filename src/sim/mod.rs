@@ -67,7 +67,8 @@ pub struct Compute {
 impl Compute {
     pub fn peak(&self, dtype: DType) -> f64 {
         match dtype {
-            DType::BF16 | DType::F16 => self.peak_16,
+            // No machine here lists an fp8 peak: the 16-bit one is a lower bound.
+            DType::BF16 | DType::F16 | DType::F8E4M3FN | DType::F8E5M2 => self.peak_16,
             DType::F32 => self.peak_32,
             DType::F64 => self.peak_64,
         }

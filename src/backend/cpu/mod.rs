@@ -29,10 +29,24 @@ pub struct Buffers<'a> {
 
 /// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes ask.
 pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endpoint, deadline: Instant) -> Result<()> {
+    // Python refuses fp8 on CPU at trace time; this is the backstop for a
+    // call that bypasses it (every rank fails the same way, before any wait).
+    if let Some(fp8) = [problem.input, problem.output].into_iter().find(|d| d.is_fp8()) {
+        return Err(fp8_on_cpu(fp8));
+    }
     match problem.accumulator() {
         DType::F64 => exec::run(plan, &CpuBackend::<f64>::new(problem, plan, buffers, endpoint)?, deadline),
         _ => exec::run(plan, &CpuBackend::<f32>::new(problem, plan, buffers, endpoint)?, deadline),
     }
+}
+
+/// The CPU backend has no fp8 GEMM, and upcasting would silently change the
+/// numerics the caller asked for.
+pub fn fp8_on_cpu(dtype: DType) -> Error {
+    Error::InvalidArgument(format!(
+        "{} operands need the CUDA backend (a GPU of compute capability 9.0+); the CPU backend does not take fp8",
+        dtype.name()
+    ))
 }
 
 /// Workspace regions only the compute lane uses, for dtype conversions.

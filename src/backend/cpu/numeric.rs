@@ -69,6 +69,7 @@ pub fn load<A: Accum>(src: &[u8], dtype: DType, dst: &mut [A]) -> Result<()> {
         DType::F64 => dst.iter_mut().zip(view::<f64>(src)?).for_each(|(d, s)| *d = A::from_f64(*s)),
         DType::BF16 => dst.iter_mut().zip(view::<bf16>(src)?).for_each(|(d, s)| *d = A::from_f32(s.to_f32())),
         DType::F16 => dst.iter_mut().zip(view::<f16>(src)?).for_each(|(d, s)| *d = A::from_f32(s.to_f32())),
+        DType::F8E4M3FN | DType::F8E5M2 => return Err(super::fp8_on_cpu(dtype)),
     }
     Ok(())
 }
@@ -80,6 +81,7 @@ pub fn store<A: Accum>(src: &[A], dtype: DType, dst: &mut [u8]) -> Result<()> {
         DType::F64 => view_mut::<f64>(dst)?.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f64()),
         DType::BF16 => view_mut::<bf16>(dst)?.iter_mut().zip(src).for_each(|(d, s)| *d = bf16::from_f32(s.to_f32())),
         DType::F16 => view_mut::<f16>(dst)?.iter_mut().zip(src).for_each(|(d, s)| *d = f16::from_f32(s.to_f32())),
+        DType::F8E4M3FN | DType::F8E5M2 => return Err(super::fp8_on_cpu(dtype)),
     }
     Ok(())
 }

@@ -7,11 +7,12 @@
 #![forbid(unsafe_code)]
 
 use super::gemm::Operands;
+use super::lt::{Fp8, Fp8Gemm, Matrix, OutType};
 use super::nccl::P2p;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::{Action, Buf, SlotKind, Transfer, Workspace};
-use crate::problem::{Gemm, Problem, Side};
+use crate::problem::{Gemm, OpKind, Problem, Side, View};
 use std::time::{Duration, Instant};
 
 /// A device buffer: address, length in bytes, element type.
@@ -30,6 +31,11 @@ pub struct DeviceBuffers {
     pub out: Region,
     /// The workspace result: start and length in bytes.
     pub workspace: (u64, usize),
+    /// fp8 calls only: the device addresses of the float32 scalars
+    /// `x_scale` and `w_scale` (operands 2 and 3). With fp8 operands, `w`
+    /// is K-major: its `[k, n]` elements are stored as `[n, k]` row-major
+    /// (the lowering asks XLA for that layout).
+    pub scales: Option<(u64, u64)>,
 }
 
 /// The most terms one sum kernel takes (`MAX_TERMS` in `kernels/elementwise.cu`).
@@ -53,6 +59,8 @@ pub enum DeviceOp {
     Gemm { gemm: Gemm, ops: Operands, accumulate: bool },
     /// One launch of a sum kernel.
     Sum(SumLaunch),
+    /// One cuBLASLt fp8 GEMM (`lt::enqueue` of `Fp8Gemm::lower`).
+    Fp8Gemm(Fp8Gemm),
     /// One NCCL group of sends and receives (`nccl::enqueue_exchange`).
     Exchange { sends: Vec<P2p>, recvs: Vec<P2p> },
 }
@@ -79,11 +87,17 @@ impl Resolver<'_> {
                 return Err(Error::Unimplemented("the CUDA backend does not take float64".into()));
             }
         }
+        if problem.input.is_fp8() || problem.output.is_fp8() {
+            check_fp8(problem, &buffers)?;
+        }
         // cublasGemmEx with f32 compute takes f32→f32, bf16→bf16|f32 and
         // f16→f16|f32 (A and B of the input type, C of the output type);
         // slots are f32, so each input type also needs its f32 output.
+        // fp8 inputs go to cuBLASLt, which writes bf16, f16 or f32.
         use DType::*;
-        if !matches!((problem.input, problem.output), (F32, F32) | (BF16, BF16 | F32) | (F16, F16 | F32)) {
+        if !problem.input.is_fp8()
+            && !matches!((problem.input, problem.output), (F32, F32) | (BF16, BF16 | F32) | (F16, F16 | F32))
+        {
             return Err(Error::Unimplemented(format!(
                 "the CUDA backend does not take {} operands with a {} result (cublasGemmEx has no such \
                  combination); cast the operands or ask for float32",
@@ -157,10 +171,49 @@ impl Resolver<'_> {
         Ok(Operands { lhs: side(g.lhs.0), rhs: side(g.rhs.0), dst: self.dst(dst, accumulate)? })
     }
 
+    /// The cuBLASLt GEMM of one fp8 GEMM view: `x`-side rows as they are
+    /// (`[m, k]`, contiguous along k), `w` K-major (see `DeviceBuffers::scales`).
+    /// The row kinds that take fp8 read the whole of `w` in every GEMM, so
+    /// its K-major view is the whole `[n, k]` buffer.
+    pub fn fp8_gemm(&self, g: &Gemm, src: Buf, dst: Buf, accumulate: bool) -> Result<Fp8Gemm> {
+        let (Some((x_scale, w_scale)), (Side::Src, x), (Side::W, w)) = (self.buffers.scales, g.lhs, g.rhs) else {
+            return Err(Error::Internal(format!("an fp8 GEMM of {g:?} without scales or with w on the left")));
+        };
+        let whole_w = View { offset: 0, rows: w.rows, cols: w.cols, row_stride: w.cols };
+        if w != whole_w || w.rows * w.cols != self.buffers.w.bytes {
+            return Err(Error::Internal(format!("an fp8 GEMM reads part of w: {w:?}")));
+        }
+        let (src, in_type) = self.src(src)?;
+        let (out, out_type) = self.dst(dst, accumulate)?;
+        let ld = |v: &View| v.row_stride.max(v.cols);
+        Ok(Fp8Gemm {
+            m: x.rows,
+            n: w.cols,
+            k: x.cols,
+            // fp8 elements are one byte: element offsets are byte offsets.
+            x: Matrix { addr: src + x.offset as u64, dtype: fp8(in_type)?, ld: ld(&x) },
+            w: Matrix { addr: self.buffers.w.addr, dtype: fp8(self.buffers.w.dtype)?, ld: w.rows },
+            out: Matrix {
+                addr: out + (g.dst.offset * out_type.size()) as u64,
+                dtype: out_of(out_type)?,
+                ld: ld(&g.dst),
+            },
+            x_scale,
+            w_scale,
+            accumulate,
+        })
+    }
+
     /// The device operations of one step: the only description of a step
     /// the device path uses (and the host emulation in the tests runs).
     pub fn lower(&self, action: &Action) -> Result<Vec<DeviceOp>> {
         match action {
+            Action::Matmul { block, src, dst, accumulate } if self.problem.input.is_fp8() => self
+                .problem
+                .gemms(*block, *src, *dst)
+                .iter()
+                .map(|g| self.fp8_gemm(g, *src, *dst, *accumulate).map(DeviceOp::Fp8Gemm))
+                .collect(),
             Action::Matmul { block, src, dst, accumulate } => self
                 .problem
                 .gemms(*block, *src, *dst)
@@ -235,6 +288,9 @@ impl Resolver<'_> {
                     DType::BF16 => "sum_to_bf16",
                     DType::F16 => "sum_to_f16",
                     DType::F64 => return Err(Error::Unimplemented("the CUDA backend does not take float64".into())),
+                    DType::F8E4M3FN | DType::F8E5M2 => {
+                        return Err(Error::Internal(format!("a sum into a {} output", out.dtype.name())))
+                    }
                 };
                 (kernel, out.addr + (range.start * size) as u64, range.len())
             }
@@ -245,6 +301,55 @@ impl Resolver<'_> {
         }
         let k = i32::try_from(terms.len()).map_err(|_| Error::Internal("too many terms".into()))?;
         Ok(SumLaunch { kernel, dst: dst_addr, terms: addrs, k, n: n as u64 })
+    }
+}
+
+/// What the fp8 path takes (GPU.md, fp8): both operands of one fp8 format,
+/// not both e5m2 (cuBLASLt has no such kernel), a bf16, f16 or f32 result,
+/// the two scales, and the row gather or scatter ops.
+fn check_fp8(problem: &Problem, buffers: &DeviceBuffers) -> Result<()> {
+    let (input, output) = (problem.input, problem.output);
+    if !input.is_fp8() || output.is_fp8() {
+        return Err(Error::Unimplemented(format!(
+            "the CUDA backend takes fp8 operands with a bfloat16, float16 or float32 result, not {} operands \
+             with a {} result",
+            input.name(),
+            output.name()
+        )));
+    }
+    if input == DType::F8E5M2 {
+        return Err(Error::Unimplemented(
+            "cuBLASLt has no fp8 GEMM with both operands float8_e5m2; make one of them float8_e4m3fn".into(),
+        ));
+    }
+    if !matches!(problem.kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter) {
+        return Err(Error::Unimplemented(format!(
+            "{}: fp8 operands are supported by all_gather_matmul and matmul_reduce_scatter (row dims) only",
+            problem.kind.name()
+        )));
+    }
+    if buffers.scales.is_none() {
+        return Err(Error::InvalidArgument(
+            "fp8 operands need the float32 scalars `x_scale` and `w_scale` (operands 2 and 3)".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn fp8(dtype: DType) -> Result<Fp8> {
+    match dtype {
+        DType::F8E4M3FN => Ok(Fp8::E4M3),
+        DType::F8E5M2 => Ok(Fp8::E5M2),
+        other => Err(Error::Internal(format!("{} in an fp8 GEMM", other.name()))),
+    }
+}
+
+fn out_of(dtype: DType) -> Result<OutType> {
+    match dtype {
+        DType::BF16 => Ok(OutType::Bf16),
+        DType::F16 => Ok(OutType::F16),
+        DType::F32 => Ok(OutType::F32),
+        other => Err(Error::Internal(format!("an fp8 GEMM into {}", other.name()))),
     }
 }
 
@@ -333,6 +438,7 @@ mod tests {
             w: region(W, s.w, p.input),
             out: region(OUT, s.result, p.output),
             workspace: (WS, layout.total),
+            scales: None,
         }
     }
 
@@ -417,6 +523,99 @@ mod tests {
             }
         }
         assert!(counts.iter().all(|&c| c > 50), "{counts:?}");
+    }
+
+    /// fp8 plans: every matmul step of all_gather_matmul and
+    /// matmul_reduce_scatter (every schedule, sliced too) becomes cuBLASLt
+    /// GEMMs that pass cuBLASLt's fp8 rules on sm_90, read x rows (or a
+    /// received block) and the whole K-major w, write inside the output or
+    /// a slot, and carry the two scales; nothing goes to cublasGemmEx.
+    #[test]
+    fn fp8_plans_lower_to_cublaslt_gemms_inside_the_buffers() {
+        use OpKind::*;
+        let (xs, ws) = (0x7400_0000, 0x7400_0010);
+        let (k, n) = (64usize, 48usize);
+        let mut gemms = 0;
+        for ranks in 1..=4usize {
+            let cases = [
+                (AllGatherMatmul, vec![8 * 4, k as i64], vec![ranks as i64 * 32, n as i64]),
+                (MatmulReduceScatter, vec![ranks as i64 * 32, k as i64], vec![32, n as i64]),
+            ];
+            for (kind, x, out) in &cases {
+                let schedules =
+                    [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential, Schedule::Sliced { slices: 2 }];
+                for (schedule, output) in schedules.into_iter().flat_map(|s| [(s, DType::BF16), (s, DType::F32)]) {
+                    let op = |dims, dtype| Operand { dims, dtype };
+                    let w = [k as i64, n as i64];
+                    let p =
+                        Problem::new(*kind, op(x, DType::F8E4M3FN), op(&w, DType::F8E4M3FN), op(out, output), 0, ranks)
+                            .unwrap();
+                    let p = crate::ops::slice(p, schedule).unwrap();
+                    for rank in 0..ranks {
+                        let plan = plan(kind.pattern(), schedule, ranks, rank);
+                        let layout = Workspace::layout(&plan, &p.sizes());
+                        let b = DeviceBuffers { scales: Some((xs, ws)), ..buffers(&p, &layout) };
+                        let r = Resolver::new(&p, &layout, &plan.slots, b).unwrap();
+                        let within = |addr: u64, bytes: usize, (base, len): (u64, usize)| {
+                            addr >= base && addr + bytes as u64 <= base + len as u64
+                        };
+                        let slots = (WS, layout.total);
+                        for step in &plan.steps {
+                            let ops = r.lower(&step.action).unwrap();
+                            if !matches!(step.action, Action::Matmul { .. }) {
+                                continue;
+                            }
+                            for op in ops {
+                                let DeviceOp::Fp8Gemm(g) = op else {
+                                    panic!("{kind:?}: an fp8 step lowered to {op:?}")
+                                };
+                                let call = g.lower((9, 0)).unwrap_or_else(|e| panic!("{kind:?} {schedule:?}: {e}"));
+                                assert_eq!((g.k, g.n, g.x_scale, g.w_scale), (k, n, xs, ws));
+                                assert_eq!((call.a, call.a_layout.ld, call.a_scale), (W, k as i64, ws));
+                                assert_eq!((g.w.dtype, g.x.dtype), (Fp8::E4M3, Fp8::E4M3));
+                                let x_bytes = (g.m - 1) * g.x.ld + k;
+                                assert!(
+                                    within(g.x.addr, x_bytes, (X, b.x.bytes)) || within(g.x.addr, x_bytes, slots),
+                                    "{kind:?} {schedule:?} rank {rank}: x outside"
+                                );
+                                let size = if g.out.dtype == OutType::F32 { 4 } else { 2 };
+                                let out_bytes = ((g.m - 1) * g.out.ld + n) * size;
+                                let in_out = within(g.out.addr, out_bytes, (OUT, b.out.bytes));
+                                assert!(in_out || within(g.out.addr, out_bytes, slots), "{kind:?}: out outside");
+                                // Partial sums stay f32; only whole products land in a bf16 output.
+                                assert!(g.out.dtype == OutType::F32 || (in_out && !g.accumulate));
+                                gemms += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(gemms > 100, "{gemms}");
+    }
+
+    #[test]
+    fn fp8_calls_outside_the_supported_set_are_refused() {
+        let layout_of = |p: &Problem| Workspace::layout(&plan(p.kind.pattern(), Schedule::Ring, 4, 0), &p.sizes());
+        let check = |kind: OpKind, x: &[i64], w: &[i64], out: &[i64], input, output, scales| {
+            let p = problem(kind, x, w, out, input, output);
+            let layout = layout_of(&p);
+            let plan = plan(kind.pattern(), Schedule::Ring, 4, 0);
+            let b = DeviceBuffers { scales, ..buffers(&p, &layout) };
+            Resolver::new(&p, &layout, &plan.slots, b).err().map(|e| e.to_string())
+        };
+        let s = Some((0x100, 0x110));
+        let (x, w, out) = ([16, 32], [32, 16], [64, 16]);
+        let e4 = DType::F8E4M3FN;
+        assert_eq!(check(OpKind::AllGatherMatmul, &x, &w, &out, e4, DType::BF16, s), None);
+        let e = check(OpKind::AllGatherMatmul, &x, &w, &out, e4, DType::BF16, None).unwrap();
+        assert!(e.contains("x_scale") && e.contains("w_scale"), "{e}");
+        let e = check(OpKind::AllGatherMatmul, &x, &w, &out, DType::F8E5M2, DType::F32, s).unwrap();
+        assert!(e.contains("float8_e5m2"), "{e}");
+        let e = check(OpKind::AllGatherMatmul, &x, &w, &out, e4, e4, s).unwrap();
+        assert!(e.contains("float8_e4m3fn result"), "{e}");
+        let e = check(OpKind::AllToAllMatmul, &[4, 3, 32], &w, &[4, 3, 16], e4, DType::F32, s).unwrap();
+        assert!(e.contains("all_gather_matmul and matmul_reduce_scatter"), "{e}");
     }
 
     #[test]

@@ -13,7 +13,8 @@
 use crate::comm::Group;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// Identifies one communicator: the group's global device ids in rank order.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -46,10 +47,21 @@ impl CommKey {
 }
 
 /// A process-wide cache: one entry per key, each created once even when the
-/// members of a group ask at the same time (`create` runs under the lock,
-/// outside the hot path: only the first call of a group pays for it).
+/// members of a group ask at the same time.
+///
+/// A creation can take until the call's deadline (NCCL waits for every
+/// member), so it runs under its key's own lock, never under the map's: a
+/// call of an already cached group only takes the map's lock for a lookup.
+/// Callers of the key being created wait for that creation and take its
+/// result (or, if it failed, try once more themselves).
 pub struct CommCache<C> {
-    entries: Mutex<HashMap<CommKey, Arc<C>>>,
+    entries: Mutex<HashMap<CommKey, Arc<Entry<C>>>>,
+}
+
+/// One key's value once made, and the lock its creators take.
+struct Entry<C> {
+    value: OnceLock<Arc<C>>,
+    creating: Mutex<()>,
 }
 
 impl<C> Default for CommCache<C> {
@@ -58,15 +70,39 @@ impl<C> Default for CommCache<C> {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic in another holder (caught at the FFI edge) leaves the data
+    // consistent: every update below is a single insert, remove or set.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl<C> CommCache<C> {
-    /// The cached value of `key`, or the one `create` makes (a failure is not cached).
+    /// The cached value of `key`, or the one `create` makes (a failure is
+    /// not cached: the next call tries again).
     pub fn get_or_create(&self, key: &CommKey, create: impl FnOnce() -> Result<C>) -> Result<Arc<C>> {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = entries.get(key) {
+        let entry = {
+            let mut entries = lock(&self.entries);
+            // Look up before inserting: the hot path clones no key.
+            match entries.get(key) {
+                Some(e) => Arc::clone(e),
+                None => {
+                    let e = Arc::new(Entry { value: OnceLock::new(), creating: Mutex::new(()) });
+                    entries.insert(key.clone(), Arc::clone(&e));
+                    e
+                }
+            }
+        };
+        if let Some(c) = entry.value.get() {
+            return Ok(Arc::clone(c));
+        }
+        let _creating = lock(&entry.creating);
+        // Made by the creator this call waited for.
+        if let Some(c) = entry.value.get() {
             return Ok(Arc::clone(c));
         }
         let c = Arc::new(create()?);
-        entries.insert(key.clone(), Arc::clone(&c));
+        // Only holders of `creating` set the value, and it was empty.
+        let _ = entry.value.set(Arc::clone(&c));
         Ok(c)
     }
 
@@ -74,20 +110,64 @@ impl<C> CommCache<C> {
     /// failed; one made since by another member stays); the next
     /// `get_or_create` makes a new one. Holders of the old `Arc` keep it.
     pub fn remove(&self, key: &CommKey, failed: &Arc<C>) -> bool {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if entries.get(key).is_some_and(|c| Arc::ptr_eq(c, failed)) {
+        let mut entries = lock(&self.entries);
+        if entries.get(key).and_then(|e| e.value.get()).is_some_and(|c| Arc::ptr_eq(c, failed)) {
             entries.remove(key);
             return true;
         }
         false
     }
 
+    /// Number of keys with a value (creations in progress or failed are not counted).
     pub fn len(&self) -> usize {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+        lock(&self.entries).values().filter(|e| e.value.get().is_some()).count()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// Per-rank handles (communicators) that must be released exactly once:
+/// by an abort after a failure, or when their owner is dropped. A released
+/// handle is never handed out again, so a call holding a stale reference to
+/// an evicted group cannot use a communicator another call aborted (NCCL
+/// frees it).
+pub struct ReleaseOnce<H> {
+    handles: Vec<Option<H>>,
+    released: Vec<AtomicBool>,
+}
+
+impl<H: Copy> ReleaseOnce<H> {
+    /// `handles[rank]`: the rank's handle, `None` for a rank not in this process.
+    pub fn new(handles: Vec<Option<H>>) -> ReleaseOnce<H> {
+        let released = handles.iter().map(|_| AtomicBool::new(false)).collect();
+        ReleaseOnce { handles, released }
+    }
+
+    /// Rank `rank`'s handle, unless it is absent or was released.
+    pub fn get(&self, rank: usize) -> Option<H> {
+        let released = self.released.get(rank)?.load(Ordering::Acquire);
+        self.handles[rank].filter(|_| !released)
+    }
+
+    /// Rank `rank`'s handle, marked released: `Some` the first time only.
+    pub fn release(&self, rank: usize) -> Option<H> {
+        let first = !self.released.get(rank)?.swap(true, Ordering::AcqRel);
+        self.handles[rank].filter(|_| first)
+    }
+
+    /// Every handle not yet released, each marked released.
+    pub fn release_all(&self) -> impl Iterator<Item = H> + '_ {
+        (0..self.handles.len()).filter_map(|rank| self.release(rank))
+    }
+
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
     }
 }
 
@@ -245,7 +325,7 @@ pub struct IdLedger {
 impl IdLedger {
     /// Records `id` for `key`'s group, or fails if it was used before.
     pub fn claim(&self, key: &CommKey, id: &[u8; NCCL_ID_BYTES]) -> Result<()> {
-        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let mut used = lock(&self.used);
         if used.contains(id) {
             return Err(Error::Unimplemented(format!(
                 "the communicator of the group {:?} (spanning processes) failed earlier and NCCL unique ids are \
@@ -261,6 +341,9 @@ impl IdLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
 
     // A 2x4 ("dp", "tp") mesh with shuffled ids, as in `comm`'s tests.
     const IDS: [i64; 8] = [5, 1, 7, 3, 0, 4, 2, 6];
@@ -302,8 +385,8 @@ mod tests {
     #[test]
     fn the_cache_creates_each_communicator_once_and_does_not_cache_failures() {
         let cache: CommCache<usize> = CommCache::default();
-        let created = std::sync::atomic::AtomicUsize::new(0);
-        let make = || Ok(created.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+        let created = AtomicUsize::new(0);
+        let make = || Ok(created.fetch_add(1, Ordering::SeqCst));
         std::thread::scope(|s| {
             for &d in &IDS {
                 let (cache, make) = (&cache, &make);
@@ -311,7 +394,7 @@ mod tests {
             }
         });
         assert_eq!(cache.len(), 2);
-        assert_eq!(created.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(created.load(Ordering::SeqCst), 2);
         let k = key(&[0], 4);
         let e = cache.get_or_create(&k, || Err(Error::Internal("init failed".into()))).unwrap_err();
         assert_eq!(e.message(), "init failed");
@@ -324,6 +407,121 @@ mod tests {
         let eight = cache.get_or_create(&k, || Ok(8)).unwrap();
         assert!(!cache.remove(&k, &seven));
         assert!(Arc::ptr_eq(&cache.get_or_create(&k, || Ok(9)).unwrap(), &eight));
+    }
+
+    #[test]
+    fn members_asking_together_wait_for_one_slow_creation() {
+        let cache: CommCache<usize> = CommCache::default();
+        let created = AtomicUsize::new(0);
+        let k = key(&[1], 4);
+        let got: Vec<usize> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        *cache
+                            .get_or_create(&k, || {
+                                std::thread::sleep(Duration::from_millis(30));
+                                Ok(100 + created.fetch_add(1, Ordering::SeqCst))
+                            })
+                            .unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(created.load(Ordering::SeqCst), 1);
+        assert_eq!(got, vec![100; 4]);
+    }
+
+    #[test]
+    fn a_creation_in_progress_does_not_block_other_cached_groups() {
+        let cache: CommCache<usize> = CommCache::default();
+        let (a, b) = (key(&[1], 4), key(&[1], 5));
+        cache.get_or_create(&b, || Ok(2)).unwrap();
+        let (started_tx, started) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let cache = &cache;
+            let a = &a;
+            let slow = s.spawn(move || {
+                cache.get_or_create(a, || {
+                    started_tx.send(()).unwrap();
+                    // Bounded, so a regression fails the test instead of hanging it.
+                    release_rx.recv_timeout(Duration::from_secs(10)).map(|()| 1).map_err(|_| {
+                        Error::DeadlineExceeded("the cached group's lookup waited for this creation".into())
+                    })
+                })
+            });
+            started.recv_timeout(Duration::from_secs(10)).unwrap();
+            // A's creation is in progress and holds A's lock: B is answered at once.
+            let t = Instant::now();
+            assert_eq!(*cache.get_or_create(&b, || Ok(99)).unwrap(), 2);
+            assert_eq!(cache.len(), 1);
+            assert!(t.elapsed() < Duration::from_secs(5));
+            release.send(()).unwrap();
+            assert_eq!(*slow.join().unwrap().unwrap(), 1);
+        });
+        assert_eq!(cache.len(), 2);
+    }
+
+    #[test]
+    fn a_failed_creation_is_retried_by_the_member_that_waited_for_it() {
+        let cache: CommCache<usize> = CommCache::default();
+        let k = key(&[0], 3);
+        let attempts = AtomicUsize::new(0);
+        let (started_tx, started) = mpsc::channel();
+        let results: Vec<Result<usize>> = std::thread::scope(|s| {
+            let (cache, k, attempts) = (&cache, &k, &attempts);
+            let first = s.spawn(move || {
+                cache.get_or_create(k, || {
+                    attempts.fetch_add(1, Ordering::SeqCst);
+                    started_tx.send(()).unwrap();
+                    std::thread::sleep(Duration::from_millis(30));
+                    Err(Error::Internal("init failed".into()))
+                })
+            });
+            started.recv_timeout(Duration::from_secs(10)).unwrap();
+            let second = s.spawn(move || {
+                cache.get_or_create(k, || {
+                    attempts.fetch_add(1, Ordering::SeqCst);
+                    Ok(5)
+                })
+            });
+            [first, second].map(|h| h.join().unwrap().map(|c| *c)).into()
+        });
+        assert_eq!(attempts.load(Ordering::SeqCst), 2);
+        assert_eq!(results[0], Err(Error::Internal("init failed".into())));
+        assert_eq!(results[1], Ok(5));
+        assert_eq!(*cache.get_or_create(&k, || Ok(6)).unwrap(), 5);
+    }
+
+    #[test]
+    fn each_handle_is_released_once_and_never_handed_out_after() {
+        let group = ReleaseOnce::new(vec![Some(10), None, Some(12), Some(13)]);
+        assert_eq!((group.len(), group.get(0), group.get(1), group.get(4)), (4, Some(10), None, None));
+        // A failing rank aborts its own communicator; a second abort is a no-op.
+        assert_eq!(group.release(2), Some(12));
+        assert_eq!(group.release(2), None);
+        assert_eq!(group.get(2), None);
+        assert_eq!(group.release(1), None);
+        assert_eq!(group.release(9), None);
+        // The owner's drop releases the rest, each once.
+        assert_eq!(group.release_all().collect::<Vec<_>>(), vec![10, 13]);
+        assert_eq!(group.release_all().count(), 0);
+        assert_eq!(group.get(0), None);
+        // Threads racing to release one handle: exactly one wins.
+        let group = ReleaseOnce::new(vec![Some(1)]);
+        let wins = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    if group.release(0).is_some() {
+                        wins.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+        assert_eq!(wins.load(Ordering::SeqCst), 1);
     }
 
     #[test]

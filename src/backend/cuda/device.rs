@@ -23,14 +23,15 @@
 //! no device memory and never synchronises the host with the device.
 
 use super::calls::{self, grid, poll_until, DeviceOp, Poll, Resolver, SumLaunch, BLOCK};
-use super::comms::{CommCache, CommKey, IdLedger, NCCL_ID_BYTES};
+use super::comms::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::issue::StreamOps;
 use super::kernels::{arch, PtxCache, SOURCES};
 use super::nccl::P2p;
-use super::{gemm, nccl};
+use super::{gemm, lt, nccl};
 use crate::error::{Error, Result};
 use crate::plan::Step;
 use cudarc::cublas::{result as blas, sys as bsys};
+use cudarc::cublaslt::{result as ltres, sys as ltsys};
 use cudarc::driver::{result as drv, sys as dsys};
 use cudarc::nccl::{result as nc, sys as nsys};
 use std::collections::HashMap;
@@ -63,8 +64,26 @@ pub struct Device {
     lanes: [dsys::CUstream; 2],
     events: Vec<dsys::CUevent>,
     blas: Vec<(dsys::CUstream, bsys::cublasHandle_t)>,
+    /// Per internal stream that ran an fp8 GEMM: its cuBLASLt handle and
+    /// workspace (created at that stream's first fp8 GEMM, then reused).
+    lt: Vec<LtLane>,
+    /// Compute capability (major, minor): fp8 GEMMs need 9.0+.
+    capability: (i32, i32),
     sums: [dsys::CUfunction; 3],
 }
+
+/// One stream's cuBLASLt handle and the device workspace its GEMMs may use.
+#[derive(Clone, Copy)]
+struct LtLane {
+    stream: dsys::CUstream,
+    handle: ltsys::cublasLtHandle_t,
+    workspace: (u64, usize),
+}
+
+/// Device bytes cuBLASLt may use per stream: NVIDIA's recommendation for
+/// Hopper (smaller ones rule out some fp8 kernels). Allocated once per
+/// stream, at its first fp8 GEMM.
+const LT_WORKSPACE_BYTES: usize = 32 << 20;
 
 // SAFETY: the handles are plain driver/cuBLAS handles, usable from any thread
 // once the device's context is current (every user calls `bind` first); the
@@ -138,7 +157,17 @@ impl Device {
         }
         let make = || drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"));
         let lanes = [make()?, make()?];
-        Ok(Device { ordinal, ctx, multiprocessors, lanes, events: Vec::new(), blas: Vec::new(), sums })
+        Ok(Device {
+            ordinal,
+            ctx,
+            multiprocessors,
+            lanes,
+            events: Vec::new(),
+            blas: Vec::new(),
+            lt: Vec::new(),
+            capability: (major, minor),
+            sums,
+        })
     }
 
     /// Makes this device's context current on the calling thread.
@@ -169,6 +198,28 @@ impl Device {
         Ok(h)
     }
 
+    /// The cuBLASLt handle and workspace of `stream` (created on first use:
+    /// the hot path allocates nothing).
+    fn lt_for(&mut self, stream: dsys::CUstream) -> Result<LtLane> {
+        if let Some(&l) = self.lt.iter().find(|l| l.stream == stream) {
+            return Ok(l);
+        }
+        let handle = ltres::create_handle().map_err(|e| Error::Internal(format!("cuBLASLt cublasLtCreate: {e}")))?;
+        // SAFETY: a fresh allocation in the current context (this device's),
+        // kept for the life of the process with the handle that uses it.
+        let workspace = match unsafe { drv::malloc_sync(LT_WORKSPACE_BYTES) } {
+            Ok(addr) => (addr, LT_WORKSPACE_BYTES),
+            Err(e) => {
+                // SAFETY: `handle` was just created and is not used elsewhere.
+                let _ = unsafe { ltres::destroy_handle(handle) };
+                return Err(driver("cuMemAlloc (cuBLASLt workspace)")(e));
+            }
+        };
+        let lane = LtLane { stream, handle, workspace };
+        self.lt.push(lane);
+        Ok(lane)
+    }
+
     fn sum_kernel(&self, name: &str) -> Result<dsys::CUfunction> {
         SUM_KERNELS
             .iter()
@@ -181,42 +232,53 @@ impl Device {
 // ---- NCCL communicators ------------------------------------------------------
 
 /// The communicators of one group's members in this process, by rank.
+///
+/// Each is released exactly once: aborted by its rank's call when it fails
+/// or times out, or, for the rest, aborted when the group is dropped. A
+/// group is dropped only after it was evicted (a failure) or its creation
+/// failed, and then its other communicators may be connected to a peer that
+/// is gone: `ncclCommDestroy` would wait for that peer (it finalises first),
+/// `ncclCommAbort` frees them without waiting.
 pub struct GroupComms {
-    comms: Vec<nsys::ncclComm_t>,
+    comms: ReleaseOnce<nsys::ncclComm_t>,
 }
 
 // SAFETY: each communicator is used by one call at a time: rank r's only by
-// the calls of device r, which hold that device's lock while using it.
+// the calls of device r, which hold that device's lock while using it; the
+// release flags are atomic.
 unsafe impl Send for GroupComms {}
-// SAFETY: as above; shared references only read the handles.
+// SAFETY: as above; shared references only read the handles and flip flags.
 unsafe impl Sync for GroupComms {}
 
 impl GroupComms {
     pub fn rank(&self, rank: usize) -> Result<nsys::ncclComm_t> {
-        self.comms
-            .get(rank)
-            .copied()
-            .filter(|c| !c.is_null())
-            .ok_or_else(|| Error::Internal(format!("no communicator for rank {rank} in this process")))
+        self.comms.get(rank).ok_or_else(|| {
+            Error::Internal(format!(
+                "no live communicator for rank {rank} in this process (it failed in an earlier call; the next \
+                 call creates the group afresh)"
+            ))
+        })
     }
 
     /// Aborts rank `rank`'s communicator after it failed or timed out: the
     /// caller (the only user of that rank's communicator, under its device's
-    /// lock) evicts the group from the cache, so nothing uses it again. The
-    /// other ranks' communicators are left to their own calls, which fail or
-    /// time out and abort theirs.
+    /// lock) evicts the group from the cache, so no new call gets it; the
+    /// other ranks' communicators are aborted by their own failing calls or
+    /// when the group is dropped.
     pub fn abort_rank(&self, rank: usize) {
-        if let Some(&c) = self.comms.get(rank).filter(|c| !c.is_null()) {
-            // SAFETY: `c` is a communicator this struct created; see above.
+        if let Some(c) = self.comms.release(rank) {
+            // SAFETY: `c` is a communicator this struct created, released once.
             let _ = unsafe { nc::comm_abort(c) };
         }
     }
+}
 
-    /// Aborts every communicator (a group whose creation failed, which no
-    /// call has seen yet).
-    fn abort_all(&self) {
-        for rank in 0..self.comms.len() {
-            self.abort_rank(rank);
+impl Drop for GroupComms {
+    fn drop(&mut self) {
+        for c in self.comms.release_all() {
+            // SAFETY: no call holds the group any more (this is the last
+            // reference); each communicator is released once (see above).
+            let _ = unsafe { nc::comm_abort(c) };
         }
     }
 }
@@ -318,10 +380,10 @@ unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
 fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
     let n = i32::try_from(members.len()).map_err(|_| Error::Internal("group too large".into()))?;
     let mut config = config()?;
-    let mut group = GroupComms { comms: vec![ptr::null_mut(); members.len()] };
+    let mut comms: Vec<nsys::ncclComm_t> = vec![ptr::null_mut(); members.len()];
     nc::group_start().map_err(nccl_err("ncclGroupStart"))?;
     let posted = (|| -> Result<()> {
-        for (rank, (member, comm)) in members.iter().zip(group.comms.iter_mut()).enumerate() {
+        for (rank, (member, comm)) in members.iter().zip(comms.iter_mut()).enumerate() {
             let Some(o) = *member else { continue };
             let dev = drv::device::get(o).map_err(driver("cuDeviceGet"))?;
             // SAFETY: `dev` comes from `cuDeviceGet`; the primary context is
@@ -338,8 +400,11 @@ fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) ->
         Ok(())
     })();
     let ended = nc::group_end().map_err(nccl_err("ncclGroupEnd"));
+    // Owned from here on: on any failure below, dropping `group` aborts
+    // every communicator NCCL handed out, each once.
+    let group = GroupComms { comms: ReleaseOnce::new(comms.iter().map(|&c| (!c.is_null()).then_some(c)).collect()) };
     let ready = posted.and(ended.map(|_| ())).and_then(|()| {
-        for (&c, member) in group.comms.iter().zip(members) {
+        for (&c, member) in comms.iter().zip(members) {
             if member.is_none() {
                 continue;
             }
@@ -355,11 +420,7 @@ fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) ->
         }
         Ok(())
     });
-    if let Err(e) = ready {
-        group.abort_all();
-        return Err(e);
-    }
-    Ok(group)
+    ready.map(|()| group)
 }
 
 // ---- one call ------------------------------------------------------------------
@@ -475,6 +536,15 @@ impl StreamOps for CallOps<'_> {
                     // device's (current) context; the resolver placed every
                     // view inside XLA's buffers, alive until the join.
                     unsafe { gemm::enqueue(handle, &gemm, ops, accumulate) }?;
+                }
+                DeviceOp::Fp8Gemm(g) => {
+                    let call = g.lower(self.device.capability)?;
+                    let lane = self.device.lt_for(stream)?;
+                    // SAFETY: the handle and its workspace belong to this
+                    // device's (current) context and to this lane's stream
+                    // only; the resolver placed the operands, result and
+                    // scales inside XLA's buffers, alive until the join.
+                    unsafe { lt::enqueue(lane.handle, stream as ltsys::cudaStream_t, &call, lane.workspace) }?;
                 }
                 DeviceOp::Sum(launch) => self.launch_sum(stream, launch)?,
                 DeviceOp::Exchange { sends, recvs } => self.exchange(stream, &sends, &recvs)?,
@@ -598,6 +668,7 @@ mod tests {
             w: region(&wd, sizes.w),
             out: region(&outd, sizes.result),
             workspace: (wsd.0, layout.total),
+            scales: None,
         };
         let resolver = Resolver::new(&problem, &layout, &p.slots, buffers).unwrap();
         let sched = StreamSchedule::new(&p);

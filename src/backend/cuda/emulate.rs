@@ -17,6 +17,7 @@
 use super::calls::{DeviceBuffers, DeviceOp, Region, Resolver};
 use super::gemm::ColMajor;
 use super::issue::{events_needed, issue, StreamOps};
+use super::lt::LtType;
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -125,6 +126,26 @@ fn execute(
             }
             true
         }
+        DeviceOp::Fp8Gemm(g) => {
+            // cuBLASLt's TN call as `lt::Fp8Gemm::lower` gives it, on bytes.
+            let call = g.lower((9, 0)).unwrap();
+            assert_eq!(call.d_layout.dtype, LtType::F32, "the emulation writes f32 only");
+            let scale = mem.f32(call.a_scale, 0) * mem.f32(call.b_scale, 0);
+            let byte = |mem: &Memory, addr: u64, i: i64| mem.read(addr + i as u64, 1)[0];
+            let (a, b, d) = (call.a_layout, call.b_layout, call.d_layout);
+            for c in 0..d.cols as i64 {
+                for r in 0..d.rows as i64 {
+                    // op(A) = Aᵀ: element (r, kk) of op(A) is A(kk, r).
+                    let dot: f32 = (0..a.rows as i64)
+                        .map(|kk| e4m3(byte(mem, call.a, kk + r * a.ld)) * e4m3(byte(mem, call.b, kk + c * b.ld)))
+                        .sum();
+                    let at = (r + c * d.ld) as usize;
+                    let prior = if call.beta == 0.0 { 0.0 } else { call.beta * mem.f32(call.d, at) };
+                    mem.set_f32(call.d, at, scale * dot + prior);
+                }
+            }
+            true
+        }
         DeviceOp::Sum(s) => {
             assert_eq!(s.kernel, "sum_f32", "the emulation is f32 only");
             for i in 0..s.n as usize {
@@ -160,6 +181,17 @@ fn execute(
     }
 }
 
+/// The value of a `float8_e4m3fn` byte: sign, 4 exponent bits (bias 7),
+/// 3 mantissa bits; exponent 0 is subnormal; S.1111.111 is NaN (no infinities).
+pub fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, man) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    if exp == 0xf && man == 7.0 {
+        return f32::NAN;
+    }
+    sign * if exp == 0 { man / 8.0 * 2f32.powi(-6) } else { (1.0 + man / 8.0) * 2f32.powi(exp - 7) }
+}
+
 /// Distinct small integers (exact in f32 whatever the summation order).
 pub fn fill(len: usize, salt: usize) -> Vec<u8> {
     (0..len).flat_map(|i| (((i * 7 + salt * 5) % 11) as f32 - 5.0).to_le_bytes()).collect()
@@ -187,6 +219,7 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, rever
             w: region(id + 1, sizes.w * 4),
             out: region(id + 2, sizes.result * 4),
             workspace: (base(id + 3), layout.total),
+            scales: None,
         };
         let resolver = Resolver::new(problem, &layout, &p.slots, buffers).unwrap();
         let sched = StreamSchedule::new(&p);

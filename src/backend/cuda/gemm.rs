@@ -85,6 +85,8 @@ pub fn cuda_type(dtype: DType) -> Result<cudarc::cublas::sys::cudaDataType> {
         DType::BF16 => Ok(CUDA_R_16BF),
         DType::F16 => Ok(CUDA_R_16F),
         DType::F64 => Err(Error::Unimplemented("the CUDA backend does not take float64".into())),
+        // Resolver::lower sends fp8 GEMMs to cuBLASLt (`lt`), never here.
+        DType::F8E4M3FN | DType::F8E5M2 => Err(Error::Internal(format!("{} GEMM through cublasGemmEx", dtype.name()))),
     }
 }
 

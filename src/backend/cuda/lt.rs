@@ -13,8 +13,8 @@
 //!
 //! [`Fp8Gemm::lower`] (pure, tested without a device) checks cuBLASLt's fp8
 //! rules and gives the descriptors' contents; [`enqueue`] builds them and
-//! enqueues `cublasLtMatmul`. What is not wired yet (fp8 dtypes in the call
-//! frame and the plans' GEMM views with K-major weights) is in GPU.md.
+//! enqueues `cublasLtMatmul`. `calls::Resolver::fp8_gemm` builds them from
+//! the plans' GEMM views (the lowering asks XLA for `w` in K-major layout).
 
 use crate::error::{Error, Result};
 

@@ -5,7 +5,7 @@
 //! CPU path: `exec::stream` turns a plan into per-stream commands, `issue`
 //! forks lanes off XLA's stream and joins them back, `gemm` runs each
 //! `Problem::gemms` view with cuBLAS on XLA's buffers (`lt`: fp8 GEMMs with
-//! cuBLASLt, not yet reachable from a call), `nccl` posts each
+//! cuBLASLt, for fp8 operands with their two scale operands), `nccl` posts each
 //! exchange as one group, `comms` keys and caches communicators and maps
 //! groups spanning processes (placement, exchanged unique ids), `kernels`
 //! compiles `kernels/` with NVRTC, `libs` checks the libraries first.
@@ -34,6 +34,7 @@ pub mod lt;
 pub mod nccl;
 
 use crate::comm::Group;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::stream::StreamSchedule;
 use crate::plan::{self, Action, Workspace};
@@ -54,6 +55,23 @@ fn placement<'a>(frame: &Frame<'a>) -> Result<Placement<'a>> {
         groups: optional("nccl_groups")?.unwrap_or(&[]),
         ids: optional("nccl_ids")?.unwrap_or(&[]),
     })
+}
+
+/// The device addresses of an fp8 call's `x_scale` and `w_scale` operands
+/// (2 and 3): float32 scalars, read by the GEMM on the device.
+fn scales(frame: &Frame<'_>) -> Result<(u64, u64)> {
+    let scalar = |i, name| {
+        let b = frame.device_arg(i, name)?;
+        if b.dtype != DType::F32 || !b.dims.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "operand `{name}` must be a float32 scalar (shape ()), got {} of shape {:?}",
+                b.dtype.name(),
+                b.dims
+            )));
+        }
+        Ok(b.addr)
+    };
+    Ok((scalar(2, "x_scale")?, scalar(3, "w_scale")?))
 }
 
 /// A fresh NCCL unique id for the lowering of a group spanning processes
@@ -81,6 +99,9 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
 
     let x = frame.device_arg(0, "x")?;
     let w = frame.device_arg(1, "w")?;
+    if x.dtype.is_fp8() {
+        require(&[Lib::CublasLt])?;
+    }
     let out = frame.device_ret(0, "out")?;
     let workspace = frame.device_ret_bytes(1, "workspace")?;
     let problem = Problem::new(
@@ -100,6 +121,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         w: region(w.addr, w.bytes, w.dtype),
         out: region(out.addr, out.bytes, out.dtype),
         workspace: (workspace.addr, workspace.bytes),
+        scales: if x.dtype.is_fp8() { Some(scales(frame)?) } else { None },
     };
     let resolver = Resolver::new(&problem, &layout, &plan.slots, buffers)?;
     let streams = StreamSchedule::new(&plan);
@@ -107,7 +129,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
 
     let xla_stream = frame.stream()?;
     let dev = device::bind(xla_stream)?;
-    // Communicators first (their creation takes the cache lock and sets
+    // Communicators first (their creation takes the group's lock and sets
     // other devices' contexts), then this device's lock for the enqueueing.
     let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
     let key = CommKey::of(&group);

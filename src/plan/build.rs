@@ -506,44 +506,46 @@ impl Builder {
         }
     }
 
-    /// Tiled scatter (ring): at step s tile t of the partial is computed,
-    /// the sum received for it added, and it is sent on at once. Two partial
-    /// and two incoming slots per tile alternate (as `partial_sum` explains
-    /// for whole blocks); the own block's tiles are summed into the output
-    /// last, each as soon as its final sum has arrived.
+    /// Tiled scatter (ring): at step s the product of tile t is accumulated
+    /// by the GEMM itself onto the running sum of tile t received at step
+    /// s-1 (no separate add pass) and sent on at once. The GEMM of tile t
+    /// waits only for tile t's sum, which travelled while the other k-1
+    /// tiles were multiplied. Two slots per tile alternate: the one being
+    /// added to and sent, and the one the next sum arrives in. The own
+    /// block's tiles are multiplied into their own slots first and each
+    /// summed into the output as soon as its final sum has arrived.
     fn scatter_tiled(&mut self, k: usize) {
         let n = self.n;
-        let partial: Vec<Vec<usize>> = (0..k).map(|_| self.slots(SlotKind::Partial, 2)).collect();
-        let incoming: Vec<Vec<usize>> = (0..k).map(|_| self.slots(SlotKind::Partial, 2)).collect();
-        let own = self.slot(SlotKind::Partial);
+        let sums: Vec<Vec<usize>> = (0..k).map(|_| self.slots(SlotKind::Partial, 2)).collect();
+        let own = self.slots(SlotKind::Partial, k);
+        // Step s adds to and sends `sums[t][(s + 1) % 2]` and receives into `sums[t][s % 2]`.
         let mut exchanges: Vec<Vec<StepId>> = vec![];
         for s in 0..n - 1 {
             let j = self.block(-1 - s as isize);
             let mut sent = vec![];
             for t in 0..k {
-                let slot = Buf::Slot(partial[t][s % 2]);
-                let product = Action::Matmul { block: j * k + t, src: Buf::XBlock(j), dst: slot, accumulate: false };
-                let mut ready = self.push(Lane::Compute, product, vec![]);
-                if s > 0 {
-                    let terms = vec![slot, Buf::Slot(incoming[t][(s - 1) % 2])];
-                    ready = self.push(Lane::Compute, Action::Sum { terms, dst: slot }, vec![exchanges[s - 1][t]]);
-                }
+                let slot = Buf::Slot(sums[t][(s + 1) % 2]);
+                let deps = if s == 0 { vec![] } else { vec![exchanges[s - 1][t]] };
+                let product = Action::Matmul { block: j * k + t, src: Buf::XBlock(j), dst: slot, accumulate: s > 0 };
+                let product = self.push(Lane::Compute, product, deps);
                 let tag = tag(Direction::Forward, s * k + t);
                 let sends = vec![Transfer { peer: self.next(), buf: slot, tag }];
-                let recvs = vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[t][s % 2]), tag }];
-                sent.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![ready]));
+                let recvs = vec![Transfer { peer: self.prev(), buf: Buf::Slot(sums[t][s % 2]), tag }];
+                sent.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![product]));
             }
             exchanges.push(sent);
         }
         let r = self.rank;
-        for t in 0..k {
+        for (t, &slot) in own.iter().enumerate() {
             let product =
-                Action::Matmul { block: r * k + t, src: Buf::XBlock(r), dst: Buf::Slot(own), accumulate: false };
+                Action::Matmul { block: r * k + t, src: Buf::XBlock(r), dst: Buf::Slot(slot), accumulate: false };
             self.push(Lane::Compute, product, vec![]);
-            let mut terms = vec![Buf::Slot(own)];
+        }
+        for (t, &slot) in own.iter().enumerate() {
+            let mut terms = vec![Buf::Slot(slot)];
             let mut deps = vec![];
             if n > 1 {
-                terms.push(Buf::Slot(incoming[t][(n - 2) % 2]));
+                terms.push(Buf::Slot(sums[t][(n - 2) % 2]));
                 deps.push(exchanges[n - 2][t]);
             }
             self.push(Lane::Compute, Action::Sum { terms, dst: Buf::OutBlock(r * k + t) }, deps);

@@ -533,6 +533,10 @@ fn tiles_start_transfers_after_one_tile_and_leave_one_tile_at_the_end() {
                 let after: Vec<&&Step> = compute.iter().filter(|s| s.deps.contains(&last_exchange)).collect();
                 assert_eq!(after.len(), 1, "N={n} k={k}");
                 assert!(matches!(after[0].action, Action::Sum { .. }));
+                assert_eq!(after[0].id, compute.last().unwrap().id, "only the last tile's add is left");
+                // The received sums are added to by the GEMMs: the only adds are the k final ones.
+                let adds = compute.iter().filter(|s| matches!(s.action, Action::Sum { .. })).count();
+                assert_eq!(adds, k, "N={n} k={k}");
                 let p = plan(GATHER, Schedule::Tiled { tiles: k }, n, rank);
                 let last_exchange = p.lane_steps(Lane::Comm).last().unwrap().id;
                 let compute: Vec<&Step> = p.lane_steps(Lane::Compute).collect();

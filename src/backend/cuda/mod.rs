@@ -32,6 +32,7 @@ pub mod libs;
 pub mod lt;
 #[allow(unsafe_code)]
 pub mod nccl;
+pub mod watchdog;
 
 use crate::comm::Group;
 use crate::dtype::DType;

@@ -268,6 +268,9 @@ impl<S: EventSource> Core<S> {
                 return false;
             }
             let late = e.started.is_some_and(|t| now.duration_since(t) >= e.watch.timeout);
+            // A group already being aborted is not expired again: its late
+            // calls (ones that took it from the cache before its eviction)
+            // wait until that abort is done.
             if late && !expired.iter().chain(aborting.iter()).any(|g| Arc::ptr_eq(g, &e.watch.group)) {
                 expired.push(Arc::clone(&e.watch.group));
             }

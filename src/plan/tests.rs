@@ -414,10 +414,6 @@ fn workspace_regions_do_not_overlap() {
 
 const SLICEABLE: [Pattern; 2] = [GATHER, Pattern::Scatter];
 
-fn sliced_plans(n: usize, k: usize, pattern: Pattern) -> Vec<Plan> {
-    cut_plans(n, Schedule::Sliced { slices: k }, pattern)
-}
-
 fn cut_plans(n: usize, schedule: Schedule, pattern: Pattern) -> Vec<Plan> {
     (0..n).map(|r| plan(pattern, schedule, n, r)).collect()
 }

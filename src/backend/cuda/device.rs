@@ -27,6 +27,7 @@ use super::comms::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::issue::StreamOps;
 use super::kernels::{arch, PtxCache, SOURCES};
 use super::nccl::P2p;
+use super::watchdog::{Abort, CallInfo, EventSource, Query, Watch, Watchdog, WatchedGroup};
 use super::{gemm, lt, nccl};
 use crate::error::{Error, Result};
 use crate::plan::Step;
@@ -37,8 +38,9 @@ use cudarc::nccl::{result as nc, sys as nsys};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::ptr;
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
+use std::time::{Duration, Instant};
 
 fn driver(what: &'static str) -> impl Fn(drv::DriverError) -> Error {
     move |e| Error::Internal(format!("CUDA driver {what}: {e:?}"))
@@ -240,7 +242,13 @@ impl Device {
 /// is gone: `ncclCommDestroy` would wait for that peer (it finalises first),
 /// `ncclCommAbort` frees them without waiting.
 pub struct GroupComms {
+    key: CommKey,
+    /// Per rank, its CUDA ordinal in this process (`None`: another process).
+    members: Vec<Option<i32>>,
     comms: ReleaseOnce<nsys::ncclComm_t>,
+    /// Per rank, the calls it has enqueued on the group: the watchdog's
+    /// message says which ranks never issued a call that timed out.
+    issued: Vec<AtomicU64>,
 }
 
 // SAFETY: each communicator is used by one call at a time: rank r's only by
@@ -270,6 +278,22 @@ impl GroupComms {
             // SAFETY: `c` is a communicator this struct created, released once.
             let _ = unsafe { nc::comm_abort(c) };
         }
+    }
+
+    /// Counts a call of `rank` enqueued on the group; returns its number (from 0).
+    fn count_call(&self, rank: usize) -> u64 {
+        self.issued.get(rank).map_or(0, |c| c.fetch_add(1, Ordering::AcqRel))
+    }
+}
+
+impl WatchedGroup for GroupComms {
+    fn devices(&self) -> &[i64] {
+        &self.key.devices
+    }
+
+    fn issued(&self, rank: usize) -> Option<u64> {
+        self.members.get(rank)?.as_ref()?;
+        self.issued.get(rank).map(|c| c.load(Ordering::Acquire))
     }
 }
 
@@ -313,7 +337,7 @@ pub fn group_comms(
                 )))
             }
         };
-        let made = create(members, id, deadline);
+        let made = create(key, members, id, deadline);
         current.make_current()?;
         made
     })
@@ -377,7 +401,7 @@ unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
     }
 }
 
-fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
+fn create(key: &CommKey, members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
     let n = i32::try_from(members.len()).map_err(|_| Error::Internal("group too large".into()))?;
     let mut config = config()?;
     let mut comms: Vec<nsys::ncclComm_t> = vec![ptr::null_mut(); members.len()];
@@ -402,7 +426,12 @@ fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) ->
     let ended = nc::group_end().map_err(nccl_err("ncclGroupEnd"));
     // Owned from here on: on any failure below, dropping `group` aborts
     // every communicator NCCL handed out, each once.
-    let group = GroupComms { comms: ReleaseOnce::new(comms.iter().map(|&c| (!c.is_null()).then_some(c)).collect()) };
+    let group = GroupComms {
+        key: key.clone(),
+        members: members.to_vec(),
+        comms: ReleaseOnce::new(comms.iter().map(|&c| (!c.is_null()).then_some(c)).collect()),
+        issued: members.iter().map(|_| AtomicU64::new(0)).collect(),
+    };
     let ready = posted.and(ended.map(|_| ())).and_then(|()| {
         for (&c, member) in comms.iter().zip(members) {
             if member.is_none() {
@@ -421,6 +450,169 @@ fn create(members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) ->
         Ok(())
     });
     ready.map(|()| group)
+}
+
+// ---- device-side timeouts ------------------------------------------------------
+
+/// An event of the watchdog's pool, with the (primary, retained) context it
+/// was created in.
+#[derive(Clone, Copy)]
+pub struct WatchEvent {
+    ctx: dsys::CUcontext,
+    event: dsys::CUevent,
+}
+
+// SAFETY: driver handles, usable from any thread with their context current
+// (`query` makes it so); an event is used by one call or by the watchdog at a
+// time (the pool hands it to one owner).
+unsafe impl Send for WatchEvent {}
+
+/// The watchdog's device side: the driver's events and NCCL's aborts.
+pub struct CudaEvents;
+
+impl EventSource for CudaEvents {
+    type Event = WatchEvent;
+    type Group = GroupComms;
+
+    fn query(&self, e: WatchEvent) -> Query {
+        // SAFETY: the context is retained and the event never destroyed (the
+        // pool keeps its events for the life of the process).
+        let state = unsafe { drv::ctx::set_current(e.ctx).and_then(|()| drv::event::query(e.event)) };
+        match state {
+            Err(drv::DriverError(dsys::CUresult::CUDA_ERROR_NOT_READY)) => Query::Pending,
+            // Done, or a device error: not a hang, and XLA reports it from
+            // its own stream.
+            _ => Query::Done,
+        }
+    }
+
+    /// Evicts the group, then aborts each of its communicators in this
+    /// process under its device's lock (the lock every user of that
+    /// communicator holds), skipping busy devices until the next poll.
+    fn abort(&self, group: &Arc<GroupComms>) -> Abort {
+        // First, so that no call gets the group from the cache any more.
+        evict(&group.key, group);
+        let mut busy = false;
+        for (rank, member) in group.members.iter().enumerate() {
+            let Some(ordinal) = *member else { continue };
+            if group.comms.get(rank).is_none() {
+                continue;
+            }
+            // A device no call has bound yet cannot be holding the group
+            // (calls bind before asking for communicators, and it is
+            // evicted): its communicator is aborted when the group is dropped.
+            let Some(device) = bound(ordinal) else { continue };
+            let d = match device.try_lock() {
+                Ok(d) => d,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    busy = true;
+                    continue;
+                }
+            };
+            // NCCL tears the communicator down on its device.
+            let _ = d.make_current();
+            group.abort_rank(rank);
+        }
+        if busy {
+            Abort::Busy
+        } else {
+            Abort::Done
+        }
+    }
+}
+
+/// The cached state of CUDA device `ordinal`, if a call has bound it.
+fn bound(ordinal: i32) -> Option<Arc<Mutex<Device>>> {
+    let devices = DEVICES.get()?.lock().unwrap_or_else(|e| e.into_inner());
+    devices.get(&ordinal).cloned()
+}
+
+static WATCHDOG: OnceLock<std::result::Result<Watchdog<CudaEvents>, String>> = OnceLock::new();
+
+/// The process's watchdog, started at the first watched call.
+fn watchdog() -> Result<&'static Watchdog<CudaEvents>> {
+    WATCHDOG
+        .get_or_init(|| Watchdog::start(CudaEvents).map_err(|e| e.message().to_string()))
+        .as_ref()
+        .map_err(|e| Error::Internal(e.clone()))
+}
+
+/// DEADLINE_EXCEEDED if an earlier call on CUDA device `ordinal` timed out on
+/// the device since its last call (see `watchdog`); once per timeout.
+pub fn check_device_timeouts(ordinal: i32) -> Result<()> {
+    match WATCHDOG.get() {
+        Some(Ok(w)) => w.check(ordinal),
+        _ => Ok(()),
+    }
+}
+
+/// One call watched for a device-side timeout: two events of the pool, the
+/// first recorded on XLA's stream before the call's work, the second after
+/// its join ([`CallWatch::submit`]).
+pub struct CallWatch {
+    ordinal: i32,
+    start: WatchEvent,
+    end: WatchEvent,
+    group: Arc<GroupComms>,
+}
+
+impl CallWatch {
+    /// Takes two events (created while the pool has too few: only while a
+    /// device has more calls in flight than ever before) and records the
+    /// first on `xla`. `device`'s context is current.
+    pub fn begin(device: &Device, xla: *mut c_void, group: &Arc<GroupComms>) -> Result<CallWatch> {
+        let dog = watchdog()?;
+        let take = || match dog.take_event(device.ordinal) {
+            Some(e) => Ok(e),
+            None => drv::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map(|event| WatchEvent { ctx: device.ctx, event })
+                .map_err(driver("cuEventCreate (watchdog)")),
+        };
+        let start = take()?;
+        let end = take().inspect_err(|_| dog.give_back(device.ordinal, &[start]))?;
+        let watch = CallWatch { ordinal: device.ordinal, start, end, group: Arc::clone(group) };
+        match record_on(start, xla) {
+            Ok(()) => Ok(watch),
+            Err(e) => {
+                watch.cancel();
+                Err(e)
+            }
+        }
+    }
+
+    /// Records the second event on `xla` (after the join) and hands the call
+    /// to the watchdog, which expires it `timeout` after its work started on
+    /// the device.
+    pub fn submit(self, xla: *mut c_void, op: &'static str, site: i64, rank: usize, timeout: Duration) -> Result<()> {
+        if let Err(e) = record_on(self.end, xla) {
+            self.cancel();
+            return Err(e);
+        }
+        let seq = self.group.count_call(rank);
+        watchdog()?.submit(Watch {
+            device: self.ordinal,
+            start: self.start,
+            end: self.end,
+            timeout,
+            group: self.group,
+            call: CallInfo { op, site, rank, seq },
+        });
+        Ok(())
+    }
+
+    /// Returns the events to the pool (the call failed before it was submitted).
+    pub fn cancel(self) {
+        if let Ok(dog) = watchdog() {
+            dog.give_back(self.ordinal, &[self.start, self.end]);
+        }
+    }
+}
+
+fn record_on(e: WatchEvent, xla: *mut c_void) -> Result<()> {
+    // SAFETY: XLA's stream is live for the call; the event is this device's
+    // and owned by the call until it is submitted or given back.
+    unsafe { drv::event::record(e.event, xla as dsys::CUstream) }.map_err(driver("cuEventRecord (watchdog)"))
 }
 
 // ---- one call ------------------------------------------------------------------
@@ -643,6 +835,28 @@ mod tests {
             assert_eq!(params, expected, "{name}");
         }
         assert_eq!(std::mem::size_of::<[u64; calls::MAX_TERMS]>(), 8 * calls::MAX_TERMS);
+    }
+
+    /// What the watchdog reads of a group (its device ids, the calls each
+    /// local rank issued, `None` for a rank of another process), and the
+    /// abort of a group with no live communicator: done, touching nothing
+    /// (no GPU or NCCL needed).
+    #[test]
+    fn a_group_tells_the_watchdog_its_devices_and_its_local_ranks_calls() {
+        let group = Arc::new(GroupComms {
+            key: CommKey { devices: vec![5, 1, 7] },
+            members: vec![Some(0), None, Some(1)],
+            comms: ReleaseOnce::new(vec![None, None, None]),
+            issued: (0..3).map(|_| AtomicU64::new(0)).collect(),
+        });
+        assert_eq!(group.devices(), &[5, 1, 7]);
+        assert_eq!((group.count_call(2), group.count_call(2), group.count_call(0)), (0, 1, 0));
+        assert_eq!(
+            (group.issued(0), group.issued(1), group.issued(2), group.issued(3)),
+            (Some(1), None, Some(2), None)
+        );
+        assert_eq!(group.count_call(9), 0);
+        assert_eq!(CudaEvents.abort(&group), Abort::Done);
     }
 
     /// Runs `case` on device `ordinal` as rank `rank` of a group of the

@@ -12,8 +12,10 @@
 //!
 //! `calls` maps a call's plan buffers onto XLA's device addresses (pure,
 //! tested without a device) and `device` drives the driver, cuBLAS, the
-//! kernels and NCCL with them. What still needs a GPU to be verified, and
-//! what is missing (device-side timeouts, fp8), is in GPU.md.
+//! kernels and NCCL with them. `watchdog` bounds the device side: a call
+//! whose communication never finishes on the device has its communicators
+//! aborted, and its device's next call fails. What still needs a GPU to be
+//! verified, and what is missing, is in GPU.md.
 #![deny(unsafe_code)]
 
 pub mod calls;
@@ -32,6 +34,7 @@ pub mod libs;
 pub mod lt;
 #[allow(unsafe_code)]
 pub mod nccl;
+pub mod watchdog;
 
 use crate::comm::Group;
 use crate::dtype::DType;
@@ -42,7 +45,7 @@ use crate::problem::{Operand, Problem};
 use crate::xla::Frame;
 use calls::{DeviceBuffers, Region, Resolver};
 use comms::{CommKey, Placement};
-use device::CallOps;
+use device::{CallOps, CallWatch};
 use libs::{require, Lib};
 use std::time::Instant;
 
@@ -88,6 +91,7 @@ pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let start = Instant::now();
     let kind = crate::ops::kind(frame.attr_i64("kind")?)?;
+    let site = frame.attr_i64("site")?;
     let schedule = crate::ops::schedule(kind, frame.attr_i64("schedule")?)?;
     let ordinal = frame.device_ordinal()?;
     let mesh_devices = frame.attr_i64_array("mesh_devices")?;
@@ -125,10 +129,14 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     };
     let resolver = Resolver::new(&problem, &layout, &plan.slots, buffers)?;
     let streams = StreamSchedule::new(&plan);
-    let deadline = start + crate::config::timeout()?;
+    let timeout = crate::config::timeout()?;
+    let deadline = start + timeout;
 
     let xla_stream = frame.stream()?;
     let dev = device::bind(xla_stream)?;
+    // An earlier call on this device that timed out on the device (see
+    // `watchdog`) fails this one before it touches the group again.
+    device::check_device_timeouts(dev.lock().unwrap_or_else(|e| e.into_inner()).ordinal)?;
     // Communicators first (their creation takes the group's lock and sets
     // other devices' contexts), then this device's lock for the enqueueing.
     let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
@@ -146,6 +154,9 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     };
     let mut d = dev.lock().unwrap_or_else(|e| e.into_inner());
     CallOps::prepare(&mut d, issue::events_needed(&streams))?;
+    // Calls that communicate are watched until their work finishes on the
+    // device: a peer that never arrives would leave the stream stalled.
+    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c)).transpose()?;
     let mut ops = CallOps {
         device: &mut d,
         xla: xla_stream,
@@ -156,6 +167,14 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         comm_failed: false,
     };
     let result = issue::issue(&plan, &streams, &mut ops);
+    let result = match (result, watch) {
+        (Ok(()), Some(w)) => w.submit(xla_stream, kind.name(), site, group.rank, timeout),
+        (Err(e), Some(w)) => {
+            w.cancel();
+            Err(e)
+        }
+        (result, None) => result,
+    };
     if let Some(c) = comms.as_ref().filter(|_| ops.comm_failed) {
         c.abort_rank(group.rank);
         device::evict(&key, c);

@@ -1,0 +1,782 @@
+//! Device-side timeouts: a watchdog for NCCL work that never finishes.
+//!
+//! Host-side waits are bounded, but once a call's sends and receives are
+//! enqueued its handler returns; if a peer never posts the matching calls,
+//! this rank's NCCL kernel spins on the device and XLA's stream stalls behind
+//! it with no error anywhere. So every call with communication is watched:
+//! the handler records two events of a pool on XLA's stream, one before the
+//! call's work and one after its join, and hands them to the watchdog (no
+//! host synchronisation; no allocation once the pool and queues have grown
+//! to the largest number of calls in flight).
+//!
+//! One thread per process (started at the first watched call) polls the
+//! events every [`POLL_INTERVAL`] while any call is pending, and sleeps on a
+//! condition variable otherwise. The timeout counts from when the call's
+//! work *started on the device* (its first event completed), not from when
+//! the host enqueued it: XLA's host thread runs ahead of the device, so a call
+//! may sit in the stream's queue long before it starts. When a call's work
+//! does not finish within the timeout, its group is expired as a whole: the
+//! group's communicators in this process are aborted (`ncclCommAbort`, which
+//! makes the spinning kernels return, so the streams move on), the group is
+//! evicted from the communicator cache, and each device with work of that
+//! group pending gets a failure record: its next call returns
+//! DEADLINE_EXCEEDED naming the timed-out call, its rank, and which ranks'
+//! parts never completed as far as this process knows. The failure is also
+//! logged to stderr once, when it is detected.
+//!
+//! This module is the bookkeeping only, generic over an [`EventSource`] (the
+//! driver's events and NCCL's aborts in `device`, a fake in the tests).
+#![forbid(unsafe_code)]
+
+use crate::error::{Error, Result};
+use std::fmt::Write as _;
+use std::ops::Deref;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How often pending events are queried while any call is pending: timeouts
+/// are seconds, so a few milliseconds of lateness is nothing, and one query
+/// per pending call every 5 ms costs next to nothing on the host.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(5);
+
+/// The state of one recorded event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Query {
+    /// The stream has passed it (or failed: a device error is not a hang,
+    /// and XLA reports it from its own stream).
+    Done,
+    Pending,
+}
+
+/// The answer of one attempt to abort a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abort {
+    Done,
+    /// A communicator is in use by a call right now (its device's lock is
+    /// held): try again at the next poll rather than block the watchdog.
+    Busy,
+}
+
+/// What the watchdog needs to know about a group of devices.
+pub trait WatchedGroup {
+    /// The group's mesh device ids in rank order.
+    fn devices(&self) -> &[i64];
+    /// How many calls rank `rank` has issued on this group so far, when the
+    /// rank lives in this process (`None`: another process, unknown here).
+    fn issued(&self, rank: usize) -> Option<u64>;
+}
+
+/// The device side: events to query, groups to abort.
+pub trait EventSource: Send + Sync + 'static {
+    type Event: Copy + Send + 'static;
+    type Group: WatchedGroup + Send + Sync + 'static;
+    /// Whether the stream has passed `event` (a host-side query, never a wait).
+    fn query(&self, event: Self::Event) -> Query;
+    /// Aborts the group's communicators in this process and evicts it from
+    /// the cache. Called again after `Busy`; must not abort anything twice.
+    fn abort(&self, group: &Arc<Self::Group>) -> Abort;
+}
+
+/// Which call a watch belongs to, for the failure's message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallInfo {
+    pub op: &'static str,
+    /// The call site (the lowering's `site` attribute).
+    pub site: i64,
+    pub rank: usize,
+    /// This rank's call number on the group, from 0: the k-th calls of all
+    /// ranks are the ones NCCL pairs.
+    pub seq: u64,
+}
+
+/// One call's work on one device, as the handler hands it over.
+pub struct Watch<S: EventSource> {
+    /// The CUDA ordinal: where the failure is reported.
+    pub device: i32,
+    /// Recorded on XLA's stream before the call's work, and after its join.
+    pub start: S::Event,
+    pub end: S::Event,
+    pub timeout: Duration,
+    pub group: Arc<S::Group>,
+    pub call: CallInfo,
+}
+
+struct Entry<S: EventSource> {
+    watch: Watch<S>,
+    /// When the watchdog first saw `start` completed.
+    started: Option<Instant>,
+}
+
+/// A timed-out call, reported by its device's next call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Failure {
+    device: i32,
+    message: String,
+    /// Later calls of the same device that were aborted with it.
+    more: usize,
+}
+
+impl Failure {
+    fn error(&self) -> Error {
+        let more = match self.more {
+            0 => String::new(),
+            n => format!(" ({n} later call(s) on this device were aborted too)"),
+        };
+        Error::DeadlineExceeded(format!(
+            "an earlier commfuse call on CUDA device {} timed out on the device, so this call was not run: {}{more}",
+            self.device, self.message
+        ))
+    }
+}
+
+/// What handlers and the thread share.
+struct State<S: EventSource> {
+    /// Submitted since the thread last took them.
+    pending: Vec<Entry<S>>,
+    /// Events no pending call uses, per CUDA ordinal.
+    free: Vec<(i32, Vec<S::Event>)>,
+    failures: Vec<Failure>,
+    /// The thread waits without a timeout: a submission must wake it.
+    parked: bool,
+    stop: bool,
+}
+
+/// The watchdog's state and its logic; [`Watchdog`] adds the thread.
+pub struct Core<S: EventSource> {
+    source: S,
+    state: Mutex<State<S>>,
+    wake: Condvar,
+    /// Whether `failures` may be non-empty: the hot path's check is one load.
+    failed: AtomicBool,
+    polls: AtomicU64,
+}
+
+/// The thread's own working set, reused from poll to poll.
+pub struct Work<S: EventSource> {
+    entries: Vec<Entry<S>>,
+    /// Expired groups whose abort answered `Busy`.
+    aborting: Vec<Arc<S::Group>>,
+    expired: Vec<Arc<S::Group>>,
+    returned: Vec<(i32, S::Event)>,
+}
+
+impl<S: EventSource> Default for Work<S> {
+    fn default() -> Self {
+        Work { entries: Vec::new(), aborting: Vec::new(), expired: Vec::new(), returned: Vec::new() }
+    }
+}
+
+impl<S: EventSource> Work<S> {
+    fn is_idle(&self) -> bool {
+        self.entries.is_empty() && self.aborting.is_empty()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock (caught at the FFI edge or in the
+    // thread's loop) leaves the state usable: each update is one push,
+    // removal or flag.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<S: EventSource> Core<S> {
+    pub fn new(source: S) -> Core<S> {
+        Core {
+            source,
+            state: Mutex::new(State {
+                pending: Vec::new(),
+                free: Vec::new(),
+                failures: Vec::new(),
+                parked: false,
+                stop: false,
+            }),
+            wake: Condvar::new(),
+            failed: AtomicBool::new(false),
+            polls: AtomicU64::new(0),
+        }
+    }
+
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// A free event of device `device`, if the pool has one (else the caller
+    /// creates one, in the device's context, outside this lock).
+    pub fn take_event(&self, device: i32) -> Option<S::Event> {
+        lock(&self.state).free.iter_mut().find(|(d, _)| *d == device).and_then(|(_, events)| events.pop())
+    }
+
+    /// Returns events to device `device`'s pool (a call that failed before
+    /// it was submitted).
+    pub fn give_back(&self, device: i32, events: &[S::Event]) {
+        let mut state = lock(&self.state);
+        for &e in events {
+            free_event(&mut state.free, device, e);
+        }
+    }
+
+    /// Watches a call until its `end` event completes or its group expires.
+    pub fn submit(&self, watch: Watch<S>) {
+        let mut state = lock(&self.state);
+        state.pending.push(Entry { watch, started: None });
+        if state.parked {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Device `device`'s next call: DEADLINE_EXCEEDED if an earlier call of
+    /// the device timed out on it since the last check (reported once).
+    pub fn check(&self, device: i32) -> Result<()> {
+        if !self.failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut state = lock(&self.state);
+        let Some(at) = state.failures.iter().position(|f| f.device == device) else { return Ok(()) };
+        let failure = state.failures.swap_remove(at);
+        if state.failures.is_empty() {
+            self.failed.store(false, Ordering::Release);
+        }
+        Err(failure.error())
+    }
+
+    /// How many times the pending calls were polled (for tests: an idle
+    /// watchdog does not poll).
+    pub fn polls(&self) -> u64 {
+        self.polls.load(Ordering::Relaxed)
+    }
+
+    /// One poll at time `now`: takes the newly submitted calls, drops the
+    /// finished ones, expires the groups of calls past their timeout, retries
+    /// the aborts that were busy. Returns whether anything is still pending.
+    pub fn tick(&self, work: &mut Work<S>, now: Instant) -> bool {
+        work.entries.append(&mut lock(&self.state).pending);
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        let Work { entries, aborting, expired, returned } = work;
+        let source = &self.source;
+        entries.retain_mut(|e| {
+            if e.started.is_none() {
+                if source.query(e.watch.start) == Query::Pending {
+                    return true;
+                }
+                e.started = Some(now);
+            }
+            if source.query(e.watch.end) == Query::Done {
+                returned.extend([(e.watch.device, e.watch.start), (e.watch.device, e.watch.end)]);
+                return false;
+            }
+            let late = e.started.is_some_and(|t| now.duration_since(t) >= e.watch.timeout);
+            // A group already being aborted is not expired again: its late
+            // calls (ones that took it from the cache before its eviction)
+            // wait until that abort is done.
+            if late && !expired.iter().chain(aborting.iter()).any(|g| Arc::ptr_eq(g, &e.watch.group)) {
+                expired.push(Arc::clone(&e.watch.group));
+            }
+            true
+        });
+
+        let mut failures = Vec::new();
+        for group in expired.drain(..) {
+            failures.extend(describe(&group, entries));
+            entries.retain(|e| {
+                let keep = !Arc::ptr_eq(&e.watch.group, &group);
+                if !keep {
+                    returned.extend([(e.watch.device, e.watch.start), (e.watch.device, e.watch.end)]);
+                }
+                keep
+            });
+            aborting.push(group);
+        }
+        aborting.retain(|g| source.abort(g) == Abort::Busy);
+
+        if !returned.is_empty() || !failures.is_empty() {
+            let mut state = lock(&self.state);
+            for (device, e) in returned.drain(..) {
+                free_event(&mut state.free, device, e);
+            }
+            for f in &failures {
+                match state.failures.iter_mut().find(|old| old.device == f.device) {
+                    // The device has not run a call since the first failure:
+                    // that one is the cause, the rest came after it.
+                    Some(old) => old.more += 1 + f.more,
+                    None => state.failures.push(f.clone()),
+                }
+            }
+            if !state.failures.is_empty() {
+                self.failed.store(true, Ordering::Release);
+            }
+        }
+        for f in &failures {
+            eprintln!("commfuse: device-side timeout on CUDA device {}: {}", f.device, f.message);
+        }
+        !work.is_idle()
+    }
+}
+
+fn free_event<E>(free: &mut Vec<(i32, Vec<E>)>, device: i32, event: E) {
+    match free.iter_mut().find(|(d, _)| *d == device) {
+        Some((_, events)) => events.push(event),
+        None => free.push((device, vec![event])),
+    }
+}
+
+/// The failure of each device with pending work of the expired `group`: its
+/// earliest call of the group, and which ranks' parts of that call never
+/// completed.
+fn describe<S: EventSource>(group: &Arc<S::Group>, entries: &[Entry<S>]) -> Vec<Failure> {
+    let mine = || entries.iter().filter(|e| Arc::ptr_eq(&e.watch.group, group));
+    let mut failures: Vec<Failure> = Vec::new();
+    for e in mine() {
+        let device = e.watch.device;
+        if failures.iter().any(|f| f.device == device) {
+            continue;
+        }
+        let first = mine().filter(|x| x.watch.device == device).min_by_key(|x| x.watch.call.seq).unwrap_or(e);
+        let more = mine().filter(|x| x.watch.device == device).count() - 1;
+        failures.push(Failure { device, message: message(group.as_ref(), first, mine()), more });
+    }
+    failures
+}
+
+fn message<'a, S: EventSource>(
+    group: &S::Group,
+    e: &Entry<S>,
+    group_entries: impl Iterator<Item = &'a Entry<S>> + Clone,
+) -> String {
+    let CallInfo { op, site, rank, seq } = e.watch.call;
+    let devices = group.devices();
+    let mut text = format!(
+        "{op} (call site {site}), rank {rank} of the group {devices:?} (mesh device ids), call {} on this group: \
+         it did not complete on the device within {:.1} s of starting there (COMMFUSE_TIMEOUT_S / \
+         commfuse.configure(timeout_s=)); the group's communicators in this process were aborted, so the outputs \
+         of that call and of the later calls on its stream that used the group are invalid. Ranks whose part of \
+         the call never completed:",
+        seq + 1,
+        e.watch.timeout.as_secs_f64()
+    );
+    let mut listed = 0;
+    for (q, device) in devices.iter().enumerate() {
+        let pending = group_entries.clone().find(|x| x.watch.call.rank == q && x.watch.call.seq == seq);
+        let state = match (pending, group.issued(q)) {
+            (Some(x), _) if x.started.is_some() => "still running on its device".to_string(),
+            (Some(_), _) => "issued, but queued on its device behind other work (never started)".to_string(),
+            (None, Some(issued)) if issued <= seq => {
+                format!("had not issued it (it issued {issued} call(s) on this group)")
+            }
+            (None, Some(_)) => continue,
+            (None, None) => "in another process (not known here)".to_string(),
+        };
+        let this = if q == rank { ", this call" } else { "" };
+        let _ = write!(text, "{} rank {q} (mesh device {device}{this}): {state}", if listed == 0 { "" } else { ";" });
+        listed += 1;
+    }
+    text.push('.');
+    text
+}
+
+/// The watchdog: its [`Core`] and the thread polling it.
+pub struct Watchdog<S: EventSource> {
+    core: Arc<Core<S>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<S: EventSource> Watchdog<S> {
+    /// Starts the thread (parked until the first submission).
+    pub fn start(source: S) -> Result<Watchdog<S>> {
+        let core = Arc::new(Core::new(source));
+        let thread = std::thread::Builder::new()
+            .name("commfuse-watchdog".into())
+            .spawn({
+                let core = Arc::clone(&core);
+                move || run(&core)
+            })
+            .map_err(|e| Error::Internal(format!("starting the device-timeout watchdog thread: {e}")))?;
+        Ok(Watchdog { core, thread: Some(thread) })
+    }
+}
+
+impl<S: EventSource> Deref for Watchdog<S> {
+    type Target = Core<S>;
+    fn deref(&self) -> &Core<S> {
+        &self.core
+    }
+}
+
+impl<S: EventSource> Drop for Watchdog<S> {
+    /// Stops the thread (the process-wide watchdog is never dropped; tests' are).
+    fn drop(&mut self) {
+        lock(&self.core.state).stop = true;
+        self.core.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The thread: polls while anything is pending, parks otherwise.
+fn run<S: EventSource>(core: &Core<S>) {
+    let mut work = Work::default();
+    let mut state = lock(&core.state);
+    loop {
+        if state.stop {
+            return;
+        }
+        if state.pending.is_empty() && work.is_idle() {
+            state.parked = true;
+            state = core.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+            state.parked = false;
+            continue;
+        }
+        drop(state);
+        // A panic here would otherwise end the thread and leave every later
+        // call unwatched: report it, forget this poll's calls, carry on.
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| core.tick(&mut work, Instant::now()))) {
+            let what = panic.downcast_ref::<&str>().copied().or(panic.downcast_ref::<String>().map(String::as_str));
+            eprintln!(
+                "commfuse: the device-timeout watchdog panicked ({}); {} pending call(s) are no longer watched",
+                what.unwrap_or("no message"),
+                work.entries.len()
+            );
+            work.entries.clear();
+            work.aborting.clear();
+        }
+        state = lock(&core.state);
+        if !work.is_idle() && !state.stop {
+            // Woken early only by `stop` (submissions do not notify a polling thread).
+            state = match core.wake.wait_timeout(state, POLL_INTERVAL) {
+                Ok((s, _)) => s,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A group: mesh device ids, and per rank its issued calls (`None`:
+    /// another process).
+    struct FakeGroup {
+        devices: Vec<i64>,
+        issued: Vec<Option<AtomicU64>>,
+    }
+
+    impl FakeGroup {
+        fn new(devices: &[i64], issued: &[Option<u64>]) -> Arc<FakeGroup> {
+            let issued = issued.iter().map(|i| i.map(AtomicU64::new)).collect();
+            Arc::new(FakeGroup { devices: devices.to_vec(), issued })
+        }
+    }
+
+    impl WatchedGroup for FakeGroup {
+        fn devices(&self) -> &[i64] {
+            &self.devices
+        }
+        fn issued(&self, rank: usize) -> Option<u64> {
+            self.issued[rank].as_ref().map(|i| i.load(Ordering::SeqCst))
+        }
+    }
+
+    /// Events are numbers; the test says which completed. Aborts are
+    /// counted per group, and answer `Busy` while `busy` is positive.
+    #[derive(Default)]
+    struct Fake {
+        done: Mutex<HashSet<u32>>,
+        queries: AtomicUsize,
+        aborts: Mutex<Vec<(Vec<i64>, Abort)>>,
+        busy: AtomicUsize,
+    }
+
+    impl Fake {
+        fn complete(&self, event: u32) {
+            self.done.lock().unwrap().insert(event);
+        }
+        fn aborts(&self) -> Vec<(Vec<i64>, Abort)> {
+            self.aborts.lock().unwrap().clone()
+        }
+    }
+
+    impl EventSource for Fake {
+        type Event = u32;
+        type Group = FakeGroup;
+        fn query(&self, event: u32) -> Query {
+            self.queries.fetch_add(1, Ordering::SeqCst);
+            if self.done.lock().unwrap().contains(&event) {
+                Query::Done
+            } else {
+                Query::Pending
+            }
+        }
+        fn abort(&self, group: &Arc<FakeGroup>) -> Abort {
+            let answer = match self.busy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| b.checked_sub(1)) {
+                Ok(_) => Abort::Busy,
+                Err(_) => Abort::Done,
+            };
+            self.aborts.lock().unwrap().push((group.devices.clone(), answer));
+            answer
+        }
+    }
+
+    const TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// A call of `rank` (its `seq`-th on `group`) on CUDA device `device`
+    /// with events `2 * id` (start) and `2 * id + 1` (end).
+    fn watch(device: i32, id: u32, group: &Arc<FakeGroup>, rank: usize, seq: u64) -> Watch<Fake> {
+        Watch {
+            device,
+            start: 2 * id,
+            end: 2 * id + 1,
+            timeout: TIMEOUT,
+            group: Arc::clone(group),
+            call: CallInfo { op: "all_gather_matmul", site: 7, rank, seq },
+        }
+    }
+
+    fn message_of(core: &Core<Fake>, device: i32) -> String {
+        match core.check(device) {
+            Err(Error::DeadlineExceeded(m)) => m,
+            other => panic!("device {device}: expected DEADLINE_EXCEEDED, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_call_that_completes_in_time_is_dropped_and_aborts_nothing() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let group = FakeGroup::new(&[0, 1], &[Some(1), Some(1)]);
+        core.submit(watch(0, 0, &group, 0, 0));
+        assert!(core.tick(&mut work, t0), "not started: still pending");
+        core.source().complete(0);
+        assert!(core.tick(&mut work, t0 + Duration::from_secs(1)));
+        core.source().complete(1);
+        // Past what would be the deadline had it not completed: it did.
+        assert!(!core.tick(&mut work, t0 + 2 * TIMEOUT), "completed: nothing pending");
+        assert!(core.source().aborts().is_empty());
+        assert_eq!(core.check(0), Ok(()));
+        // Its two events went back to device 0's pool, for the next call.
+        let mut reused = [core.take_event(0), core.take_event(0)];
+        reused.sort();
+        assert_eq!(reused, [Some(0), Some(1)]);
+        assert_eq!((core.take_event(0), core.take_event(1)), (None, None));
+    }
+
+    #[test]
+    fn the_timeout_counts_from_the_start_on_the_device_not_from_the_enqueue() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let group = FakeGroup::new(&[0, 1], &[Some(1), Some(1)]);
+        core.submit(watch(0, 0, &group, 0, 0));
+        // Queued behind other work for longer than the timeout: not late.
+        assert!(core.tick(&mut work, t0 + 3 * TIMEOUT));
+        core.source().complete(0);
+        assert!(core.tick(&mut work, t0 + 4 * TIMEOUT));
+        assert!(core.tick(&mut work, t0 + 5 * TIMEOUT - Duration::from_millis(1)));
+        assert!(core.source().aborts().is_empty());
+        assert_eq!(core.check(0), Ok(()));
+        assert!(!core.tick(&mut work, t0 + 5 * TIMEOUT));
+        assert_eq!(core.source().aborts().len(), 1);
+    }
+
+    #[test]
+    fn a_call_past_its_timeout_aborts_its_group_once_and_fails_the_devices_next_call() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        // Rank 1 (device 1, in this process) issued 3 calls on the group;
+        // rank 0 is on its 4th (seq 3), which never completes.
+        let group = FakeGroup::new(&[0, 1], &[Some(4), Some(3)]);
+        core.submit(watch(0, 0, &group, 0, 3));
+        core.source().complete(0);
+        assert!(core.tick(&mut work, t0));
+        assert!(core.tick(&mut work, t0 + TIMEOUT - Duration::from_millis(1)));
+        assert!(core.source().aborts().is_empty());
+        assert_eq!(core.check(0), Ok(()));
+        assert!(!core.tick(&mut work, t0 + TIMEOUT), "expired and aborted: nothing pending");
+        for later in 1..4 {
+            assert!(!core.tick(&mut work, t0 + later * TIMEOUT));
+        }
+        assert_eq!(core.source().aborts(), vec![(vec![0, 1], Abort::Done)], "one abort of the group");
+        assert_eq!(core.check(1), Ok(()), "device 1 had no call of the group pending");
+
+        let m = message_of(&core, 0);
+        for part in [
+            "earlier commfuse call on CUDA device 0 timed out on the device",
+            "all_gather_matmul (call site 7), rank 0 of the group [0, 1]",
+            "call 4 on this group",
+            "within 10.0 s",
+            "rank 0 (mesh device 0, this call): still running on its device",
+            "rank 1 (mesh device 1): had not issued it (it issued 3 call(s) on this group)",
+        ] {
+            assert!(m.contains(part), "{part:?} not in {m:?}");
+        }
+        assert_eq!(core.check(0), Ok(()), "reported once");
+        // The expired call's events are back in the pool.
+        assert!(core.take_event(0).is_some() && core.take_event(0).is_some());
+    }
+
+    #[test]
+    fn a_busy_abort_is_retried_until_done_and_never_after() {
+        let core = Core::new(Fake::default());
+        core.source().busy.store(2, Ordering::SeqCst);
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let group = FakeGroup::new(&[3, 2], &[Some(1), Some(0)]);
+        core.submit(watch(3, 0, &group, 0, 0));
+        core.source().complete(0);
+        core.tick(&mut work, t0);
+        assert!(core.tick(&mut work, t0 + TIMEOUT), "the abort was busy: retried at the next poll");
+        // The failure is recorded at once, whatever the abort's progress.
+        assert!(message_of(&core, 3).contains("rank 1 (mesh device 2): had not issued it"));
+        assert!(core.tick(&mut work, t0 + TIMEOUT), "busy again");
+        assert!(!core.tick(&mut work, t0 + TIMEOUT), "done");
+        assert!(!core.tick(&mut work, t0 + 2 * TIMEOUT));
+        let answers: Vec<Abort> = core.source().aborts().into_iter().map(|(_, a)| a).collect();
+        assert_eq!(answers, vec![Abort::Busy, Abort::Busy, Abort::Done]);
+    }
+
+    #[test]
+    fn several_devices_and_groups_pending_at_once_fail_only_where_their_group_expired() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let fine = FakeGroup::new(&[0, 1], &[Some(1), Some(1)]);
+        // Both ranks of `stuck` (devices 4 and 5) are here and blocked on
+        // their first call; rank 1 started 2 s after rank 0, and rank 0 has
+        // a second call queued behind the first.
+        let stuck = FakeGroup::new(&[4, 5], &[Some(2), Some(1)]);
+        // A group spanning processes: rank 1 lives elsewhere.
+        let spanning = FakeGroup::new(&[6, 9], &[Some(1), None]);
+        core.submit(watch(0, 0, &fine, 0, 0));
+        core.submit(watch(1, 1, &fine, 1, 0));
+        core.submit(watch(4, 2, &stuck, 0, 0));
+        core.submit(watch(4, 3, &stuck, 0, 1));
+        core.submit(watch(5, 4, &stuck, 1, 0));
+        core.submit(watch(6, 5, &spanning, 0, 0));
+        for e in [0, 2, 4, 10] {
+            core.source().complete(e);
+        }
+        core.tick(&mut work, t0);
+        core.source().complete(8);
+        core.tick(&mut work, t0 + Duration::from_secs(2));
+        core.source().complete(1);
+        core.source().complete(3);
+        core.tick(&mut work, t0 + Duration::from_secs(3));
+        assert_eq!((core.check(0), core.check(1)), (Ok(()), Ok(())));
+        // Rank 0 of `stuck` and the spanning call are late; rank 1 of
+        // `stuck` is not yet, but its group goes with rank 0's.
+        assert!(!core.tick(&mut work, t0 + TIMEOUT), "every call done or expired");
+        let mut aborted: Vec<Vec<i64>> = core.source().aborts().into_iter().map(|(g, _)| g).collect();
+        aborted.sort();
+        assert_eq!(aborted, vec![vec![4, 5], vec![6, 9]]);
+        assert!(!core.tick(&mut work, t0 + 2 * TIMEOUT));
+        assert_eq!(core.source().aborts().len(), 2);
+
+        let m4 = message_of(&core, 4);
+        assert!(m4.contains("rank 0 of the group [4, 5]") && m4.contains("call 1 on this group"), "{m4}");
+        assert!(m4.contains("rank 1 (mesh device 5): still running on its device"), "{m4}");
+        assert!(m4.contains("1 later call(s) on this device were aborted too"), "{m4}");
+        let m5 = message_of(&core, 5);
+        assert!(m5.contains("rank 1 of the group [4, 5]") && m5.contains("rank 0 (mesh device 4)"), "{m5}");
+        let m6 = message_of(&core, 6);
+        assert!(m6.contains("rank 1 (mesh device 9): in another process (not known here)"), "{m6}");
+        assert!(!m6.contains("aborted too"), "{m6}");
+        for device in [0, 1, 4, 5, 6] {
+            assert_eq!(core.check(device), Ok(()), "device {device}");
+        }
+    }
+
+    #[test]
+    fn a_call_queued_behind_the_stuck_one_is_reported_as_never_started() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let group = FakeGroup::new(&[0, 1], &[Some(2), Some(2)]);
+        // Rank 1's call 2 is queued behind its stuck call 1 (another group's).
+        let other = FakeGroup::new(&[1, 2], &[Some(1), Some(0)]);
+        core.submit(watch(1, 0, &other, 0, 0));
+        core.submit(watch(1, 1, &group, 1, 1));
+        core.submit(watch(0, 2, &group, 0, 0));
+        core.submit(watch(0, 3, &group, 0, 1));
+        for e in [0, 4, 5, 6] {
+            core.source().complete(e);
+        }
+        core.tick(&mut work, t0);
+        core.tick(&mut work, t0 + TIMEOUT);
+        let m = message_of(&core, 0);
+        assert!(m.contains("rank 0 of the group [0, 1]") && m.contains("call 2 on this group"), "{m}");
+        assert!(m.contains("rank 1 (mesh device 1): issued, but queued on its device behind other work"), "{m}");
+        // Device 1's call of `other` expired too, so device 1 fails for
+        // that one, the earliest, with the queued call of `group` after it.
+        let m1 = message_of(&core, 1);
+        assert!(m1.contains("of the group [1, 2]") && m1.contains("1 later call(s)"), "{m1}");
+    }
+
+    /// The thread: no polls while nothing is pending, modest polling while a
+    /// call is, parked again once it completed; stopped on drop.
+    #[test]
+    fn the_thread_parks_when_nothing_is_pending_and_polls_at_an_interval_otherwise() {
+        let dog = Watchdog::start(Fake::default()).unwrap();
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(dog.polls(), 0, "an idle watchdog never polls");
+
+        let group = FakeGroup::new(&[0, 1], &[Some(1), Some(1)]);
+        dog.submit(watch(0, 0, &group, 0, 0));
+        let window = Duration::from_millis(200);
+        std::thread::sleep(window);
+        let polls = dog.polls();
+        let most = (window.as_millis() / POLL_INTERVAL.as_millis()) as u64 + 5;
+        assert!((3..=most).contains(&polls), "{polls} polls in {window:?} (interval {POLL_INTERVAL:?})");
+
+        dog.source().complete(0);
+        dog.source().complete(1);
+        let t = Instant::now();
+        while dog.take_event(0).is_none() {
+            assert!(t.elapsed() < Duration::from_secs(10), "the completed call was never dropped");
+            std::thread::sleep(POLL_INTERVAL);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        let parked = dog.polls();
+        let queries = dog.source().queries.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(dog.polls(), parked, "parked again once nothing is pending");
+        assert_eq!(dog.source().queries.load(Ordering::SeqCst), queries);
+        assert!(dog.source().aborts().is_empty());
+    }
+
+    /// End to end through the thread: a call that never completes fails the
+    /// device's next call, within the timeout plus a few polls.
+    #[test]
+    fn the_thread_expires_a_stuck_call() {
+        let dog = Watchdog::start(Fake::default()).unwrap();
+        let group = FakeGroup::new(&[0, 1], &[Some(1), Some(0)]);
+        dog.source().complete(0);
+        let mut w = watch(0, 0, &group, 0, 0);
+        w.timeout = Duration::from_millis(30);
+        let t = Instant::now();
+        dog.submit(w);
+        loop {
+            match dog.check(0) {
+                Ok(()) => assert!(t.elapsed() < Duration::from_secs(10), "never expired"),
+                Err(e) => {
+                    assert!(matches!(e, Error::DeadlineExceeded(_)) && e.message().contains("had not issued it"));
+                    break;
+                }
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        let t = Instant::now();
+        while dog.source().aborts().is_empty() {
+            assert!(t.elapsed() < Duration::from_secs(10), "never aborted");
+            std::thread::sleep(POLL_INTERVAL);
+        }
+        assert_eq!(dog.source().aborts(), vec![(vec![0, 1], Abort::Done)]);
+    }
+}

@@ -6,9 +6,11 @@ set so that T_comm is a given multiple of T_compute.
 
 For each (op, N, shape, dtype, link, schedule) it measures the median time of
 one jitted step over all devices (after a warm-up, on random inputs) and its
-spread (interquartile range), and reports:
-- T_compute: the same local matmuls with no communication (each device runs
-  its whole share as one commfuse GEMM, over a mesh axis of size 1);
+spread (interquartile range), timing the schedules of one case round-robin
+so that the machine's slow spells hit them alike, and reports:
+- T_compute: the same local matmuls with no communication: each device's N
+  blocks as N commfuse GEMMs or as one, whichever is faster, over a mesh
+  axis of size 1, timed in the same round-robin;
 - T_comm: what the link model charges one device for the collective (for
   real links: the cost model's in-process estimate);
 - the floor max(T_compute, T_comm), the exposed communication
@@ -52,16 +54,22 @@ LINKS = [("real", None, "switch", None), ("0.75x", 0.75, "switch", None), ("1x",
          ("2x", 2.0, "switch", None), ("ring-2x", 2.0, "ring", ("ring", "bidirectional"))]
 
 
-def _median_and_spread(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def _interleaved(programs, reps):
+    """{name: (median, interquartile range)} of `programs` ({name: (fn, args)}),
+    each compiled and warmed up first, then timed round-robin `reps` times: a
+    slow spell of this shared machine then hits every program alike instead
+    of whichever was being timed."""
+    for fn, args in programs.values():
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    times = np.array(times)
-    return float(np.median(times)), float(np.percentile(times, 75) - np.percentile(times, 25))
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in programs}
+    for _ in range(reps):
+        for name, (fn, args) in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: (float(np.median(t)), float(np.percentile(t, 75) - np.percentile(t, 25)))
+            for name, t in times.items()}
 
 
 def _schedule_kwargs(name, extra):
@@ -81,13 +89,22 @@ def _program(op, mesh, name, extra):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x"))), specs
 
 
-def _compute_only(op, devices):
-    """Each device's share of the products as one commfuse GEMM, over an axis of size 1 (no communication)."""
+def _compute_only(op, devices, m, x, w):
+    """The products each device computes, with no communication, two ways:
+    its N blocks of m rows as N commfuse GEMMs (as the ring schedules run
+    them), and as one GEMM of N m rows; both over a mesh axis of size 1.
+    T_compute is the faster. {name: (fn, args)}."""
     mesh = jax.make_mesh((len(devices), 1), ("d", "one"), devices=devices)
     fused = getattr(commfuse, op)
-    fn = jax.jit(jax.shard_map(lambda a, b: fused(a, b, "one"), mesh=mesh, in_specs=(P(), P()),
-                                 out_specs=P(("d", "one"))))
-    return fn, mesh
+
+    def blocks(a, b):
+        return jax.numpy.concatenate([fused(a[i * m:(i + 1) * m], b, "one") for i in range(a.shape[0] // m)])
+
+    args = _put(mesh, (x, w), (P(), P()))
+    out = {}
+    for name, body in (("compute:blocks", blocks), ("compute:whole", lambda a, b: fused(a, b, "one"))):
+        out[name] = (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(("d", "one")))), args)
+    return out
 
 
 def _put(mesh, arrays, specs):
@@ -122,55 +139,60 @@ def run(quick: bool, out_dir: str, reps: int):
     rng = np.random.default_rng(0)
     devices = jax.devices()
     ranks_list = [4] if quick else [4, 8]
-    # (rows per block m, contraction k, columns): one device's block is m x k.
-    shapes = [(256, 512, 1024)] if quick else [(256, 512, 1024), (512, 1024, 512), (256, 1024, 2048)]
+    # (rows M, contraction k, columns): each device multiplies M rows in all,
+    # N blocks of m = M / N rows (AG: its own and N-1 received; RS: the
+    # partials of all N blocks), so the work per device is the same for N = 4 and 8.
+    shapes = [(1024, 512, 1024)] if quick else [(1024, 512, 1024), (2048, 512, 512), (1024, 1024, 1024)]
     dtypes = [np.float32] if quick else [np.float32, np.dtype("bfloat16")]
     rows = []
     for op in OPS:
         for n in ranks_list:
             mesh = jax.make_mesh((n,), ("x",), devices=devices[:n])
-            for (m, k, cols) in shapes:
+            for (total, k, cols) in shapes:
+                m = total // n
                 for dtype in dtypes:
                     os.environ.pop(LINK_VAR, None)
                     x = rng.uniform(-1, 1, (n * m, k)).astype(dtype)  # AG: global x; RS: each device's x
                     w = rng.uniform(-1, 1, (k, cols)).astype(dtype)
-                    compute_fn, compute_mesh = _compute_only(op, devices[:n])
-                    t_compute, _ = _median_and_spread(compute_fn, _put(compute_mesh, (x, w), (P(), P())), reps)
-                    rate = _calibrated_rate(op, n, m, k, cols, dtype, t_compute)
+                    compute = _compute_only(op, devices[:n], m, x, w)
+                    # The link model's bandwidth is set from a first measurement of T_compute.
+                    t_set = min(t for t, _ in _interleaved(compute, 3).values())
                     comm_bytes = _comm_bytes(op, n, m, k, cols, dtype)
-                    times = {}
                     for link, ratio, topology, only in LINKS:
                         if ratio is None:
                             os.environ.pop(LINK_VAR, None)
                             spec = "cpu_here"
                         else:
-                            gbps = comm_bytes / max(ratio * t_compute - (n - 1) * LATENCY_US * 1e-6, 1e-9) / 1e9
+                            gbps = comm_bytes / max(ratio * t_set - (n - 1) * LATENCY_US * 1e-6, 1e-9) / 1e9
                             text = f"gbytes_per_s={gbps:.6f},latency_us={LATENCY_US},topology={topology}"
                             os.environ[LINK_VAR] = text
                             spec = f"cpu_here:{text}"
-                        model = _model(op, n, m, k, cols, dtype, spec, rate)
-                        t_comm = model["t_comm"] if ratio is None else ratio * t_compute
-                        floor = max(t_compute, t_comm)
+                        programs = dict(compute)
                         for name, extra in SCHEDULES:
                             if (only and name not in only) or (name == "xla" and ratio is not None):
                                 continue  # the link model throttles commfuse's transport only
                             fn, specs = _program(op, mesh, name, extra)
-                            t, spread = _median_and_spread(fn, _put(mesh, (x, w), specs), reps)
-                            times[(link, name)] = t
+                            programs[name] = (fn, _put(mesh, (x, w), specs))
+                        measured = _interleaved(programs, reps)
+                        t_compute = min(measured.pop("compute:blocks")[0], measured.pop("compute:whole")[0])
+                        rate = _calibrated_rate(op, n, m, k, cols, dtype, t_compute)
+                        model = _model(op, n, m, k, cols, dtype, spec, rate)
+                        t_comm = model["t_comm"] if ratio is None else ratio * t_set
+                        floor = max(t_compute, t_comm)
+                        for name, (t, spread) in measured.items():
                             ideal = model["schedules"].get(model["choice"] if name == "auto" else name)
                             rows.append({
-                                "op": op, "N": n, "shape": f"{m}x{k}x{cols}", "dtype": np.dtype(dtype).name,
+                                "op": op, "N": n, "shape": f"{total}x{k}x{cols}", "dtype": np.dtype(dtype).name,
                                 "link": link, "schedule": name, "median_ms": t * 1e3, "spread_ms": spread * 1e3,
                                 "t_compute_ms": t_compute * 1e3, "t_comm_ms": t_comm * 1e3, "floor_ms": floor * 1e3,
                                 "exposed_ms": (t - t_compute) * 1e3, "vs_floor": t / floor,
-                                "vs_sequential": t / times[(link, "sequential")] if (link, "sequential") in times
-                                else None,
-                                "vs_xla": t / times[("real", "xla")] if ratio is None else None,
+                                "vs_sequential": t / measured["sequential"][0] if "sequential" in measured else None,
+                                "vs_xla": t / measured["xla"][0] if "xla" in measured else None,
                                 "ideal_ms": None if ideal is None else ideal * 1e3,
                                 "model_err": None if ideal is None or name == "xla" else t / ideal - 1,
                                 "auto_picked": model["choice"] if name == "auto" else "",
                             })
-                            print(f"{op:22s} N={n} {m}x{k}x{cols} {np.dtype(dtype).name:8s} link={link:7s} "
+                            print(f"{op:22s} N={n} {total}x{k}x{cols} {np.dtype(dtype).name:8s} link={link:7s} "
                                   f"{name:14s} {t * 1e3:8.2f} ms  x floor {t / floor:5.2f}", flush=True)
     os.environ.pop(LINK_VAR, None)
     os.makedirs(out_dir, exist_ok=True)

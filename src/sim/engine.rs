@@ -93,8 +93,13 @@ impl Flight {
     }
 }
 
+/// The step id of work that no step waits for (an exchange's host copies).
+const BACKGROUND: usize = usize::MAX;
+
 /// Runs `plans` (`plans[r]` is rank r's) together. `work_s(rank, step)` is the
-/// time a GEMM or sum takes alone; `bytes(rank, buf)` the size of a sent buffer.
+/// time a GEMM or sum takes alone, and for an exchange the processor time it
+/// costs besides its transfers (host copies; 0 where copy engines move the
+/// bytes); `bytes(rank, buf)` the size of a sent buffer.
 pub fn simulate(
     plans: &[Plan],
     link: &Link,
@@ -187,6 +192,12 @@ pub fn simulate(
                                     }
                                 }
                                 complete = outstanding[r][id] == 0;
+                                // Processor time the exchange costs (host copies), which
+                                // competes with the GEMMs but holds up no step.
+                                let copies = work_s(r, step);
+                                if copies > 0.0 {
+                                    work.push((r, BACKGROUND, copies));
+                                }
                             }
                             _ => {
                                 let s = work_s(r, step).max(0.0);
@@ -313,7 +324,7 @@ pub fn simulate(
             }
         }
         for (r, id) in ended {
-            if !done[r][id] {
+            if id != BACKGROUND && !done[r][id] {
                 done[r][id] = true;
                 spans[r][id].1 = now;
                 finished += 1;

@@ -64,6 +64,13 @@ pub fn step_seconds(problem: &Problem, plan: &Plan, step: &Step, machine: &Machi
             .map(|g| c.gemm_s(g.dst.rows, g.lhs.1.cols, g.dst.cols, problem.input, acc, *accumulate))
             .sum(),
         Action::Sum { terms, dst } => c.sum_s(extent(problem, plan, *dst).0, terms.len(), acc),
+        // Host devices copy each message out (send) and in (receive) on the
+        // shared processors: a read and a write of its bytes each.
+        Action::Exchange { sends, recvs } if machine.shared_processors.is_some() => {
+            let bytes: usize =
+                sends.iter().chain(recvs).map(|t| extent(problem, plan, t.buf)).map(|(e, s)| e * s).sum();
+            2.0 * bytes as f64 / c.memory_bytes_per_s
+        }
         Action::Exchange { .. } => 0.0,
     }
 }
@@ -77,8 +84,8 @@ pub fn predict(problem: &Problem, schedule: Schedule, n: usize, machine: &Machin
         link.bytes_per_s = f64::INFINITY;
         link.latency_s = 0.0;
     }
-    let work = |r: usize, step: &Step| match mode {
-        Mode::CommOnly => 0.0,
+    let work = |r: usize, step: &Step| match (mode, &step.action) {
+        (Mode::CommOnly, _) | (Mode::ComputeOnly, Action::Exchange { .. }) => 0.0,
         _ => step_seconds(&cut, &plans[r], step, machine),
     };
     let bytes = |r: usize, buf: Buf| {

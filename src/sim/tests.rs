@@ -340,3 +340,35 @@ fn sliced_schedules_match_the_slicing_formula() {
         }
     }
 }
+
+/// Tile-level triggering: when communication dominates, only one tile's
+/// compute is left outside the transfers (the first, RS; the last, AG), where
+/// the per-step ring leaves a whole block's; when compute dominates, both
+/// take the N block GEMMs.
+#[test]
+fn tiles_leave_one_tile_of_compute_exposed() {
+    let (m, kk, cols) = (64i64, 128i64, 96i64);
+    let latency = 1e-6;
+    for n in [2usize, 4, 8] {
+        let ag = ag(n, m, kk, cols);
+        let rs = problem(OpKind::MatmulReduceScatter, n, &[n as i64 * m, kk], &[kk, cols], &[m, cols]);
+        let t_c = 2.0 * (m * kk * cols) as f64 / 1e9;
+        for (p, bytes) in [(&ag, m * kk * 4), (&rs, m * cols * 4)] {
+            for tiles in [2usize, 4, 8] {
+                // Comm-bound: each block's transfer takes 3 t_c.
+                let machine = synthetic(1e9, bytes as f64 / (3.0 * t_c), latency, Topology::Switch);
+                let t_comm = (n - 1) as f64 * (3.0 * t_c + tiles as f64 * latency);
+                let ring = predict(p, Schedule::Ring, n, &machine, Mode::Full).unwrap().makespan;
+                let tiled = predict(p, Schedule::Tiled { tiles }, n, &machine, Mode::Full).unwrap().makespan;
+                let label = format!("{} n={n} tiles={tiles}", p.kind.name());
+                assert!(tiled >= t_comm * (1.0 - 1e-9), "{label}: {tiled} below T_comm {t_comm}");
+                assert!(tiled <= t_comm + t_c / tiles as f64 * 1.01, "{label}: {tiled} vs {t_comm} + one tile");
+                assert!(tiled < ring, "{label}: tiled {tiled} vs ring {ring}");
+                // Compute-bound: each block's transfer takes t_c / 4.
+                let machine = synthetic(1e9, bytes as f64 / (0.25 * t_c), latency, Topology::Switch);
+                let tiled = predict(p, Schedule::Tiled { tiles }, n, &machine, Mode::Full).unwrap().makespan;
+                assert!(close(tiled, n as f64 * t_c, 0.02), "{label}: {tiled} vs N t_c {}", n as f64 * t_c);
+            }
+        }
+    }
+}

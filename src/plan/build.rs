@@ -9,21 +9,16 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
     let schedule = schedule.resolve(n, pattern);
     let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None };
     let sequential = schedule == Schedule::Sequential;
-    if let Schedule::Sliced { slices } = schedule {
-        assert!(slices >= 1, "a sliced schedule needs at least one slice");
+    if schedule.cuts_blocks() {
+        let k = schedule.slices();
+        assert!(k >= 1, "{schedule:?} needs at least one chunk");
+        let tiled = matches!(schedule, Schedule::Tiled { .. });
         match pattern {
-            Pattern::Gather { accumulate: false } => b.gather_sliced(slices),
-            Pattern::Scatter => b.scatter_sliced(slices),
-            other => panic!("no sliced plan for {other:?}: only row gathers and scatters are sliced"),
-        }
-        return Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps };
-    }
-    if let Schedule::Tiled { tiles } = schedule {
-        assert!(tiles >= 1, "a tiled schedule needs at least one tile");
-        match pattern {
-            Pattern::Gather { accumulate: false } => b.gather_tiled(tiles),
-            Pattern::Scatter => b.scatter_tiled(tiles),
-            other => panic!("no tiled plan for {other:?}: only row gathers and scatters are tiled"),
+            Pattern::Gather { accumulate: false } if tiled => b.gather_tiled(k),
+            Pattern::Gather { accumulate: false } => b.gather_sliced(k),
+            Pattern::Scatter if tiled => b.scatter_tiled(k),
+            Pattern::Scatter => b.scatter_sliced(k),
+            other => panic!("no {schedule:?} plan for {other:?}: only row gathers and scatters are cut into chunks"),
         }
         return Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps };
     }

@@ -236,8 +236,9 @@ pub unsafe extern "C" fn commfuse_explain(
             }
         };
         let machine = unsafe { std::ffi::CStr::from_ptr(machine) }.to_str().map_err(|e| e.to_string())?;
-        let query = crate::sim::explain::Query {
+        let call = CallShapes {
             kind,
+            schedule: 0,
             ranks,
             dimension,
             x: dims(0),
@@ -245,6 +246,9 @@ pub unsafe extern "C" fn commfuse_explain(
             out: dims(2),
             input: codes[0],
             output: codes[1],
+        };
+        let query = crate::sim::explain::Query {
+            call,
             machine,
             gemm_gflops: (gemm_gflops > 0.0).then_some(gemm_gflops),
             cores: std::thread::available_parallelism().map_or(1, |p| p.get()),

@@ -106,6 +106,7 @@ pub fn slice(problem: Problem, schedule: Schedule) -> Result<Problem> {
 }
 
 /// The shapes of one call as Python describes them at trace time.
+#[derive(Clone, Copy)]
 pub struct CallShapes<'a> {
     pub kind: i64,
     pub schedule: i64,

@@ -6,16 +6,10 @@ use crate::error::Result;
 use crate::plan::{self, Action, Buf, Lane};
 use std::fmt::Write;
 
-/// One call as Python describes it (kind and dtype codes as in `ops::CallShapes`).
+/// One call as Python describes it (its schedule is ignored: every one is
+/// predicted), and the machine to predict it on.
 pub struct Query<'a> {
-    pub kind: i64,
-    pub ranks: i64,
-    pub dimension: i64,
-    pub x: &'a [i64],
-    pub w: &'a [i64],
-    pub out: &'a [i64],
-    pub input: u32,
-    pub output: u32,
+    pub call: crate::ops::CallShapes<'a>,
     /// A preset name, optionally with overrides (`Machine::from_spec`).
     pub machine: &'a str,
     pub gemm_gflops: Option<f64>,
@@ -84,18 +78,7 @@ fn number(v: f64) -> String {
 /// candidate, the choice (what `schedule="auto"` runs, see `auto_schedule`),
 /// and rank 0's plan under it (steps per lane with their predicted start and end).
 pub fn explain_json(q: &Query) -> Result<String> {
-    let shapes = crate::ops::CallShapes {
-        kind: q.kind,
-        schedule: 0,
-        ranks: q.ranks,
-        dimension: q.dimension,
-        x: q.x,
-        w: q.w,
-        out: q.out,
-        input: q.input,
-        output: q.output,
-    };
-    let (kind, n, problem) = shapes.problem()?;
+    let (kind, n, problem) = q.call.problem()?;
     let input = problem.input;
     let machine = Machine::from_spec(q.machine, q.gemm_gflops, q.cores)?;
     let choice = choose(&problem, n, &machine)?;

@@ -269,8 +269,9 @@ fn machine_specs_parse_with_overrides_and_name_their_errors() {
 
 #[test]
 fn explain_renders_every_number() {
-    let q = explain::Query {
+    let call = crate::ops::CallShapes {
         kind: 0,
+        schedule: 0,
         ranks: 4,
         dimension: 0,
         x: &[256, 512],
@@ -278,17 +279,15 @@ fn explain_renders_every_number() {
         out: &[1024, 256],
         input: 11,
         output: 11,
-        machine: "h100_nvlink",
-        gemm_gflops: None,
-        cores: 2,
     };
+    let q = explain::Query { call, machine: "h100_nvlink", gemm_gflops: None, cores: 2 };
     let json = explain::explain_json(&q).unwrap();
     for key in
         ["\"schedules\"", "\"sequential\"", "\"ring\"", "\"bidirectional\"", "\"sliced(4)\"", "\"floor\"", "\"plan\""]
     {
         assert!(json.contains(key), "{key} missing in {json}");
     }
-    let bad = explain::Query { kind: 42, ..q };
+    let bad = explain::Query { call: crate::ops::CallShapes { kind: 42, ..call }, ..q };
     assert!(explain::explain_json(&bad).unwrap_err().to_string().contains("kind"));
 }
 

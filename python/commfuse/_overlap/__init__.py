@@ -1,0 +1,177 @@
+"""commfuse.overlap: rewrite plain collective + matmul pairs in shard_map bodies into fused ops.
+
+``overlap(f)`` returns a function with ``f``'s signature and results. Calling
+it traces ``f`` to a jaxpr, then evaluates that jaxpr with an interpreter that
+re-creates every ``shard_map`` with a rewritten body in which these pairs are
+replaced by commfuse's fused, overlapped ops:
+
+* ``all_gather`` (tiled) whose result only feeds one ``dot_general``
+  -> ``all_gather_matmul`` (the gathered operand is the activation) or
+  ``matmul_all_gather`` (the gathered operand is the 2-D weight);
+* ``dot_general`` whose result only feeds a ``reduce_scatter`` (``psum_scatter``)
+  -> ``matmul_reduce_scatter``;
+* ``all_to_all`` (tiled) only feeding a ``dot_general`` -> ``all_to_all_matmul``,
+  and ``dot_general`` only feeding an ``all_to_all`` -> ``matmul_all_to_all``.
+
+A ``dot_general`` qualifies when it is ``x @ w`` up to transposes: no batch
+dimensions, one contracting dimension, and one operand (``w``) 2-D. Transposes
+are inserted where the contracting dimension of ``x`` is not its last one, where
+``w`` contracts its last dimension, or where ``w`` is the left operand.
+Everything else is evaluated unchanged. When a fused op refuses its operands at
+trace time, the original equations are kept and the reason is reported.
+
+Bodies of ``jit``/``closed_call``/``checkpoint`` are interpreted in place, and
+``cond``/``scan``/``while`` are rebuilt with ``lax.switch``/``lax.scan``/
+``lax.while_loop`` around rewritten bodies, unless their predicate varies
+across ranks (ranks could then take different paths, and a fused op waits for
+every rank of its axes). Candidates inside any other higher-order primitive
+(``custom_jvp_call``, ``custom_vjp_call``, ...) are left as they are and
+reported. A pattern may span ``pvary`` casts (JAX inserts them between a dot
+and a ``psum_scatter`` of replicated operands, or on 2-D meshes). If
+re-creating a ``shard_map`` (or a ``scan``/``cond``/``while``) fails for any
+reason, the original is kept and the reason reported.
+
+Outside any trace, the rewritten program runs under ``jax.jit`` (one compiled
+program per argument signature, as ``jax.jit(f)`` would); inside a trace
+(``jax.jit``, ``jax.grad``, ``jax.make_jaxpr``, a ``shard_map`` body) it is
+traced in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from .interpret import _State, _interpret
+
+__all__ = ["overlap"]
+
+
+# ----------------------------------------------------------------------------
+# The public entry point
+# ----------------------------------------------------------------------------
+def _is_dynamic(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def _in_manual_context() -> bool:
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        return bool(not mesh.empty and mesh.manual_axes)
+    except Exception:  # noqa: BLE001 - older JAX without abstract meshes
+        return False
+
+
+def overlap(fun=None, *, report: bool = False, logger=None):
+    """Returns ``fun`` with its shard_map collective/matmul pairs fused into commfuse ops.
+
+    The result has ``fun``'s signature and results. Each call traces ``fun``
+    (``jax.make_jaxpr``) and re-creates its ``shard_map`` bodies with these
+    pairs replaced by fused, overlapped ops:
+
+    ==========================================  ===================================
+    pattern (inside ``jax.shard_map``)            becomes
+    ==========================================  ===================================
+    ``all_gather(x, tiled=True) @ w``             ``commfuse.all_gather_matmul``
+    ``x @ all_gather(w, tiled=True)``             ``commfuse.matmul_all_gather``
+    ``psum_scatter(x @ w, tiled=True)``           ``commfuse.matmul_reduce_scatter``
+    ``all_to_all(x, tiled=True) @ w``             ``commfuse.all_to_all_matmul``
+    ``all_to_all(x @ w, tiled=True)``             ``commfuse.matmul_all_to_all``
+    ==========================================  ===================================
+
+    where the collective's result is used only by the dot (or the dot's only by
+    the collective), and the ``dot_general`` is ``x @ w`` up to transposes with
+    ``w`` 2-D (``x`` may carry any number of leading dims). Anything else runs
+    unchanged.
+
+    ``report=True`` prints one line per rewrite and per collective (or dot next
+    to one) left unchanged, with the reason; ``logger`` (a ``logging.Logger``)
+    gets the same lines through ``logger.info``. The returned function keeps
+    the lines of its latest trace in its ``last_report`` attribute.
+
+    Composes with ``jax.jit`` (either way round) and ``jax.grad``.
+    """
+    if fun is None:
+        return functools.partial(overlap, report=report, logger=logger)
+    if not callable(fun):
+        raise TypeError(f"commfuse.overlap: expected a callable, got {fun!r}")
+
+    jitted_cache: dict = {}
+
+    def emit(lines):
+        wrapper.last_report = list(lines)
+        for line in lines:
+            if report:
+                print(line)
+            if logger is not None:
+                logger.info(line)
+
+    def rewritten(treedef, static, n_leaves, state, out_box, *dyn):
+        """Traces ``fun`` and evaluates the rewritten program on ``dyn`` (the array leaves)."""
+        static_at = {j: leaf for j, _, leaf in static}
+
+        def flat_fun(*dyn_args):
+            it = iter(dyn_args)
+            args, kwargs = jax.tree.unflatten(
+                treedef, [static_at[j] if j in static_at else next(it) for j in range(n_leaves)])
+            out_leaves, out_tree = jax.tree.flatten(fun(*args, **kwargs))
+            # Leaves that are no arrays (a Python int, a string) come back as they are.
+            out_box[:] = [out_tree, {j: leaf for j, leaf in enumerate(out_leaves) if not _is_dynamic(leaf)}]
+            return [leaf for leaf in out_leaves if _is_dynamic(leaf)]
+
+        closed = jax.make_jaxpr(flat_fun)(*dyn)
+        state.__init__()
+        manual = _in_manual_context()  # fun is (part of) a shard_map body itself
+        outs = _interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
+        if not state.shard_maps and not manual:
+            state.lines.append("overlap: the traced function has no shard_map; nothing was rewritten")
+        state.fresh = True
+        return outs
+
+    def unflatten(out_box, outs):
+        out_tree, static_out = out_box
+        it = iter(outs)
+        n = out_tree.num_leaves
+        return jax.tree.unflatten(out_tree, [static_out[j] if j in static_out else next(it) for j in range(n)])
+
+    @functools.wraps(fun)
+    def wrapper(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
+        # Python scalars, strings, ... are static, as if named in jit's static_argnums.
+        static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
+            # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
+            state, out_box = _State(), [None, None]
+            outs = rewritten(treedef, static, len(leaves), state, out_box, *dyn)
+            emit(state.lines)
+            return unflatten(out_box, outs)
+        # Concrete arguments: one jitted program per static part of the call.
+        try:
+            key = (treedef, static)
+            hash(key)
+        except TypeError:  # unhashable static leaves: no reuse
+            key = None
+        entry = jitted_cache.get(key) if key is not None else None
+        if entry is None:
+            state, out_box = _State(), [None, None]
+            state.fresh = False
+            fn = jax.jit(functools.partial(rewritten, treedef, static, len(leaves), state, out_box))
+            entry = (fn, state, out_box)
+            if key is not None:
+                if len(jitted_cache) >= 16:
+                    jitted_cache.pop(next(iter(jitted_cache)))
+                jitted_cache[key] = entry
+        fn, state, out_box = entry
+        outs = fn(*dyn)
+        if state.fresh:  # traced (again) by this call
+            state.fresh = False
+            emit(state.lines)
+        else:
+            wrapper.last_report = list(state.lines)
+        return unflatten(out_box, outs)
+
+    wrapper.last_report = []
+    return wrapper

@@ -165,3 +165,9 @@ def test_auto_runs_the_schedule_the_model_picks(monkeypatch, spec, op, x, w, wan
     assert r["choice"] == want
     code = {"bidirectional": 2}.get(want, 5 | (8 << 8))
     assert _lowered_schedule_codes(op, x, w, n) == [code]
+
+
+def test_a_bad_machine_description_for_auto_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_MACHINE", "h100-nvlink")  # '-' for '_'
+    with pytest.raises(ValueError, match=r"COMMFUSE_MACHINE.*unknown machine \"h100-nvlink\""):
+        _lowered_schedule_codes(commfuse.all_gather_matmul, (4 * 64, 128), (128, 64), 4)

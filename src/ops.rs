@@ -37,7 +37,7 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
         frame.attr_i64("dimension")?,
         group.size(),
     )?;
-    let problem = slice(problem, schedule)?;
+    let problem = problem.for_schedule(schedule)?;
     let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
     let timeout = crate::config::timeout()?;
 
@@ -100,11 +100,6 @@ pub fn kind(code: i64) -> Result<OpKind> {
     OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))
 }
 
-/// The problem as a schedule sees it (sliced and tiled schedules cut blocks into chunks).
-pub fn slice(problem: Problem, schedule: Schedule) -> Result<Problem> {
-    problem.for_schedule(schedule)
-}
-
 /// The shapes of one call as Python describes them at trace time.
 #[derive(Clone, Copy)]
 pub struct CallShapes<'a> {
@@ -145,7 +140,7 @@ impl CallShapes<'_> {
 pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
     let (kind, ranks, problem) = call.problem()?;
     let schedule = schedule(kind, call.schedule)?;
-    let problem = slice(problem, schedule)?;
+    let problem = problem.for_schedule(schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
     Ok(Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total)
 }

@@ -192,7 +192,11 @@ def auto_schedule_code(kind: int, dim: int, x_shape, w_shape, out_shape, n: int,
 def _auto_code(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate) -> int:
     try:
         choice = _query(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate)["choice"]
-    except ValueError:
+    except ValueError as e:
+        if "argument: machine " in str(e):  # `Machine::from_spec`: a bad description, not an untimeable call
+            source = MACHINE_VAR if os.environ.get(MACHINE_VAR, "").strip() else "COMMFUSE_CPU_LINK"
+            raise ValueError(f"commfuse: schedule='auto' cannot use the machine description from {source}: {e}") \
+                from None
         return 0
     if choice.startswith("tiled("):
         return 5 | (int(choice[len("tiled("):-1]) << 8)

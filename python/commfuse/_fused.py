@@ -172,7 +172,8 @@ def fp8_scales(op: str, x, w, x_scale, w_scale, preferred_element_type):
             raise TypeError(
                 f"commfuse.{op}: fp8 operands need `{name}`, a float32 scalar (the dequantisation factor: "
                 "real value ~= fp8 value * scale)")
-        if jnp.shape(scale) != () or np.dtype(jnp.result_type(scale)) != np.dtype(np.float32):
+        weak = isinstance(scale, (int, float)) and not isinstance(scale, bool)  # a Python number
+        if jnp.shape(scale) != () or not (weak or np.dtype(jnp.result_type(scale)) == np.dtype(np.float32)):
             raise TypeError(
                 f"commfuse.{op}: `{name}` must be a float32 scalar (shape ()), got "
                 f"{jnp.result_type(scale)} of shape {jnp.shape(scale)}")

@@ -126,6 +126,17 @@ def _model(op, n, m, k, cols, dtype, spec, gflops):
     return _explain._query(kind, dim, first, second, out, n, code, code, spec, gflops)
 
 
+def _auto_ran(op, n, m, k, cols, dtype):
+    """The schedule "auto" ran: what it resolves to at trace time, under the link in the environment now."""
+    x = (m, k) if op == "all_gather_matmul" else (n * m, k)
+    code = _explain._DTYPES[np.dtype(dtype).name]
+    kind, dim, first, second, out = _explain._call(op, x, (k, cols), n, 0)
+    picked = _explain.auto_schedule_code(kind, dim, first, second, out, n, code, code)
+    if picked & 0xFF == 5:
+        return f"tiled({picked >> 8})"
+    return {1: "ring", 2: "bidirectional"}.get(picked, "bidirectional" if n > 2 else "ring")
+
+
 def _calibrated_rate(op, n, m, k, cols, dtype, t_compute):
     """The single-thread GEMM rate that makes the model's T_compute the measured one."""
     rate = 50.0
@@ -183,8 +194,9 @@ def run(quick: bool, out_dir: str, reps: int):
                         model = _model(op, n, m, k, cols, dtype, spec, rate)
                         t_comm = model["t_comm"] if ratio is None else ratio * t_set
                         floor = max(t_compute, t_comm)
+                        auto = _auto_ran(op, n, m, k, cols, dtype)
                         for name, (t, spread) in measured.items():
-                            ideal = model["schedules"].get(model["choice"] if name == "auto" else name)
+                            ideal = model["schedules"].get(auto if name == "auto" else name)
                             rows.append({
                                 "op": op, "N": n, "shape": f"{total}x{k}x{cols}", "dtype": np.dtype(dtype).name,
                                 "link": link, "schedule": name, "median_ms": t * 1e3, "spread_ms": spread * 1e3,
@@ -194,7 +206,7 @@ def run(quick: bool, out_dir: str, reps: int):
                                 "vs_xla": t / measured["xla"][0] if "xla" in measured else None,
                                 "ideal_ms": None if ideal is None else ideal * 1e3,
                                 "model_err": None if ideal is None or name == "xla" else t / ideal - 1,
-                                "auto_picked": model["choice"] if name == "auto" else "",
+                                "auto_picked": auto if name == "auto" else "",
                             })
                             print(f"{op:22s} N={n} {total}x{k}x{cols} {np.dtype(dtype).name:8s} link={link:7s} "
                                   f"{name:14s} {t * 1e3:8.2f} ms  x floor {t / floor:5.2f}", flush=True)

@@ -119,7 +119,7 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
     // `None` unless a trace is being recorded (one relaxed load).
     let recording = crate::trace::Recording::begin(plan);
     let start = Instant::now();
-    let run_lane = |lane: Lane, steps: &[&Step]| {
+    let run_steps = |lane: Lane, steps: &[&Step]| {
         let mut log = recording.as_ref().map(|r| r.lane(lane));
         let mut previous = start;
         for step in steps {
@@ -152,6 +152,14 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
             }
         }
     };
+    // A lane that panics fails the call at once, instead of leaving its peers
+    // to wait for the deadline.
+    let run_lane = |lane: Lane, steps: &[&Step]| {
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_steps(lane, steps)));
+        if ran.is_err() {
+            progress.fail(Error::Internal(format!("the {lane:?} lane panicked")));
+        }
+    };
     let (local, others) = programs.split_first().expect("a plan has at least one step");
     match lane_threads::reserve(others.len()) {
         Some(reserved) => reserved.pool().in_place_scope(|scope| {
@@ -181,6 +189,9 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
 /// 2-core host that delayed every comm lane by 1-3 ms, which was exposed.
 /// The pool is fixed-size, and a lane blocks while it waits for peers, so a
 /// call only uses it while enough threads are free; otherwise it spawns.
+/// Lanes must not run rayon work themselves (the GEMMs use
+/// `Parallelism::None`): a nested join on a pool thread could pick up
+/// another call's lane and block on its peers.
 mod lane_threads {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::OnceLock;
@@ -242,5 +253,35 @@ impl<'a> Wait<'a> {
     /// A wait outside an executor run, for tests of backends.
     pub fn for_test(deadline: Instant, cancelled: &'a AtomicBool) -> Wait<'a> {
         Wait { deadline, cancelled, ready: Instant::now() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{plan, Pattern, Schedule};
+
+    /// Multiplies instantly; its exchanges panic.
+    struct PanickingComm;
+
+    impl Backend for PanickingComm {
+        fn matmul(&self, _: usize, _: Buf, _: Buf, _: bool) -> Result<()> {
+            Ok(())
+        }
+        fn sum(&self, _: &[Buf], _: Buf) -> Result<()> {
+            Ok(())
+        }
+        fn exchange(&self, _: &[Transfer], _: &[Transfer], _: &Wait) -> Result<Instant> {
+            panic!("a bug in a backend");
+        }
+    }
+
+    #[test]
+    fn a_panicking_lane_fails_the_call_at_once_instead_of_at_the_deadline() {
+        let p = plan(Pattern::Gather { accumulate: false }, Schedule::Ring, 4, 0);
+        let start = Instant::now();
+        let e = run(&p, &PanickingComm, start + Duration::from_secs(30)).unwrap_err();
+        assert!(e.to_string().contains("Comm lane panicked"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }
 }

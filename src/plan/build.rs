@@ -10,7 +10,7 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
     let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None };
     let sequential = schedule == Schedule::Sequential;
     if schedule.cuts_blocks() {
-        let k = schedule.slices();
+        let k = schedule.chunks();
         assert!(k >= 1, "{schedule:?} needs at least one chunk");
         let tiled = matches!(schedule, Schedule::Tiled { .. });
         match pattern {

@@ -105,7 +105,7 @@ impl Schedule {
 
     /// The chunks each block is cut into: a sliced schedule's slices or a
     /// tiled schedule's tiles, else 1.
-    pub fn slices(self) -> usize {
+    pub fn chunks(self) -> usize {
         match self {
             Schedule::Sliced { slices } => slices,
             Schedule::Tiled { tiles } => tiles,
@@ -113,7 +113,7 @@ impl Schedule {
         }
     }
 
-    /// Whether block indices are fine (`j * slices() + c`), see `Sliced`.
+    /// Whether block indices are fine (`j * chunks() + c`), see `Sliced`.
     pub fn cuts_blocks(self) -> bool {
         matches!(self, Schedule::Sliced { .. } | Schedule::Tiled { .. })
     }

@@ -112,7 +112,7 @@ fn simulate(plans: &[Plan], label: &str) {
     let n = plans.len();
     let pattern = plans[0].pattern;
     let sliced = plans[0].schedule.cuts_blocks();
-    let k = plans[0].schedule.slices();
+    let k = plans[0].schedule.chunks();
     let mut ranks: Vec<RankState> = (0..n)
         .map(|_| RankState { cursor: 0, sent: false, slots: HashMap::new(), out_writes: HashMap::new() })
         .collect();

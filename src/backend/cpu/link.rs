@@ -180,8 +180,9 @@ impl PortTable {
             return (from, from);
         }
         let list = self.busy.entry(port).or_default();
-        // Bookings ended long before this one starts cannot matter any more
-        // (every later booking starts after the current time).
+        // Bookings ended long before this one starts cannot matter any more:
+        // later bookings start at their step's readiness, which is at most
+        // the comm thread's lateness (milliseconds) before the current time.
         let horizon = from.checked_sub(Duration::from_secs(1)).unwrap_or(from);
         list.retain(|&(_, end)| end > horizon);
         let mut left = duration;

@@ -550,7 +550,7 @@ mod tests {
                     let p =
                         Problem::new(*kind, op(x, DType::F8E4M3FN), op(&w, DType::F8E4M3FN), op(out, output), 0, ranks)
                             .unwrap();
-                    let p = crate::ops::slice(p, schedule).unwrap();
+                    let p = p.for_schedule(schedule).unwrap();
                     for rank in 0..ranks {
                         let plan = plan(kind.pattern(), schedule, ranks, rank);
                         let layout = Workspace::layout(&plan, &p.sizes());

@@ -326,7 +326,7 @@ pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Ve
     let (kind, x, w, out) = case;
     let op = |dims| Operand { dims, dtype: DType::F32 };
     let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
-    let problem = crate::ops::slice(problem, schedule).unwrap();
+    let problem = problem.for_schedule(schedule).unwrap();
     on_cpu(&problem, *kind, schedule, n, site)
 }
 
@@ -343,7 +343,7 @@ fn the_cuda_path_computes_what_the_cpu_backend_computes() {
                 schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows
             }
             for schedule in schedules {
-                let problem = crate::ops::slice(problem, schedule).unwrap();
+                let problem = problem.for_schedule(schedule).unwrap();
                 site += 1;
                 let want = reference(&case, schedule, n, site);
                 for reverse in [false, true] {

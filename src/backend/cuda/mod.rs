@@ -116,7 +116,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         frame.attr_i64("dimension")?,
         group.size(),
     )?;
-    let problem = crate::ops::slice(problem, schedule)?;
+    let problem = problem.for_schedule(schedule)?;
     let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
     let layout = Workspace::layout(&plan, &problem.sizes());
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };

@@ -168,7 +168,11 @@ def _eval_remat(params, invals, state, where, manual):
 
 def _eval_scan(params, invals, state, where, manual):
     jaxpr, consts = _closed(params["jaxpr"])
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    if "num_consts" in params:  # jax < 0.11
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+    else:  # jax >= 0.11: `ft_in` holds the flat trees of (consts, carry, xs)
+        consts_tree, carry_tree, _ = params["ft_in"].unpack()
+        n_consts, n_carry = len(consts_tree), len(carry_tree)
     loop_consts = invals[:n_consts]
     init, xs = invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
 

@@ -157,6 +157,19 @@ pub enum Buf {
     OutBlock(usize),
 }
 
+/// The name traces and `commfuse.explain` show: `x`, `x[j]`, `slot{i}`, `out`, `out[j]`.
+impl std::fmt::Display for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Buf::X => write!(f, "x"),
+            Buf::XBlock(j) => write!(f, "x[{j}]"),
+            Buf::Slot(i) => write!(f, "slot{i}"),
+            Buf::Out => write!(f, "out"),
+            Buf::OutBlock(j) => write!(f, "out[{j}]"),
+        }
+    }
+}
+
 /// What a workspace slot holds; its size follows from the shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotKind {

@@ -3,7 +3,7 @@
 use super::model::{auto_schedule, choose, predict, schedule_name, Mode};
 use super::Machine;
 use crate::error::Result;
-use crate::plan::{self, Action, Buf, Lane};
+use crate::plan::{self, Action, Lane};
 use std::fmt::Write;
 
 /// One call as Python describes it (its schedule is ignored: every one is
@@ -17,33 +17,18 @@ pub struct Query<'a> {
     pub cores: usize,
 }
 
-fn buf_name(buf: Buf) -> String {
-    match buf {
-        Buf::X => "x".into(),
-        Buf::XBlock(j) => format!("x[{j}]"),
-        Buf::Slot(i) => format!("slot{i}"),
-        Buf::Out => "out".into(),
-        Buf::OutBlock(j) => format!("out[{j}]"),
-    }
-}
-
 fn action_brief(action: &Action) -> String {
     match action {
         Action::Matmul { block, src, dst, accumulate } => {
-            format!(
-                "matmul b{block} {}{}{}",
-                buf_name(*src),
-                if *accumulate { " +-> " } else { " -> " },
-                buf_name(*dst)
-            )
+            format!("matmul b{block} {}{}{}", src, if *accumulate { " +-> " } else { " -> " }, dst)
         }
         Action::Sum { terms, dst } => {
-            let terms: Vec<String> = terms.iter().map(|b| buf_name(*b)).collect();
-            format!("sum {} -> {}", terms.join("+"), buf_name(*dst))
+            let terms: Vec<String> = terms.iter().map(|b| b.to_string()).collect();
+            format!("sum {} -> {}", terms.join("+"), dst)
         }
         Action::Exchange { sends, recvs } => {
-            let sends: Vec<String> = sends.iter().map(|t| format!("{}->{}", buf_name(t.buf), t.peer)).collect();
-            let recvs: Vec<String> = recvs.iter().map(|t| format!("{}<-{}", buf_name(t.buf), t.peer)).collect();
+            let sends: Vec<String> = sends.iter().map(|t| format!("{}->{}", t.buf, t.peer)).collect();
+            let recvs: Vec<String> = recvs.iter().map(|t| format!("{}<-{}", t.buf, t.peer)).collect();
             format!("exchange send {} recv {}", sends.join(" "), recvs.join(" "))
         }
     }

@@ -281,16 +281,6 @@ pub struct LaneLog<'r> {
     events: Vec<Event>,
 }
 
-fn buf_name(buf: Buf) -> String {
-    match buf {
-        Buf::X => "x".into(),
-        Buf::XBlock(j) => format!("x[{j}]"),
-        Buf::Slot(i) => format!("slot{i}"),
-        Buf::Out => "out".into(),
-        Buf::OutBlock(j) => format!("out[{j}]"),
-    }
-}
-
 fn list<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
     items.into_iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
 }
@@ -330,8 +320,8 @@ impl LaneLog<'_> {
                 let args = vec![
                     deps,
                     ("block", Value::U(*block as u64)),
-                    ("src", Value::S(buf_name(*src))),
-                    ("dst", Value::S(buf_name(*dst))),
+                    ("src", Value::S(src.to_string())),
+                    ("dst", Value::S(dst.to_string())),
                     ("accumulate", Value::B(*accumulate)),
                 ];
                 self.push(Kind::Matmul, step, start, args);
@@ -341,8 +331,8 @@ impl LaneLog<'_> {
                 let result = backend.sum(terms, *dst).map(|()| Instant::now());
                 let args = vec![
                     deps,
-                    ("terms", Value::S(list(terms.iter().map(|t| buf_name(*t))))),
-                    ("dst", Value::S(buf_name(*dst))),
+                    ("terms", Value::S(list(terms.iter().map(|t| t.to_string())))),
+                    ("dst", Value::S(dst.to_string())),
                 ];
                 self.push(Kind::Add, step, start, args);
                 result
@@ -361,7 +351,7 @@ impl LaneLog<'_> {
                     result = result.and_then(|latest| Ok(ended?.max(latest)));
                     let mut args = vec![
                         ("peer", Value::U(t.peer as u64)),
-                        ("buf", Value::S(buf_name(t.buf))),
+                        ("buf", Value::S(t.buf.to_string())),
                         ("tag", Value::S(format!("{:?}#{}", t.tag.direction, t.tag.step).to_lowercase())),
                     ];
                     if let Some(b) = self.recording.bytes(t.buf) {

@@ -29,16 +29,8 @@ pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
         frame.attr_i64_array("axes")?,
         device,
     )?;
-    let problem = Problem::new(
-        kind,
-        Operand { dims: x.dims, dtype: x.dtype },
-        Operand { dims: w.dims, dtype: w.dtype },
-        Operand { dims: out.dims, dtype: out.dtype },
-        frame.attr_i64("dimension")?,
-        group.size(),
-    )?;
-    let problem = problem.for_schedule(schedule)?;
-    let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
+    let operands = [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)];
+    let (problem, plan) = problem_and_plan(kind, schedule, operands, frame.attr_i64("dimension")?, &group)?;
     let timeout = crate::config::timeout()?;
 
     let run = frame.run_id()?;
@@ -95,6 +87,22 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
 }
 
 /// The problem as `schedule` cuts it (sliced schedules address chunks of blocks).
+/// The problem one call describes (operands x, w, out as (dims, dtype)), cut
+/// as `schedule` cuts it, and this rank's plan: what the CPU and the CUDA
+/// handlers both run.
+pub fn problem_and_plan(
+    kind: OpKind,
+    schedule: Schedule,
+    [x, w, out]: [(&[i64], DType); 3],
+    dimension: i64,
+    group: &Group,
+) -> Result<(Problem, plan::Plan)> {
+    let operand = |(dims, dtype)| Operand { dims, dtype };
+    let problem = Problem::new(kind, operand(x), operand(w), operand(out), dimension, group.size())?;
+    let problem = problem.for_schedule(schedule)?;
+    Ok((problem, plan::plan(kind.pattern(), schedule, group.size(), group.rank)))
+}
+
 /// The op kind of the `kind` attribute.
 pub fn kind(code: i64) -> Result<OpKind> {
     OpKind::from_code(code).ok_or_else(|| Error::InvalidArgument(format!("unknown op kind {code}")))

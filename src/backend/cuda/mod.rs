@@ -40,8 +40,7 @@ use crate::comm::Group;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::stream::StreamSchedule;
-use crate::plan::{self, Action, Workspace};
-use crate::problem::{Operand, Problem};
+use crate::plan::{Action, Workspace};
 use crate::xla::Frame;
 use calls::{DeviceBuffers, Region, Resolver};
 use comms::{CommKey, Placement};
@@ -108,16 +107,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     }
     let out = frame.device_ret(0, "out")?;
     let workspace = frame.device_ret_bytes(1, "workspace")?;
-    let problem = Problem::new(
-        kind,
-        Operand { dims: x.dims, dtype: x.dtype },
-        Operand { dims: w.dims, dtype: w.dtype },
-        Operand { dims: out.dims, dtype: out.dtype },
-        frame.attr_i64("dimension")?,
-        group.size(),
-    )?;
-    let problem = problem.for_schedule(schedule)?;
-    let plan = plan::plan(kind.pattern(), schedule, group.size(), group.rank);
+    let operands = [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)];
+    let (problem, plan) = crate::ops::problem_and_plan(kind, schedule, operands, frame.attr_i64("dimension")?, &group)?;
     let layout = Workspace::layout(&plan, &problem.sizes());
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
     let buffers = DeviceBuffers {

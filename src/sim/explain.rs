@@ -1,6 +1,6 @@
 //! `commfuse.explain`: the planner's choice for one call, as JSON.
 
-use super::model::{auto_schedule, choose, predict, schedule_name, Mode};
+use super::model::{auto_pick, choose, predict, schedule_name, Mode};
 use super::Machine;
 use crate::error::Result;
 use crate::plan::{self, Action, Lane};
@@ -67,7 +67,7 @@ pub fn explain_json(q: &Query) -> Result<String> {
     let input = problem.input;
     let machine = Machine::from_spec(q.machine, q.gemm_gflops, q.cores)?;
     let choice = choose(&problem, n, &machine)?;
-    let auto = auto_schedule(&problem, n, &machine);
+    let auto = auto_pick(&choice, n, kind.pattern());
     let timeline = predict(&problem, auto, n, &machine, Mode::Full)?;
     let plan = plan::plan(kind.pattern(), auto, n, 0);
 

@@ -175,9 +175,14 @@ const TILED_MARGIN: f64 = 0.97;
 /// the baselines (sequential, sliced) are never picked. `Schedule::resolve`'s
 /// rule if the model cannot time it.
 pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule {
-    let Ok(choice) = choose(problem, n, machine) else {
-        return Schedule::Auto.resolve(n, problem.kind.pattern());
-    };
+    match choose(problem, n, machine) {
+        Ok(choice) => auto_pick(&choice, n, problem.kind.pattern()),
+        Err(_) => Schedule::Auto.resolve(n, problem.kind.pattern()),
+    }
+}
+
+/// `auto_schedule`'s pick from predictions already made.
+pub fn auto_pick(choice: &Choice, n: usize, pattern: crate::plan::Pattern) -> Schedule {
     // Ties go to the earlier candidate (ring before bidirectional, fewer tiles first).
     let fastest = |tiled: bool| {
         choice
@@ -196,7 +201,7 @@ pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule
     match (fastest(false), fastest(true)) {
         (Some((_, per_step)), Some((tiled, t))) if t < TILED_MARGIN * per_step => tiled,
         (Some((per_step, _)), _) => per_step,
-        _ => Schedule::Auto.resolve(n, problem.kind.pattern()),
+        _ => Schedule::Auto.resolve(n, pattern),
     }
 }
 

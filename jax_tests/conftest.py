@@ -69,12 +69,22 @@ def _have_gpu() -> bool:
         return False
 
 
+# COMMFUSE_REQUIRE_GPU=1 (the GPU host's check): the GPU tests fail instead
+# of skipping when JAX sees no GPU.
+_REQUIRE_GPU = os.environ.get("COMMFUSE_REQUIRE_GPU") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if any("gpu" in item.keywords for item in items) and not _have_gpu():
+    if any("gpu" in item.keywords for item in items) and not _have_gpu() and not _REQUIRE_GPU:
         skip = pytest.mark.skip(reason="no GPU visible to JAX")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    if _REQUIRE_GPU and "gpu" in item.keywords and not _have_gpu():
+        pytest.fail("COMMFUSE_REQUIRE_GPU=1 but JAX sees no GPU", pytrace=False)
 
 
 # --------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -36,8 +35,10 @@ from conftest import (
     rand,
     run_sharded,
     spec_on,
+    tolerance,
 )
 from jax.sharding import PartitionSpec as P
+
 
 def _gpu_counts():
     """1 (degenerate axis) and every local GPU, when there are several."""
@@ -48,32 +49,91 @@ def _gpu_counts():
     return sorted({1, max(n, 1)})
 
 
+# float32 at default precision: TF32 products on both sides (XLA's dot does
+# so on sm_80+, and so do the fused GEMMs), each rounding its inputs to 10
+# mantissa bits (2^-11 relative), which K = 96 terms accumulate.
+_TF32_RTOL = 5e-3
+
+
+def _rtol(dtype, precision):
+    return _TF32_RTOL if np.dtype(dtype) == np.float32 and precision is None else None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", _gpu_counts())
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-def test_all_gather_matmul_matches_lax(n, schedule, dtype):
+@pytest.mark.parametrize("dtype,precision", [(np.float32, None), (np.float32, "highest"), (jnp.bfloat16, None)])
+def test_all_gather_matmul_matches_lax(n, schedule, dtype, precision):
     mesh = mesh1d(n, platform="gpu")
     x = rand((n * 64, 96), dtype, seed=1)
     w = rand((96, 80), dtype, seed=2)
     specs = (spec_on(2, 0, "x"), P())
-    got = run_sharded(lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule=schedule), mesh, specs, x, w)
-    want = run_sharded(lambda a, b: lax_all_gather_matmul(a, b, "x"), mesh, specs, x, w)
-    assert_close(got, want, dtype)
+    got = run_sharded(lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule=schedule, precision=precision),
+                      mesh, specs, x, w)
+    want = run_sharded(lambda a, b: lax_all_gather_matmul(a, b, "x", precision=precision), mesh, specs, x, w)
+    assert_close(got, want, dtype, rtol=_rtol(dtype, precision))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", _gpu_counts())
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-def test_matmul_reduce_scatter_matches_lax(n, schedule, dtype):
+@pytest.mark.parametrize("dtype,precision", [(np.float32, None), (np.float32, "highest"), (jnp.bfloat16, None)])
+def test_matmul_reduce_scatter_matches_lax(n, schedule, dtype, precision):
     mesh = mesh1d(n, platform="gpu")
     x = rand((n * n * 32, 96), dtype, seed=3)
     w = rand((96, 80), dtype, seed=4)
     specs = (spec_on(2, 0, "x"), P())
-    got = run_sharded(lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", schedule=schedule), mesh, specs, x, w)
-    want = run_sharded(lambda a, b: lax_matmul_reduce_scatter(a, b, "x"), mesh, specs, x, w)
-    assert_close(got, want, dtype)
+    got = run_sharded(
+        lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", schedule=schedule, precision=precision),
+        mesh, specs, x, w)
+    want = run_sharded(lambda a, b: lax_matmul_reduce_scatter(a, b, "x", precision=precision), mesh, specs, x, w)
+    assert_close(got, want, dtype, rtol=_rtol(dtype, precision))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["matmul_all_gather", "all_to_all_matmul", "matmul_all_to_all"])
+def test_the_other_ops_match_lax_on_one_gpu(op):
+    mesh = mesh1d(1, platform="gpu")
+    x = rand((64, 96), np.float32, seed=8)
+    w = rand((96, 80), np.float32, seed=9)
+    fused = {
+        "matmul_all_gather": lambda a, b: commfuse.matmul_all_gather(a, b, "x", precision="highest"),
+        "all_to_all_matmul": lambda a, b: commfuse.all_to_all_matmul(
+            a, b, "x", split_dimension=0, concat_dimension=0, precision="highest"),
+        "matmul_all_to_all": lambda a, b: commfuse.matmul_all_to_all(
+            a, b, "x", split_dimension=0, concat_dimension=0, precision="highest"),
+    }[op]
+    ref = getattr(commfuse.reference, op)
+    kwargs = {} if op == "matmul_all_gather" else dict(split_dimension=0, concat_dimension=0)
+    specs = (spec_on(2, 0, "x"), P())
+    got = run_sharded(fused, mesh, specs, x, w)
+    want = run_sharded(lambda a, b: ref(a, b, "x", precision="highest", **kwargs), mesh, specs, x, w)
+    assert_close(got, want, np.float32)
+
+
+@pytest.mark.gpu
+def test_kernels_are_loaded_before_execution_not_inside_it():
+    # Every earlier GPU test ran its op: each device was set up at the
+    # handler's INITIALIZE stage, none inside an EXECUTE call.
+    from commfuse import _native
+    mesh = mesh1d(1, platform="gpu")
+    x, w = rand((64, 32), seed=1), rand((32, 16), seed=2)
+    run_sharded(lambda a, b: commfuse.all_gather_matmul(a, b, "x"), mesh, (spec_on(2, 0, "x"), P()), x, w)
+    assert _native.cuda_loads_during_execute() == 0
+
+
+@pytest.mark.gpu
+def test_cuda_libraries_are_the_copies_jax_loaded():
+    libs = commfuse.cuda_libraries()
+    assert set(libs) == {"cuda", "cublas", "cublasLt", "nccl", "nvrtc"}
+    maps = open("/proc/self/maps").read()
+    for key, entry in libs.items():
+        assert entry["error"] is None and entry["version"], (key, entry)
+        # One copy per library in the process: the file JAX's plugin mapped, where it mapped one.
+        name = os.path.basename(entry["path"]).split(".so")[0] + ".so"
+        mapped = {line.split()[-1] for line in maps.splitlines() if f"/{name}" in line}
+        mapped = {os.path.realpath(m) for m in mapped}
+        assert mapped == {os.path.realpath(entry["path"])}, (key, entry["path"], mapped)
 
 
 @pytest.mark.gpu
@@ -90,7 +150,8 @@ def test_grad_of_a_fused_layer_matches_lax(n):
         rs = commfuse.matmul_reduce_scatter if fused else lax_matmul_reduce_scatter
 
         def f(a, b, c):
-            return jnp.sum(rs(jax.nn.gelu(ag(a, b, "x")), c, "x") ** 2)
+            h = ag(a, b, "x", precision="highest")
+            return jnp.sum(rs(jax.nn.gelu(h), c, "x", precision="highest") ** 2)
 
         return lambda a, b, c: jax.grad(f, argnums=(0, 1, 2))(a, b, c)
 
@@ -100,55 +161,42 @@ def test_grad_of_a_fused_layer_matches_lax(n):
         assert_close(g, r, np.float32)
 
 
-@pytest.mark.gpu
-def test_a_missing_peer_times_out_instead_of_hanging(tmp_path):
-    """Two processes, one GPU each; the second never calls the op."""
-    if len(jax.devices("gpu")) < 2:
-        pytest.skip("needs 2 GPUs")
-    script = tmp_path / "peer.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys
-        pid = int(sys.argv[1])
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(pid)
-        import jax, jax.numpy as jnp, numpy as np
-        jax.distributed.initialize("127.0.0.1:" + sys.argv[2], num_processes=2, process_id=pid)
-        import commfuse
-from commfuse import _nccl_id
-        from jax.sharding import PartitionSpec as P
-        if pid == 1:
-            sys.exit(0)  # never arrives
-        commfuse.configure(timeout_s=3.0)
-        mesh = jax.make_mesh((2,), ("x",))
-        f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x"), mesh=mesh,
-                                  in_specs=(P("x"), P()), out_specs=P("x")))
-        x = jnp.ones((128, 64)); w = jnp.ones((64, 32))
-        try:
-            f(x, w).block_until_ready()
-        except Exception as e:
-            print("ERROR:", e)
-            sys.exit(3)
-        sys.exit(0)
-    """))
-    port = str(20000 + os.getpid() % 20000)
-    env = dict(os.environ)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    out0, _ = procs[0].communicate(timeout=120)
-    procs[1].communicate(timeout=120)
-    assert procs[0].returncode == 3, out0
-    assert "DEADLINE_EXCEEDED" in out0 or "deadline exceeded" in out0, out0
-
+# Child scripts run as `script.py PROCESS_ID PORT VISIBLE_GPU [SCHEDULE]`: two
+# processes under jax.distributed, each seeing one GPU (the same one when
+# the host has one GPU and NCCL allows several ranks on it).
+_MISSING_PEER_SCRIPT = """
+import os, sys
+pid = int(sys.argv[1])
+os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[3]
+import jax, jax.numpy as jnp, numpy as np
+jax.distributed.initialize("127.0.0.1:" + sys.argv[2], num_processes=2, process_id=pid)
+import commfuse
+from jax.sharding import PartitionSpec as P
+if pid == 1:
+    sys.exit(0)  # never arrives
+commfuse.configure(timeout_s=3.0)
+mesh = jax.make_mesh((2,), ("x",))
+f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x"), mesh=mesh,
+                          in_specs=(P("x"), P()), out_specs=P("x")))
+x = jnp.ones((128, 64)); w = jnp.ones((64, 32))
+try:
+    f(x, w).block_until_ready()
+except Exception as e:
+    print("ERROR:", e)
+    sys.exit(3)
+sys.exit(0)
+"""
 
 _TWO_PROCESS_SCRIPT = """
 import os, sys
 pid = int(sys.argv[1])
-os.environ["CUDA_VISIBLE_DEVICES"] = str(pid)
+os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[3]
 import jax, jax.numpy as jnp, numpy as np
 jax.distributed.initialize("127.0.0.1:" + sys.argv[2], num_processes=2, process_id=pid)
 import commfuse
 from jax.sharding import NamedSharding, PartitionSpec as P
 mesh = jax.make_mesh((2,), ("x",))
-f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule=sys.argv[3]), mesh=mesh,
+f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule=sys.argv[4]), mesh=mesh,
                           in_specs=(P("x"), P()), out_specs=P("x")))
 x = np.arange(128 * 64, dtype=np.float32).reshape(128, 64) % 7
 w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) % 5
@@ -160,22 +208,51 @@ print("OK", pid)
 """
 
 
+def _two_process_gpus():
+    """The GPU each of two processes sees, and the environment they need: a
+    GPU each where there are two; else both on GPU 0, which NCCL allows from
+    2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1; COMMFUSE_TEST_SHARED_GPU=1 tries it
+    with any NCCL, to see what it says)."""
+    if len(jax.devices("gpu")) >= 2:
+        return ["0", "1"], {}
+    version = commfuse.cuda_libraries()["nccl"]["version"] or "not loaded"
+    major_minor = tuple(int(v) for v in version.split(".")[:2]) if version[0].isdigit() else (0, 0)
+    if major_minor < (2, 30) and os.environ.get("COMMFUSE_TEST_SHARED_GPU") != "1":
+        pytest.skip(f"needs 2 GPUs, or NCCL 2.30+ for two ranks on one GPU (NCCL here: {version})")
+    # Two JAX processes on one GPU: neither may take most of its memory.
+    return ["0", "0"], {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def _run_two(tmp_path, script_text, *args, timeout=300):
+    gpus, extra_env = _two_process_gpus()
+    script = tmp_path / "child.py"
+    script.write_text(script_text)
+    port = str(20000 + os.getpid() % 20000)
+    env = dict(os.environ, **extra_env)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, gpus[i], *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+@pytest.mark.gpu
+def test_a_missing_peer_times_out_instead_of_hanging(tmp_path):
+    """Two processes; the second never calls the op."""
+    (code0, out0), _ = _run_two(tmp_path, _MISSING_PEER_SCRIPT, timeout=120)
+    assert code0 == 3, out0
+    assert "DEADLINE_EXCEEDED" in out0 or "deadline exceeded" in out0, out0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["ring", "sequential"])
 def test_two_processes_share_a_communicator_through_the_key_value_store(tmp_path, schedule):
-    """Two processes, one GPU each, one group spanning both: the NCCL id is
-    made by process 0 at lowering, fetched by process 1 from the key-value
-    store, and the result is exact (integer-valued f32)."""
-    if len(jax.devices("gpu")) < 2:
-        pytest.skip("needs 2 GPUs")
-    script = tmp_path / "two.py"
-    script.write_text(_TWO_PROCESS_SCRIPT)
-    port = str(21000 + os.getpid() % 20000)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, schedule], env=dict(os.environ),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"OK {i}" in out, out
+    """Two processes, one group spanning both: the NCCL id is made by
+    process 0 at lowering, fetched by process 1 from the key-value store,
+    and the result is exact (integer-valued f32)."""
+    results = _run_two(tmp_path, _TWO_PROCESS_SCRIPT, schedule)
+    for i, (code, out) in enumerate(results):
+        assert code == 0 and f"OK {i}" in out, "\n\n".join(f"process {j} (exit {c}):\n{o}" for j, (c, o) in
+                                                            enumerate(results))
 
 
 # ---- Without a GPU: the NCCL unique id exchange (commfuse._nccl_id) ---------------
@@ -374,16 +451,81 @@ def test_a_library_without_nccl_says_so():
         assert len(nccl_id) == 128
 
 
+_IMPORT_SCRIPT = """
+import commfuse, commfuse._nccl_id, commfuse._native
+from jax._src import xla_bridge
+assert not xla_bridge.backends_are_initialized(), "a JAX backend was started at import"
+print("clean")
+"""
+
+
 def test_importing_commfuse_starts_no_jax_backend():
-    code = textwrap.dedent("""
-        import commfuse, commfuse._nccl_id, commfuse._native
-        from jax._src import xla_bridge
-        assert not xla_bridge.backends_are_initialized(), "a JAX backend was started at import"
-        print("clean")
-    """)
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
+
+
+# ---- Without a GPU: where the CUDA libraries come from --------------------------------
+
+def _fake_nvidia_tree(root, packages):
+    for package, files in packages.items():
+        lib = root / "nvidia" / package / "lib"
+        lib.mkdir(parents=True)
+        for f in files:
+            (lib / f).write_bytes(b"")
+    return [str(root / "nvidia")]
+
+
+def test_pip_library_dirs_put_jaxs_cuda_major_first(tmp_path):
+    from commfuse import _native
+    roots = _fake_nvidia_tree(tmp_path, {
+        "cu13": ["libcublas.so.13"], "nccl": ["libnccl.so.2"], "cublas": ["libcublas.so.12"],
+        "cuda_nvrtc": ["libnvrtc.so.12"], "nvtx": [],
+    })
+    lib = tmp_path / "nvidia"
+    as_13 = _native.pip_library_dirs(13, roots)
+    assert as_13 == [str(lib / d / "lib") for d in ("cu13", "nccl", "cublas", "cuda_nvrtc", "nvtx")]
+    as_12 = _native.pip_library_dirs(12, roots)
+    assert as_12[:2] == [str(lib / "cublas" / "lib"), str(lib / "cuda_nvrtc" / "lib")]
+    assert as_12[-1] == str(lib / "cu13" / "lib") and str(lib / "nccl" / "lib") in as_12
+
+
+_CUDA_LIBRARIES_SCRIPT = """
+import json, commfuse
+print(json.dumps(commfuse.cuda_libraries()))
+"""
+
+
+def _cuda_installs():
+    roots = os.environ.get("COMMFUSE_TEST_CUDA_ROOTS", "")
+    return [tuple(entry.split("=", 1)) for entry in roots.split(",") if "=" in entry]
+
+
+@pytest.mark.skipif(not os.environ.get("COMMFUSE_TEST_CUDA_LIBRARY") or not _cuda_installs(),
+                    reason="needs a CUDA build of the library (COMMFUSE_TEST_CUDA_LIBRARY) and pip CUDA installs "
+                           "(COMMFUSE_TEST_CUDA_ROOTS=12=DIR,13=DIR); .ci/run provides both")
+@pytest.mark.parametrize("major", ["12", "13"])
+def test_cuda_libraries_are_found_in_a_pip_install_of_each_major(major):
+    """What a user with pip's CUDA packages sees: the package's `nvidia`
+    directories on sys.path, found by Python and handed to the library,
+    which loads each and reads its version (no GPU: the driver is missing)."""
+    import json
+    roots = dict(_cuda_installs())
+    root = os.path.realpath(roots[major])
+    env = dict(os.environ, COMMFUSE_LIBRARY=os.environ["COMMFUSE_TEST_CUDA_LIBRARY"],
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.pop("COMMFUSE_CUDA_LIBRARY_PATH", None)
+    out = subprocess.run([sys.executable, "-c", _CUDA_LIBRARIES_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(found) == {"cuda", "cublas", "cublasLt", "nccl", "nvrtc"}
+    for key, entry in found.items():
+        if key == "cuda":
+            continue  # the driver comes with a GPU
+        assert entry["error"] is None, (key, entry)
+        assert os.path.realpath(entry["path"]).startswith(root + os.sep), (key, entry["path"], root)
+        assert entry["version"].split(".")[0] == ("2" if key == "nccl" else major), (key, entry["version"])
 
 
 # ---- fp8 ----------------------------------------------------------------------------
@@ -403,6 +545,12 @@ def _sm90():
     except RuntimeError:
         return False
     return bool(gpus) and all(float(getattr(d, "compute_capability", "0")) >= 9.0 for d in gpus)
+
+
+# fp8 GEMMs on Hopper accumulate in the tensor cores at about 2^-13 relative
+# precision, not full float32 (seen here: 1e-3 relative against the float32
+# product of the dequantised values).
+_FP8_RTOL = 3e-3
 
 
 def _quantize(a, dtype):
@@ -429,9 +577,10 @@ def test_fp8_all_gather_matmul_matches_the_dequantized_product(n, x_dtype, w_dty
 
     got = run_sharded(fused, mesh, specs, xq, wq)
     dq = lambda q, s: q.astype(np.float32) * s  # noqa: E731
-    want = run_sharded(lambda a, b: lax_all_gather_matmul(dq(a, xs), dq(b, ws), "x").astype(out_dtype), mesh,
-                       specs, xq, wq)
-    assert_close(got, want, out_dtype)
+    want = run_sharded(
+        lambda a, b: lax_all_gather_matmul(dq(a, xs), dq(b, ws), "x", precision="highest").astype(out_dtype), mesh,
+        specs, xq, wq)
+    assert_close(got, want, out_dtype, rtol=max(_FP8_RTOL, tolerance(out_dtype)))
 
 
 @pytest.mark.gpu
@@ -449,5 +598,6 @@ def test_fp8_matmul_reduce_scatter_matches_the_dequantized_product(n):
 
     got = run_sharded(fused, mesh, specs, xq, wq)
     dq = lambda q, s: q.astype(np.float32) * s  # noqa: E731
-    want = run_sharded(lambda a, b: lax_matmul_reduce_scatter(dq(a, xs), dq(b, ws), "x"), mesh, specs, xq, wq)
-    assert_close(got, want, np.float32)
+    want = run_sharded(lambda a, b: lax_matmul_reduce_scatter(dq(a, xs), dq(b, ws), "x", precision="highest"), mesh,
+                       specs, xq, wq)
+    assert_close(got, want, np.float32, rtol=_FP8_RTOL)

@@ -23,7 +23,14 @@ pub unsafe extern "C" fn commfuse_collective_matmul_cuda(
     frame: *mut sys::XLA_FFI_CallFrame,
 ) -> *mut sys::XLA_FFI_Error {
     // SAFETY: XLA passes a valid call frame for the duration of the call.
-    unsafe { xla::handle_named("commfuse collective matmul (CUDA)", frame, crate::backend::cuda::collective_matmul) }
+    unsafe {
+        xla::handle_stages(
+            "commfuse collective matmul (CUDA)",
+            frame,
+            xla::Stages::InitializeAndExecute,
+            crate::backend::cuda::handler,
+        )
+    }
 }
 
 /// Workspace bytes for one call (see `ops::CallShapes`), or -1 with the reason
@@ -190,6 +197,90 @@ fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
          COMMFUSE_FEATURES=cuda)"
             .into(),
     ))
+}
+
+/// Hands the CUDA backend the directories to search for its libraries (the
+/// pip `nvidia` packages' `lib/` folders, `\n`-separated, in order of
+/// preference) and the CUDA major of JAX's plugin (0: unknown), before the
+/// backend's first use (see `backend::cuda::libs`). A no-op without the
+/// `cuda` feature.
+///
+/// # Safety
+/// `dirs` must be null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_cuda_set_search(dirs: *const std::ffi::c_char, jax_cuda_major: u32) {
+    let dirs = if dirs.is_null() {
+        String::new()
+    } else {
+        // SAFETY: the caller passes a NUL-terminated string.
+        unsafe { std::ffi::CStr::from_ptr(dirs) }.to_string_lossy().into_owned()
+    };
+    let _ = catch_unwind(|| set_cuda_search(&dirs, jax_cuda_major));
+}
+
+#[cfg(feature = "cuda")]
+fn set_cuda_search(dirs: &str, jax_cuda_major: u32) {
+    let dirs = dirs.lines().filter(|l| !l.is_empty()).map(std::path::PathBuf::from).collect();
+    crate::backend::cuda::libs::set_search(dirs, jax_cuda_major);
+}
+
+#[cfg(not(feature = "cuda"))]
+fn set_cuda_search(_dirs: &str, _jax_cuda_major: u32) {}
+
+/// The CUDA libraries as the backend finds them, one line per library:
+/// `key \t path \t version \t found-by \t error` (empty fields for none).
+/// Written, NUL-terminated, to `out[..out_len]` when it fits; returns its
+/// length in bytes (call again with a larger buffer when that is >=
+/// `out_len`), or -1 after a panic.
+///
+/// # Safety
+/// `out` must be a writable buffer of `out_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_cuda_libraries(out: *mut u8, out_len: usize) -> i64 {
+    let Ok(text) = catch_unwind(cuda_libraries) else { return -1 };
+    if text.len() < out_len {
+        // SAFETY: the caller guarantees `out_len` writable bytes at `out` (or null).
+        unsafe { write_c_string(out, out_len, &text) };
+    }
+    i64::try_from(text.len()).unwrap_or(i64::MAX)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_libraries() -> String {
+    let field = |s: Option<&str>| s.unwrap_or("").replace(['\t', '\n'], " ");
+    crate::backend::cuda::api::report()
+        .iter()
+        .map(|r| {
+            let fields = [
+                r.lib.key().to_string(),
+                field(r.path.as_deref()),
+                field(r.version.as_deref()),
+                field(r.found.map(|f| f.describe())),
+                field(r.error.as_deref()),
+            ];
+            fields.join("\t") + "\n"
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_libraries() -> String {
+    let why = "this commfuse library was built without the `cuda` feature (rebuild with COMMFUSE_FEATURES=cuda)";
+    ["cuda", "cublas", "cublasLt", "nccl", "nvrtc"].iter().map(|k| format!("{k}\t\t\t\t{why}\n")).collect()
+}
+
+/// How many devices had their kernels loaded inside an EXECUTE call rather
+/// than at the INITIALIZE stage (0 without the `cuda` feature).
+#[no_mangle]
+pub extern "C" fn commfuse_cuda_loads_during_execute() -> i64 {
+    #[cfg(feature = "cuda")]
+    {
+        use std::sync::atomic::Ordering;
+        let n = crate::backend::cuda::device::LOADED_DURING_EXECUTE.load(Ordering::Relaxed);
+        i64::try_from(n).unwrap_or(i64::MAX)
+    }
+    #[cfg(not(feature = "cuda"))]
+    0
 }
 
 /// The cost model's answer for one call (see `sim::explain`): writes the JSON,

@@ -144,11 +144,25 @@ impl CallShapes<'_> {
     }
 }
 
-/// Workspace bytes a call needs; Python asks at trace time.
+/// Device bytes an fp8 call's GEMMs may use (cuBLASLt's workspace: NVIDIA's
+/// recommendation for Hopper; smaller ones rule out some fp8 kernels).
+pub const FP8_GEMM_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Where an fp8 call's GEMM workspace starts in the call's workspace: after
+/// the plan's buffers, 256-byte aligned.
+pub fn fp8_gemm_workspace_offset(plan_bytes: usize) -> usize {
+    plan_bytes.div_ceil(256) * 256
+}
+
+/// Workspace bytes a call needs; Python asks at trace time. An fp8 call
+/// adds its GEMMs' workspace (all of a call's GEMMs run on one stream, one
+/// after another, so one suffices), so that it comes from XLA's allocator too.
 pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
     let (kind, ranks, problem) = call.problem()?;
     let schedule = schedule(kind, call.schedule)?;
+    let fp8 = problem.input.is_fp8();
     let problem = problem.for_schedule(schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
-    Ok(Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total)
+    let plan_bytes = Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total;
+    Ok(if fp8 { fp8_gemm_workspace_offset(plan_bytes) + FP8_GEMM_WORKSPACE_BYTES } else { plan_bytes })
 }

@@ -16,7 +16,7 @@ from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._explain import explain
 from ._matmul_all_gather import matmul_all_gather
 from ._matmul_reduce_scatter import matmul_reduce_scatter
-from ._native import LIBRARY_PATH, set_timeout_ms as _set_timeout_ms
+from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms
 from ._overlap import overlap
 from ._trace import trace
 
@@ -31,6 +31,7 @@ __all__ = [
     "trace",
     "explain",
     "configure",
+    "cuda_libraries",
     "reference",
 ]
 

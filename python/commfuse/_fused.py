@@ -122,10 +122,10 @@ def prepare(op: str, x, w, *, axes, ranks: int, dimension: int, schedule_code: i
             preferred_element_type):
     """The common tail of every op's checks: precision, dtype promotion, the
     operands' varying axes, and the static arguments of the fused call."""
-    check_precision(op, precision)
+    fast = fast_f32(op, precision)
     x, w, out_dtype = promote(op, x, w, preferred_element_type)
     x, w = vary_together(x, w, axes)
-    return x, w, Static(tuple(axes), ranks, dimension, schedule_code, out_dtype)
+    return x, w, Static(tuple(axes), ranks, dimension, schedule_code, out_dtype, fast)
 
 
 def promote(op: str, x, w, preferred_element_type):
@@ -291,13 +291,33 @@ def _check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> 
 
 
 def check_precision(op: str, precision) -> None:
-    # The CPU backend always multiplies at full precision of the accumulator
-    # type; the argument is checked and kept for parity with jnp.matmul.
     allowed = (None, "default", "high", "highest", "fastest", "bfloat16", "tensorfloat32", "float32")
     values = precision if isinstance(precision, tuple) else (precision,)
     for p in values:
         if not (p in allowed or isinstance(p, jax.lax.Precision)):
             raise ValueError(f"commfuse.{op}: unknown precision {p!r}")
+
+
+# Precisions (and `jax_default_matmul_precision` values) that ask for full
+# float32 products; the others let float32 GEMMs use TF32 on GPUs, as XLA's
+# own dot does under its default precision.
+_FULL_F32 = {"high", "highest", "float32", "bfloat16_3x", "tensorfloat32_3x"}
+
+
+def fast_f32(op: str, precision) -> bool:
+    """Whether float32 GEMMs may use TF32 tensor cores (GPU only: the CPU
+    backend always multiplies in full float32): `precision`, or when it is
+    None the `jax_default_matmul_precision` setting, read as `jnp.matmul`
+    reads it; either operand asking for full float32 wins."""
+    check_precision(op, precision)
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    values = precision if isinstance(precision, tuple) else (precision,)
+    for p in values:
+        name = p.name if isinstance(p, jax.lax.Precision) else str(p or "default")
+        if name.lower() in _FULL_F32 or "F32_F32_F32" in name.upper():
+            return False
+    return True
 
 
 class Static(NamedTuple):
@@ -307,6 +327,8 @@ class Static(NamedTuple):
     dimension: int
     schedule: int
     out_dtype: np.dtype
+    # float32 GEMMs may use TF32 on GPUs (see `fast_f32`).
+    fast_f32: bool = True
 
 
 # Layout helpers: the Rust kinds take canonical 2-D/3-D operands.
@@ -385,7 +407,8 @@ def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype
     if cut_schedule(schedule) and not forward and kind not in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
         schedule = SCHEDULES["auto"]
     return call(kind, x, w, out_dtype=static.out_dtype if out_dtype is None else out_dtype, schedule=schedule,
-                axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension)
+                axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension,
+                fast_f32=static.fast_f32)
 
 
 def differentiable(kind: "Kind", backward, *, dimension=None):
@@ -401,9 +424,11 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
     return op
 
 
-def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=()):
+def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=(),
+         fast_f32: bool = True):
     """Issues one fused op (operands already checked and laid out for `kind`);
-    `scales`: ``(x_scale, w_scale)`` with fp8 operands."""
+    `scales`: ``(x_scale, w_scale)`` with fp8 operands; `fast_f32`: float32
+    GEMMs may use TF32 on GPUs."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
     if schedule == SCHEDULES["auto"] and not scales:  # fp8: the library's own rule
         schedule = _explain.auto_schedule_code(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
@@ -414,14 +439,15 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
             # Slices are chunks of contiguous rows: run on x with the row dim
             # leading (its blocks stay row blocks), then put the dims back.
             out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
-                       ranks=ranks, dimension=0, scales=scales)
+                       ranks=ranks, dimension=0, scales=scales, fast_f32=fast_f32)
             return unrows_2d(out, out_shape, dimension)
     workspace = _native.workspace_bytes(
         int(kind), schedule, ranks, dimension, x.shape, w.shape, out_shape,
         _CODES[np.dtype(x.dtype)], _CODES[np.dtype(out_dtype)])
     out, _ = _PRIMITIVE.bind(
         x, w, *scales, kind=Kind(kind), out_shape=tuple(out_shape), out_dtype=np.dtype(out_dtype), dimension=dimension,
-        schedule=schedule, axes=tuple(axes), ranks=ranks, workspace_bytes=workspace, site=next(_sites))
+        schedule=schedule, axes=tuple(axes), ranks=ranks, workspace_bytes=workspace, site=next(_sites),
+        fast_f32=bool(fast_f32))
     return out
 
 
@@ -445,7 +471,7 @@ def _lower_cpu(ctx, x, w, *scales, kind, **params):
     return _lower_target(_native.CPU_TARGET, ctx, x, w, kind=kind, **params)
 
 
-def _lower_cuda(ctx, x, w, *scales, kind, axes, **params):
+def _lower_cuda(ctx, x, w, *scales, kind, axes, fast_f32, **params):
     try:
         target = _native.cuda_target()
     except NotImplementedError as e:
@@ -455,7 +481,8 @@ def _lower_cuda(ctx, x, w, *scales, kind, axes, **params):
     # Groups spanning processes get their NCCL ids through the distributed
     # key-value store; nothing when the whole mesh is in this process.
     placement = _nccl_id.lowering_attributes(_lowering_mesh(kind, ctx), axes)
-    return _lower_target(target, ctx, x, w, *scales, kind=kind, axes=axes, extra=placement, **params)
+    extra = dict(placement, tf32=int(fast_f32))
+    return _lower_target(target, ctx, x, w, *scales, kind=kind, axes=axes, extra=extra, **params)
 
 
 def _lower_target(target, ctx, x, w, *scales, kind, site, schedule, dimension, axes, extra=None, **_):
@@ -489,7 +516,7 @@ def _lower_unsupported(platform, ctx, *args, kind, **params):
 _NOT_MAPPED = getattr(batching, "not_mapped", None)
 
 
-def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, **_):
+def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, fast_f32, **_):
     if len(args) != 2:
         raise NotImplementedError("vmap of commfuse ops with fp8 operands is not supported; fold the batch into "
                                   "x's leading dims")
@@ -501,7 +528,8 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, wor
             "matmul_reduce_scatter with a row gather/scatter dimension (the batch dim becomes a leading "
             "dim of x). Fold the batch into x's leading dims yourself, or loop with lax.map.")
     x = jnp.moveaxis(x, x_dim, 0)
-    out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1)
+    out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1,
+               fast_f32=fast_f32)
     # The unbatched result type wants its own workspace shape; nobody reads it.
     workspace = jnp.zeros((1,) * (x.ndim - 2) + (workspace_bytes,), np.uint8)
     return (out, workspace), (0, _NOT_MAPPED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import math
 import os
 import pathlib
@@ -47,12 +48,56 @@ lib.commfuse_cuda_built.restype = ctypes.c_int32
 lib.commfuse_cuda_built.argtypes = []
 lib.commfuse_nccl_unique_id.restype = ctypes.c_int32
 lib.commfuse_nccl_unique_id.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+lib.commfuse_cuda_set_search.restype = None
+lib.commfuse_cuda_set_search.argtypes = [ctypes.c_char_p, ctypes.c_uint32]
+lib.commfuse_cuda_libraries.restype = ctypes.c_int64
+lib.commfuse_cuda_libraries.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+lib.commfuse_cuda_loads_during_execute.restype = ctypes.c_int64
+lib.commfuse_cuda_loads_during_execute.argtypes = []
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
 CPU_TARGET = "commfuse_collective_matmul_cpu"
 CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
 jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
+
+
+def jax_cuda_major() -> int:
+    """The CUDA major of the installed JAX CUDA plugin (13 first), 0 if none."""
+    for major in (13, 12):
+        if importlib.util.find_spec(f"jax_cuda{major}_plugin") is not None:
+            return major
+    return 0
+
+
+def _package_cuda_major(package: str):
+    """The CUDA major of a pip ``nvidia/<package>`` directory: CUDA 13 wheels
+    install into ``nvidia/cu13``, CUDA 12 ones into ``nvidia/<library>``;
+    ``nvidia/nccl`` (and cuDNN's, NVSHMEM's) serve either (None)."""
+    if package.startswith("cu") and package[2:].isdigit():
+        return int(package[2:])
+    return None if package in ("nccl", "cudnn", "nvshmem", "cusparselt") else 12
+
+
+def pip_library_dirs(major: int, roots=None) -> list[str]:
+    """The ``lib/`` folders of the pip ``nvidia`` packages (``nvidia/cu13/lib``,
+    ``nvidia/nccl/lib``, ``nvidia/cublas/lib``, ...): where JAX's CUDA plugin
+    finds its libraries; those of CUDA ``major`` first, those of another
+    major last. `roots`: the ``nvidia`` namespace package's directories
+    (found on ``sys.path`` when None)."""
+    if roots is None:
+        spec = importlib.util.find_spec("nvidia")
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    dirs = [p / "lib" for root in roots for p in sorted(pathlib.Path(root).iterdir()) if (p / "lib").is_dir()]
+
+    def rank(d: pathlib.Path) -> int:
+        of = _package_cuda_major(d.parent.name)
+        return 0 if of == major else 1 if of is None else 2
+    return [str(d) for d in sorted(dirs, key=rank)]
+
+
+# Handed over before the CUDA backend's first use; no library is opened here.
+lib.commfuse_cuda_set_search("\n".join(pip_library_dirs(jax_cuda_major())).encode(), jax_cuda_major())
 
 
 def cuda_built() -> bool:
@@ -87,8 +132,10 @@ def cuda_target() -> str:
         if not gpus:
             raise NotImplementedError("JAX sees no GPU")
         try:
+            # INITIALIZE sets up each device (kernels compiled to CUBIN and
+            # loaded) before the executable runs; EXECUTE runs the op.
             handler = jax.ffi.pycapsule(getattr(lib, CUDA_TARGET))
-            jax.ffi.register_ffi_target(CUDA_TARGET, handler, platform="CUDA")
+            jax.ffi.register_ffi_target(CUDA_TARGET, {"initialize": handler, "execute": handler}, platform="CUDA")
         except Exception as e:  # an old jaxlib, a missing CUDA plugin: say so at lowering
             raise NotImplementedError(f"registering {CUDA_TARGET} for CUDA failed: {e}") from e
         _cuda_registered = True
@@ -107,6 +154,29 @@ def workspace_bytes(kind: int, schedule: int, ranks: int, dimension: int, x_shap
     if size < 0:
         raise ValueError(error.value.decode(errors="replace"))
     return size
+
+
+def cuda_libraries() -> dict:
+    """The CUDA libraries as the CUDA backend finds them (see ``commfuse.cuda_libraries``)."""
+    size = 4096
+    while True:
+        out = ctypes.create_string_buffer(size)
+        n = lib.commfuse_cuda_libraries(out, size)
+        if n < 0:
+            raise RuntimeError("commfuse: listing the CUDA libraries failed")
+        if n < size:
+            break
+        size = n + 1
+    found = {}
+    for line in out.value.decode(errors="replace").splitlines():
+        key, path, version, _how, error = line.split("\t")
+        found[key] = {"path": path or None, "version": version or None, "error": error or None}
+    return found
+
+
+def cuda_loads_during_execute() -> int:
+    """Devices whose kernels were loaded inside an execution, not before it (should be 0)."""
+    return int(lib.commfuse_cuda_loads_during_execute())
 
 
 NCCL_ID_BYTES = 128

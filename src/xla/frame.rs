@@ -51,6 +51,7 @@ pub struct DeviceBytes<'a> {
 
 /// One call of a handler, as seen from Rust.
 pub struct Frame<'a> {
+    stage: Stage,
     api: *const sys::XLA_FFI_Api,
     ctx: *mut sys::XLA_FFI_ExecutionContext,
     args: Slots,
@@ -59,6 +60,13 @@ pub struct Frame<'a> {
     /// Which results were handed out: each at most once, so no two `&mut` alias.
     taken: Vec<bool>,
     _call: PhantomData<&'a mut sys::XLA_FFI_CallFrame>,
+}
+
+/// The execution stages a handler body runs in (the others never reach it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Initialize,
+    Execute,
 }
 
 /// An operand or result list of the call frame, checked once up front.
@@ -214,7 +222,13 @@ impl<'a> Frame<'a> {
             list(attrs.attrs, len, "attribute values")?;
             let attrs = Attrs { len, types: attrs.types, names: attrs.names, values: attrs.attrs };
 
+            let stage = if (*call_frame).stage == sys::XLA_FFI_ExecutionStage_INITIALIZE {
+                Stage::Initialize
+            } else {
+                Stage::Execute
+            };
             Ok(Frame {
+                stage,
                 api: (*call_frame).api,
                 ctx: (*call_frame).ctx,
                 args,
@@ -224,6 +238,11 @@ impl<'a> Frame<'a> {
                 _call: PhantomData,
             })
         }
+    }
+
+    /// The execution stage of this call (see `guard::Stages`).
+    pub fn stage(&self) -> Stage {
+        self.stage
     }
 
     pub fn num_args(&self) -> usize {

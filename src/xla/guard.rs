@@ -25,7 +25,16 @@ where
     unsafe { handle_named(handler_name::<F>(), call_frame, body) }
 }
 
-/// Runs `body` for one call of the handler `name`:
+/// Which execution stages run a handler's body (the others return success).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stages {
+    Execute,
+    /// INITIALIZE too: XLA calls it before running the executable's thunks,
+    /// where per-device set-up (loading kernels) belongs.
+    InitializeAndExecute,
+}
+
+/// Runs `body` for one EXECUTE call of the handler `name`:
 /// - the metadata probe (a Metadata extension in `extension_start`) is
 ///   answered with our API version and no traits, without running `body`;
 /// - stages other than EXECUTE return success without running `body`;
@@ -38,7 +47,25 @@ where
     F: FnOnce(&mut Frame<'_>) -> Result<()>,
 {
     // SAFETY: forwarded contract.
-    let api = match unsafe { preflight(name, call_frame) } {
+    unsafe { handle_stages(name, call_frame, Stages::Execute, body) }
+}
+
+/// As [`handle_named`], running `body` in the given `stages` (it reads
+/// [`Frame::stage`]).
+///
+/// # Safety
+/// As [`handle_named`].
+pub unsafe fn handle_stages<F>(
+    name: &str,
+    call_frame: *mut sys::XLA_FFI_CallFrame,
+    stages: Stages,
+    body: F,
+) -> *mut sys::XLA_FFI_Error
+where
+    F: FnOnce(&mut Frame<'_>) -> Result<()>,
+{
+    // SAFETY: forwarded contract.
+    let api = match unsafe { preflight(name, call_frame, stages) } {
         Preflight::Done(result) => return result,
         Preflight::Execute(api) => api,
     };
@@ -65,16 +92,16 @@ where
 enum Preflight {
     /// Answered already (probe, other stage, malformed frame): return this.
     Done(*mut sys::XLA_FFI_Error),
-    /// An EXECUTE call with a full call frame and this API table.
+    /// A call of a stage that runs the body, with a full call frame and this API table.
     Execute(*const sys::XLA_FFI_Api),
 }
 
-/// Answers the metadata probe, skips non-EXECUTE stages and checks the
-/// call frame is complete.
+/// Answers the metadata probe, skips the stages not in `stages` and checks
+/// the call frame is complete.
 ///
 /// # Safety
 /// As [`handle_named`].
-unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame) -> Preflight {
+unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame, stages: Stages) -> Preflight {
     // A call frame that cannot even carry an error back means XLA and this
     // library disagree about the ABI: carrying on could corrupt memory.
     if cf.is_null() {
@@ -104,7 +131,10 @@ unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame) -> Preflight {
             let msg = format!("call frame has struct_size {size}, expected at least {full}");
             return Preflight::Done(create_error(api, &Error::Internal(msg), name));
         }
-        if (*cf).stage != sys::XLA_FFI_ExecutionStage_EXECUTE {
+        let stage = (*cf).stage;
+        let runs = stage == sys::XLA_FFI_ExecutionStage_EXECUTE
+            || (stages == Stages::InitializeAndExecute && stage == sys::XLA_FFI_ExecutionStage_INITIALIZE);
+        if !runs {
             return Preflight::Done(ptr::null_mut());
         }
         Preflight::Execute(api)

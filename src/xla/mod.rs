@@ -32,8 +32,8 @@ mod guard;
 #[cfg(test)]
 mod tests;
 
-pub use frame::{Buffer, BufferMut, DeviceBuffer, DeviceBytes, Frame};
-pub use guard::{handle, handle_named};
+pub use frame::{Buffer, BufferMut, DeviceBuffer, DeviceBytes, Frame, Stage};
+pub use guard::{handle, handle_named, handle_stages, Stages};
 pub use xla_ffi_sys as sys;
 
 use crate::error::Error;

@@ -22,19 +22,20 @@
 //! The hot path (a call after the first on its device and group) allocates
 //! no device memory and never synchronises the host with the device.
 
+use super::api::{self, check_blas, check_cu, check_lt, check_nccl};
 use super::calls::{self, grid, poll_until, DeviceOp, Poll, Resolver, SumLaunch, BLOCK};
 use super::comms::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::issue::StreamOps;
-use super::kernels::{arch, PtxCache, SOURCES};
+use super::kernels::{self, ImageCache, Target, SOURCES};
 use super::nccl::P2p;
 use super::watchdog::{Abort, CallInfo, EventSource, Query, Watch, Watchdog, WatchedGroup};
 use super::{gemm, lt, nccl};
 use crate::error::{Error, Result};
 use crate::plan::Step;
-use cudarc::cublas::{result as blas, sys as bsys};
-use cudarc::cublaslt::{result as ltres, sys as ltsys};
-use cudarc::driver::{result as drv, sys as dsys};
-use cudarc::nccl::{result as nc, sys as nsys};
+use cudarc::cublas::sys as bsys;
+use cudarc::cublaslt::sys as ltsys;
+use cudarc::driver::sys as dsys;
+use cudarc::nccl::sys as nsys;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::ptr;
@@ -42,20 +43,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
-fn driver(what: &'static str) -> impl Fn(drv::DriverError) -> Error {
-    move |e| Error::Internal(format!("CUDA driver {what}: {e:?}"))
-}
-
-fn cublas(what: &'static str) -> impl Fn(blas::CublasError) -> Error {
-    move |e| Error::Internal(format!("cuBLAS {what}: {e}"))
-}
-
-fn nccl_err(what: &'static str) -> impl Fn(nc::NcclError) -> Error {
-    move |e| Error::Internal(format!("NCCL {what}: {:?}", e.0))
-}
-
 /// The sum kernels of `kernels/elementwise.cu` the backend launches.
-const SUM_KERNELS: [&str; 3] = ["sum_f32", "sum_to_bf16", "sum_to_f16"];
+pub const SUM_KERNELS: [&str; 3] = ["sum_f32", "sum_to_bf16", "sum_to_f16"];
 
 /// One CUDA device's cached state (see the module comment).
 pub struct Device {
@@ -66,26 +55,13 @@ pub struct Device {
     lanes: [dsys::CUstream; 2],
     events: Vec<dsys::CUevent>,
     blas: Vec<(dsys::CUstream, bsys::cublasHandle_t)>,
-    /// Per internal stream that ran an fp8 GEMM: its cuBLASLt handle and
-    /// workspace (created at that stream's first fp8 GEMM, then reused).
-    lt: Vec<LtLane>,
+    /// The cuBLASLt handle of the fp8 GEMMs (created at the device's first;
+    /// not bound to a stream: each GEMM names its own).
+    lt: Option<ltsys::cublasLtHandle_t>,
     /// Compute capability (major, minor): fp8 GEMMs need 9.0+.
     capability: (i32, i32),
     sums: [dsys::CUfunction; 3],
 }
-
-/// One stream's cuBLASLt handle and the device workspace its GEMMs may use.
-#[derive(Clone, Copy)]
-struct LtLane {
-    stream: dsys::CUstream,
-    handle: ltsys::cublasLtHandle_t,
-    workspace: (u64, usize),
-}
-
-/// Device bytes cuBLASLt may use per stream: NVIDIA's recommendation for
-/// Hopper (smaller ones rule out some fp8 kernels). Allocated once per
-/// stream, at its first fp8 GEMM.
-const LT_WORKSPACE_BYTES: usize = 32 << 20;
 
 // SAFETY: the handles are plain driver/cuBLAS handles, usable from any thread
 // once the device's context is current (every user calls `bind` first); the
@@ -93,72 +69,83 @@ const LT_WORKSPACE_BYTES: usize = 32 << 20;
 unsafe impl Send for Device {}
 
 static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Mutex<Device>>>>> = OnceLock::new();
-static PTX: OnceLock<PtxCache> = OnceLock::new();
-static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+static IMAGES: OnceLock<ImageCache> = OnceLock::new();
 
 /// Makes the context of XLA's `stream` current on this thread and returns
-/// its device's cached state (created on the device's first call).
+/// its device's cached state (created on the device's first call: the
+/// handler's INITIALIZE stage, before any execution).
 pub fn bind(stream: *mut c_void) -> Result<Arc<Mutex<Device>>> {
-    INIT.get_or_init(|| drv::init().map_err(|e| format!("{e:?}")))
-        .clone()
-        .map_err(|e| Error::Internal(format!("cuInit: {e}")))?;
-    let stream = stream as dsys::CUstream;
-    let mut ctx: dsys::CUcontext = ptr::null_mut();
-    let mut ordinal: dsys::CUdevice = 0;
-    // SAFETY: `stream` is XLA's live stream for this call (`Frame::stream`
-    // refuses null); the out-pointers are valid locals.
-    unsafe {
-        dsys::cuStreamGetCtx(stream, &mut ctx).result().map_err(driver("cuStreamGetCtx"))?;
-        drv::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
-        dsys::cuCtxGetDevice(&mut ordinal).result().map_err(driver("cuCtxGetDevice"))?;
+    bind_or_create(stream).map(|(device, _)| device)
+}
+
+/// [`bind`] from an EXECUTE call: the device is normally set up already
+/// (INITIALIZE ran); one that is not is set up here and counted in
+/// [`LOADED_DURING_EXECUTE`].
+pub fn bind_for_execute(stream: *mut c_void) -> Result<Arc<Mutex<Device>>> {
+    let (device, created) = bind_or_create(stream)?;
+    if created {
+        LOADED_DURING_EXECUTE.fetch_add(1, Ordering::Relaxed);
     }
+    Ok(device)
+}
+
+/// The device of `stream`, and whether this call created its state.
+fn bind_or_create(stream: *mut c_void) -> Result<(Arc<Mutex<Device>>, bool)> {
+    // SAFETY: `stream` is XLA's live stream for this call (`Frame::stream`
+    // refuses null).
+    let (ctx, ordinal) = unsafe { api::bind_stream(stream as dsys::CUstream) }?;
     let devices = DEVICES.get_or_init(Default::default);
     let mut devices = devices.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(d) = devices.get(&ordinal) {
-        return Ok(Arc::clone(d));
+        return Ok((Arc::clone(d), false));
     }
     let d = Arc::new(Mutex::new(Device::new(ordinal, ctx)?));
     devices.insert(ordinal, Arc::clone(&d));
-    Ok(d)
+    Ok((d, true))
 }
 
 /// Number of CUDA devices this process sees.
 pub fn device_count() -> Result<i32> {
-    drv::device::get_count().map_err(driver("cuDeviceGetCount"))
+    api::device_count()
 }
+
+/// Devices whose kernels were loaded during an EXECUTE call instead of
+/// before it (the INITIALIZE stage did not run for them): the GPU check
+/// asserts none.
+pub static LOADED_DURING_EXECUTE: AtomicU64 = AtomicU64::new(0);
 
 impl Device {
     /// Creates the device's streams and kernels; `ctx` (current) is XLA's.
     fn new(ordinal: i32, ctx: dsys::CUcontext) -> Result<Device> {
-        let dev = drv::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
-        // SAFETY: `dev` comes from `cuDeviceGet`; the retained reference is
-        // kept for the life of the process (the cache never drops a device).
-        let primary = unsafe { drv::primary_ctx::retain(dev) }.map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        let dev = api::device_get(ordinal)?;
+        // The retained reference is kept for the life of the process (the
+        // cache never drops a device).
+        let primary = api::primary_context(dev)?;
         if primary != ctx {
             return Err(Error::Unimplemented(format!(
                 "XLA's stream on CUDA device {ordinal} is not in the device's primary context"
             )));
         }
-        // SAFETY: `dev` is valid; the attributes are plain integers.
-        let attr = |a| unsafe { drv::device::get_attribute(dev, a) }.map_err(driver("cuDeviceGetAttribute"));
         use dsys::CUdevice_attribute::*;
+        let attr = |a| api::device_attribute(dev, a);
         let (major, minor) =
             (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
         let multiprocessors = u32::try_from(attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?).unwrap_or(1);
-        let arch = arch(major, minor)?;
-        let ptx = PTX.get_or_init(PtxCache::default).get(arch, SOURCES[0])?;
-        let image = CString::new(ptx.as_bytes()).map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
-        // SAFETY: `image` is NUL-terminated PTX, alive for the call; the
-        // module stays loaded for the life of the process.
-        let module = unsafe { drv::module::load_data(image.as_ptr().cast()) }.map_err(driver("cuModuleLoadData"))?;
+        let target = Target::for_device(major, minor, &kernels::supported_archs()?)?;
+        let image = IMAGES.get_or_init(ImageCache::default).get(&target, SOURCES[0])?;
+        let d = api::driver()?;
+        let mut module: dsys::CUmodule = ptr::null_mut();
+        // SAFETY: `image` is a CUBIN (or NUL-terminated PTX) alive for the
+        // call; the module stays loaded for the life of the process.
+        check_cu(unsafe { (d.module_load_data)(&mut module, image.as_ptr().cast()) }, "cuModuleLoadData")
+            .map_err(|e| Error::Internal(format!("{} ({} of {})", e.message(), target.arch(), SOURCES[0].name)))?;
         let mut sums = [ptr::null_mut(); 3];
         for (f, name) in sums.iter_mut().zip(SUM_KERNELS) {
             let cname = CString::new(name).map_err(|_| Error::Internal("kernel name".into()))?;
-            // SAFETY: `module` was just loaded and is never unloaded.
-            *f = unsafe { drv::module::get_function(module, cname) }.map_err(driver("cuModuleGetFunction"))?;
+            // SAFETY: `module` was just loaded and is never unloaded; `cname` is NUL-terminated.
+            check_cu(unsafe { (d.module_get_function)(f, module, cname.as_ptr()) }, "cuModuleGetFunction")?;
         }
-        let make = || drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"));
-        let lanes = [make()?, make()?];
+        let lanes = [api::stream_create()?, api::stream_create()?];
         Ok(Device {
             ordinal,
             ctx,
@@ -166,7 +153,7 @@ impl Device {
             lanes,
             events: Vec::new(),
             blas: Vec::new(),
-            lt: Vec::new(),
+            lt: None,
             capability: (major, minor),
             sums,
         })
@@ -175,14 +162,13 @@ impl Device {
     /// Makes this device's context current on the calling thread.
     pub fn make_current(&self) -> Result<()> {
         // SAFETY: `ctx` is retained for the life of the process.
-        unsafe { drv::ctx::set_current(self.ctx) }.map_err(driver("cuCtxSetCurrent"))
+        unsafe { api::set_current(self.ctx) }
     }
 
     /// At least `n` events (created on the first call that needs them).
     fn reserve_events(&mut self, n: usize) -> Result<()> {
         while self.events.len() < n {
-            let flags = dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-            self.events.push(drv::event::create(flags).map_err(driver("cuEventCreate"))?);
+            self.events.push(api::event_create("cuEventCreate")?);
         }
         Ok(())
     }
@@ -192,34 +178,30 @@ impl Device {
         if let Some(&(_, h)) = self.blas.iter().find(|(s, _)| *s == stream) {
             return Ok(h);
         }
-        let h = blas::create_handle().map_err(cublas("cublasCreate"))?;
-        // SAFETY: `h` was just created in the current context (this device's);
+        let blas = api::cublas()?;
+        let mut h: bsys::cublasHandle_t = ptr::null_mut();
+        // SAFETY: a valid out-pointer; the handle is created in the current
+        // context (this device's) and kept for the life of the process;
         // `stream` is one of this device's internal streams, never destroyed.
-        unsafe { blas::set_stream(h, stream as bsys::cudaStream_t) }.map_err(cublas("cublasSetStream"))?;
+        unsafe {
+            check_blas((blas.create)(&mut h), "cublasCreate")?;
+            check_blas((blas.set_stream)(h, stream as bsys::cudaStream_t), "cublasSetStream")?;
+        }
         self.blas.push((stream, h));
         Ok(h)
     }
 
-    /// The cuBLASLt handle and workspace of `stream` (created on first use:
-    /// the hot path allocates nothing).
-    fn lt_for(&mut self, stream: dsys::CUstream) -> Result<LtLane> {
-        if let Some(&l) = self.lt.iter().find(|l| l.stream == stream) {
-            return Ok(l);
+    /// The device's cuBLASLt handle (created on first use, kept for the
+    /// life of the process; its GEMMs' workspace comes from XLA, per call).
+    fn lt_handle(&mut self) -> Result<ltsys::cublasLtHandle_t> {
+        if let Some(h) = self.lt {
+            return Ok(h);
         }
-        let handle = ltres::create_handle().map_err(|e| Error::Internal(format!("cuBLASLt cublasLtCreate: {e}")))?;
-        // SAFETY: a fresh allocation in the current context (this device's),
-        // kept for the life of the process with the handle that uses it.
-        let workspace = match unsafe { drv::malloc_sync(LT_WORKSPACE_BYTES) } {
-            Ok(addr) => (addr, LT_WORKSPACE_BYTES),
-            Err(e) => {
-                // SAFETY: `handle` was just created and is not used elsewhere.
-                let _ = unsafe { ltres::destroy_handle(handle) };
-                return Err(driver("cuMemAlloc (cuBLASLt workspace)")(e));
-            }
-        };
-        let lane = LtLane { stream, handle, workspace };
-        self.lt.push(lane);
-        Ok(lane)
+        let mut handle: ltsys::cublasLtHandle_t = ptr::null_mut();
+        // SAFETY: a valid out-pointer; created in the current context (this device's).
+        check_lt(unsafe { (api::cublaslt()?.create)(&mut handle) }, "cublasLtCreate")?;
+        self.lt = Some(handle);
+        Ok(handle)
     }
 
     fn sum_kernel(&self, name: &str) -> Result<dsys::CUfunction> {
@@ -275,8 +257,7 @@ impl GroupComms {
     /// when the group is dropped.
     pub fn abort_rank(&self, rank: usize) {
         if let Some(c) = self.comms.release(rank) {
-            // SAFETY: `c` is a communicator this struct created, released once.
-            let _ = unsafe { nc::comm_abort(c) };
+            abort_comm(c);
         }
     }
 
@@ -300,10 +281,18 @@ impl WatchedGroup for GroupComms {
 impl Drop for GroupComms {
     fn drop(&mut self) {
         for c in self.comms.release_all() {
-            // SAFETY: no call holds the group any more (this is the last
-            // reference); each communicator is released once (see above).
-            let _ = unsafe { nc::comm_abort(c) };
+            // No call holds the group any more (this is the last reference);
+            // each communicator is released once (see above).
+            abort_comm(c);
         }
+    }
+}
+
+/// Aborts `c`, a communicator a `GroupComms` created and released once.
+fn abort_comm(c: nsys::ncclComm_t) {
+    if let Ok(nccl) = api::nccl() {
+        // SAFETY: the caller releases `c` exactly once (`ReleaseOnce`).
+        let _ = unsafe { (nccl.comm_abort)(c) };
     }
 }
 
@@ -329,7 +318,7 @@ pub fn group_comms(
                 IDS.get_or_init(Default::default).claim(key, id)?;
                 nsys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) }
             }
-            None if members.iter().all(Option::is_some) => nc::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?,
+            None if members.iter().all(Option::is_some) => new_unique_id()?,
             None => {
                 return Err(Error::Internal(format!(
                     "the group {:?} spans processes but has no unique id",
@@ -346,8 +335,14 @@ pub fn group_comms(
 /// A fresh NCCL unique id (`ncclGetUniqueId`), for the lowering of a group
 /// spanning processes: its rank 0's process makes it and publishes it.
 pub fn unique_id() -> Result<[u8; NCCL_ID_BYTES]> {
-    let id = nc::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
-    Ok(id.internal.map(|c| c as u8))
+    Ok(new_unique_id()?.internal.map(|c| c as u8))
+}
+
+fn new_unique_id() -> Result<nsys::ncclUniqueId> {
+    let mut id = nsys::ncclUniqueId { internal: [0; NCCL_ID_BYTES] };
+    // SAFETY: a valid out-pointer of the id's size.
+    check_nccl(unsafe { (api::nccl()?.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
+    Ok(id)
 }
 
 /// Drops a failed group from the cache (the next call creates it afresh),
@@ -361,7 +356,9 @@ pub fn evict(key: &CommKey, failed: &Arc<GroupComms>) {
 /// A non-blocking communicator configuration, other fields left to NCCL.
 fn config() -> Result<nsys::ncclConfig_t> {
     const UNDEF: i32 = i32::MIN; // NCCL_CONFIG_UNDEF_INT
-    let runtime = nc::get_nccl_version().map_err(nccl_err("ncclGetVersion"))?;
+    let mut runtime = 0;
+    // SAFETY: a valid out-pointer.
+    check_nccl(unsafe { (api::nccl()?.get_version)(&mut runtime) }, "ncclGetVersion")?;
     Ok(nsys::ncclConfig_t {
         size: std::mem::size_of::<nsys::ncclConfig_t>(),
         magic: 0xcafe_beef,
@@ -393,7 +390,7 @@ fn config() -> Result<nsys::ncclConfig_t> {
 unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
     let mut state = nsys::ncclResult_t::ncclSuccess;
     // SAFETY: the caller's contract; `state` is a valid out-pointer.
-    unsafe { nsys::ncclCommGetAsyncError(comm, &mut state) }.result().map_err(nccl_err("ncclCommGetAsyncError"))?;
+    check_nccl(unsafe { (api::nccl()?.comm_get_async_error)(comm, &mut state) }, "ncclCommGetAsyncError")?;
     match state {
         nsys::ncclResult_t::ncclSuccess => Ok(Poll::Done),
         nsys::ncclResult_t::ncclInProgress => Ok(Poll::Pending),
@@ -404,26 +401,29 @@ unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
 fn create(key: &CommKey, members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
     let n = i32::try_from(members.len()).map_err(|_| Error::Internal("group too large".into()))?;
     let mut config = config()?;
+    let nccl = api::nccl()?;
     let mut comms: Vec<nsys::ncclComm_t> = vec![ptr::null_mut(); members.len()];
-    nc::group_start().map_err(nccl_err("ncclGroupStart"))?;
+    // SAFETY: no arguments; balanced by the `group_end` below.
+    check_nccl(unsafe { (nccl.group_start)() }, "ncclGroupStart")?;
     let posted = (|| -> Result<()> {
         for (rank, (member, comm)) in members.iter().zip(comms.iter_mut()).enumerate() {
             let Some(o) = *member else { continue };
-            let dev = drv::device::get(o).map_err(driver("cuDeviceGet"))?;
-            // SAFETY: `dev` comes from `cuDeviceGet`; the primary context is
-            // retained for the life of the process (XLA holds it too).
+            // The primary context is retained for the life of the process (XLA holds it too).
+            let ctx = api::primary_context(api::device_get(o)?)?;
+            // SAFETY: `ctx` is live; `comm` and `config` are valid for the
+            // call; the id is shared by every rank of this group and no other.
             unsafe {
-                let ctx = drv::primary_ctx::retain(dev).map_err(driver("cuDevicePrimaryCtxRetain"))?;
-                drv::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+                api::set_current(ctx)?;
+                check_nccl(
+                    (nccl.comm_init_rank_config)(comm, n, id, rank as i32, &mut config),
+                    "ncclCommInitRankConfig",
+                )?;
             }
-            // SAFETY: `comm` and `config` are valid for the call; the id is
-            // shared by every rank of this group and by no other group.
-            unsafe { nc::comm_init_rank_config(comm, n, id, rank as i32, &mut config) }
-                .map_err(nccl_err("ncclCommInitRankConfig"))?;
         }
         Ok(())
     })();
-    let ended = nc::group_end().map_err(nccl_err("ncclGroupEnd"));
+    // SAFETY: closes the group opened above, also after a failed post.
+    let ended = check_nccl(unsafe { (nccl.group_end)() }, "ncclGroupEnd");
     // Owned from here on: on any failure below, dropping `group` aborts
     // every communicator NCCL handed out, each once.
     let group = GroupComms {
@@ -476,13 +476,13 @@ impl EventSource for CudaEvents {
 
     fn query(&self, e: WatchEvent) -> Query {
         // SAFETY: the context is retained and the event never destroyed (the
-        // pool keeps its events for the life of the process).
-        let state = unsafe { drv::ctx::set_current(e.ctx).and_then(|()| drv::event::query(e.event)) };
-        match state {
-            Err(drv::DriverError(dsys::CUresult::CUDA_ERROR_NOT_READY)) => Query::Pending,
-            // Done, or a device error: not a hang, and XLA reports it from
-            // its own stream.
-            _ => Query::Done,
+        // pool keeps its events for the life of the process). A device error
+        // counts as done: not a hang, and XLA reports it from its own stream.
+        let done = unsafe { api::set_current(e.ctx).is_err() || api::event_done(e.event) };
+        if done {
+            Query::Done
+        } else {
+            Query::Pending
         }
     }
 
@@ -565,9 +565,7 @@ impl CallWatch {
         let dog = watchdog()?;
         let take = || match dog.take_event(device.ordinal) {
             Some(e) => Ok(e),
-            None => drv::event::create(dsys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map(|event| WatchEvent { ctx: device.ctx, event })
-                .map_err(driver("cuEventCreate (watchdog)")),
+            None => api::event_create("cuEventCreate (watchdog)").map(|event| WatchEvent { ctx: device.ctx, event }),
         };
         let start = take()?;
         let end = take().inspect_err(|_| dog.give_back(device.ordinal, &[start]))?;
@@ -612,7 +610,7 @@ impl CallWatch {
 fn record_on(e: WatchEvent, xla: *mut c_void) -> Result<()> {
     // SAFETY: XLA's stream is live for the call; the event is this device's
     // and owned by the call until it is submitted or given back.
-    unsafe { drv::event::record(e.event, xla as dsys::CUstream) }.map_err(driver("cuEventRecord (watchdog)"))
+    unsafe { api::event_record(e.event, xla as dsys::CUstream, "cuEventRecord (watchdog)") }
 }
 
 // ---- one call ------------------------------------------------------------------
@@ -629,6 +627,10 @@ pub struct CallOps<'a> {
     pub deadline: Instant,
     /// Set when a communicator failed or timed out: the caller aborts and evicts it.
     pub comm_failed: bool,
+    /// float32 GEMMs may use TF32 (the op's precision allows it).
+    pub tf32: bool,
+    /// An fp8 call's GEMM workspace in XLA's workspace (`ops::workspace_bytes`).
+    pub fp8_workspace: Option<(u64, usize)>,
 }
 
 impl CallOps<'_> {
@@ -699,8 +701,10 @@ impl CallOps<'_> {
         // these parameters; their values live across the call (the driver
         // copies them); the addresses are inside XLA's buffers (checked by
         // the resolver), alive until the join.
-        unsafe { drv::launch_kernel(f, (grid, 1, 1), (BLOCK, 1, 1), 0, stream, &mut params) }
-            .map_err(driver("cuLaunchKernel"))
+        let launch_kernel = api::driver()?.launch_kernel;
+        let launched =
+            unsafe { launch_kernel(f, grid, 1, 1, BLOCK, 1, 1, 0, stream, params.as_mut_ptr(), ptr::null_mut()) };
+        check_cu(launched, "cuLaunchKernel")
     }
 }
 
@@ -708,14 +712,13 @@ impl StreamOps for CallOps<'_> {
     fn record(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
         let (s, e) = (self.stream(stream)?, self.event(event)?);
         // SAFETY: both handles are live (XLA's stream for the call, ours cached).
-        unsafe { drv::event::record(e, s) }.map_err(driver("cuEventRecord"))
+        unsafe { api::event_record(e, s, "cuEventRecord") }
     }
 
     fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
         let (s, e) = (self.stream(stream)?, self.event(event)?);
         // SAFETY: as in `record`.
-        unsafe { drv::stream::wait_event(s, e, dsys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(driver("cuStreamWaitEvent"))
+        unsafe { api::stream_wait_event(s, e) }
     }
 
     fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
@@ -727,16 +730,20 @@ impl StreamOps for CallOps<'_> {
                     // SAFETY: `handle` is bound to this lane's stream in this
                     // device's (current) context; the resolver placed every
                     // view inside XLA's buffers, alive until the join.
-                    unsafe { gemm::enqueue(handle, &gemm, ops, accumulate) }?;
+                    unsafe { gemm::enqueue(handle, &gemm, ops, accumulate, self.tf32) }?;
                 }
                 DeviceOp::Fp8Gemm(g) => {
                     let call = g.lower(self.device.capability)?;
-                    let lane = self.device.lt_for(stream)?;
-                    // SAFETY: the handle and its workspace belong to this
-                    // device's (current) context and to this lane's stream
-                    // only; the resolver placed the operands, result and
-                    // scales inside XLA's buffers, alive until the join.
-                    unsafe { lt::enqueue(lane.handle, stream as ltsys::cudaStream_t, &call, lane.workspace) }?;
+                    let handle = self.device.lt_handle()?;
+                    let workspace = self.fp8_workspace.ok_or_else(|| {
+                        Error::Internal("an fp8 GEMM without its workspace in the call's workspace".into())
+                    })?;
+                    // SAFETY: the handle belongs to this device's (current)
+                    // context; the resolver placed the operands, result and
+                    // scales inside XLA's buffers, and the workspace is the
+                    // call's own part of XLA's workspace (the call's GEMMs
+                    // all run on this one stream), alive until the join.
+                    unsafe { lt::enqueue(handle, stream as ltsys::cudaStream_t, &call, workspace) }?;
                 }
                 DeviceOp::Sum(launch) => self.launch_sum(stream, launch)?,
                 DeviceOp::Exchange { sends, recvs } => self.exchange(stream, &sends, &recvs)?,
@@ -767,19 +774,17 @@ mod tests {
         fn with(bytes: &[u8]) -> DeviceMem {
             // SAFETY: a fresh allocation of at least `bytes.len()` bytes in
             // the current context, filled from a live host slice.
-            unsafe {
-                let p = drv::malloc_sync(bytes.len().max(1)).unwrap();
-                if !bytes.is_empty() {
-                    drv::memcpy_htod_sync(p, bytes).unwrap();
-                }
-                DeviceMem(p)
+            let p = api::mem_alloc(bytes.len().max(1), "cuMemAlloc").unwrap();
+            if !bytes.is_empty() {
+                unsafe { api::memcpy_htod(p, bytes) }.unwrap();
             }
+            DeviceMem(p)
         }
 
         fn read(&self, len: usize) -> Vec<u8> {
             let mut v = vec![0u8; len];
             // SAFETY: the allocation holds at least `len` bytes; the copy is synchronous.
-            unsafe { drv::memcpy_dtoh_sync(&mut v, self.0) }.unwrap();
+            unsafe { api::memcpy_dtoh(&mut v, self.0) }.unwrap();
             v
         }
     }
@@ -787,54 +792,8 @@ mod tests {
     impl Drop for DeviceMem {
         fn drop(&mut self) {
             // SAFETY: allocated by `with`, freed once, after the stream was synchronised.
-            let _ = unsafe { drv::free_sync(self.0) };
+            let _ = unsafe { api::mem_free(self.0) };
         }
-    }
-
-    /// The directory of pip's NVRTC libraries, if the package is installed.
-    fn pip_nvrtc() -> Option<std::path::PathBuf> {
-        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        let code = "import nvidia.cuda_nvrtc as m; print(list(m.__path__)[0])";
-        let out = std::process::Command::new(python).args(["-c", code]).output().ok()?;
-        let dir = std::path::PathBuf::from(String::from_utf8(out.stdout).ok()?.trim()).join("lib");
-        (out.status.success() && dir.is_dir()).then_some(dir)
-    }
-
-    /// The parameters `launch_sum` passes are those NVRTC gives each sum
-    /// kernel: a pointer, `Terms` by value (eight 8-byte pointers, 8-aligned),
-    /// an int and a u64. Needs pip's NVRTC, no GPU.
-    #[test]
-    fn sum_kernels_take_the_parameters_the_launch_passes() {
-        let Some(dir) = pip_nvrtc() else {
-            eprintln!("pip `nvidia-cuda-nvrtc-cu12` is not installed: the launch-signature test is skipped");
-            return;
-        };
-        // SAFETY: libnvrtc's initialisers only set up the library; it stays
-        // loaded, so cudarc's `dlopen` by soname finds it.
-        let lib = unsafe { libloading::Library::new(dir.join("libnvrtc.so.12")) }.unwrap();
-        std::mem::forget(lib);
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some("sm_80"),
-            options: vec!["--std=c++17".into()],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCES[0].text, opts).unwrap().to_src();
-        for name in SUM_KERNELS {
-            let start = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no kernel {name}"));
-            let params: Vec<String> = ptx[start..]
-                .split_once('(')
-                .and_then(|(_, rest)| rest.split_once(')'))
-                .map(|(list, _)| list.split(',').map(|p| p.split_whitespace().collect::<Vec<_>>().join(" ")).collect())
-                .unwrap();
-            let expected = [
-                format!(".param .u64 {name}_param_0"),
-                format!(".param .align 8 .b8 {name}_param_1[{}]", 8 * calls::MAX_TERMS),
-                format!(".param .u32 {name}_param_2"),
-                format!(".param .u64 {name}_param_3"),
-            ];
-            assert_eq!(params, expected, "{name}");
-        }
-        assert_eq!(std::mem::size_of::<[u64; calls::MAX_TERMS]>(), 8 * calls::MAX_TERMS);
     }
 
     /// What the watchdog reads of a group (its device ids, the calls each
@@ -862,11 +821,11 @@ mod tests {
     /// Runs `case` on device `ordinal` as rank `rank` of a group of the
     /// first `n` CUDA devices; returns the output bytes.
     fn run_on(ordinal: i32, rank: usize, n: usize, case: &super::super::emulate::Case, schedule: Schedule) -> Vec<u8> {
-        let dev = drv::device::get(ordinal).unwrap();
-        // SAFETY: `dev` is a device of this process; its primary context stays retained.
-        unsafe { drv::ctx::set_current(drv::primary_ctx::retain(dev).unwrap()) }.unwrap();
+        let ctx = api::primary_context(api::device_get(ordinal).unwrap()).unwrap();
+        // SAFETY: the primary context stays retained.
+        unsafe { api::set_current(ctx) }.unwrap();
         // Plays XLA's stream.
-        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).unwrap();
+        let stream = api::stream_create().unwrap();
         let (kind, x, w, out) = case;
         let op = |dims| Operand { dims, dtype: DType::F32 };
         let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
@@ -904,32 +863,30 @@ mod tests {
             comm: comms.as_ref().map(|c| c.rank(rank).unwrap()),
             deadline,
             comm_failed: false,
+            tf32: false,
+            fp8_workspace: None,
         };
         issue(&p, &sched, &mut ops).unwrap();
         drop(d);
         // SAFETY: `stream` is live; the test (not the hot path) waits for it.
-        unsafe { drv::stream::synchronize(stream) }.unwrap();
+        unsafe { api::stream_synchronize(stream) }.unwrap();
         outd.read(sizes.result * 4)
     }
 
+    /// The CUDA devices of this process; fails (these tests run only when
+    /// asked for, on a GPU host) when the libraries or a GPU are missing.
     fn usable_devices() -> i32 {
-        let usable = Lib::ALL.iter().all(|l| l.present()) && drv::init().is_ok();
-        if usable {
-            device_count().unwrap_or(0)
-        } else {
-            0
-        }
+        api::require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc]).unwrap();
+        let n = device_count().unwrap();
+        assert!(n > 0, "no CUDA device is visible");
+        n
     }
 
-    /// The device path on one real GPU, every op kind, against the CPU
-    /// backend. Runs where a CUDA device is usable (the first GPU host, via
-    /// `cargo test --features cuda`); elsewhere it returns at once.
+    /// The device path on one real GPU, every op kind, against the CPU backend.
     #[test]
+    #[ignore = "needs a CUDA GPU: scripts/gpu_device_check.sh runs it"]
     fn one_gpu_runs_every_op_as_the_cpu_backend_does() {
-        if usable_devices() == 0 {
-            eprintln!("no usable CUDA device: the one-GPU test is skipped");
-            return;
-        }
+        usable_devices();
         let mut site = 0x6e00;
         for case in cases(1) {
             for schedule in [Schedule::Ring, Schedule::Sequential] {
@@ -943,12 +900,10 @@ mod tests {
     /// All local GPUs as one group (NCCL communicators created together,
     /// one thread per device, as XLA runs them), every op kind and schedule.
     #[test]
+    #[ignore = "needs 2 or more CUDA GPUs: scripts/gpu_device_check.sh runs it where there are"]
     fn all_local_gpus_run_every_op_as_the_cpu_backend_does() {
         let n = usable_devices().min(8) as usize;
-        if n < 2 {
-            eprintln!("fewer than 2 usable CUDA devices: the multi-GPU test is skipped");
-            return;
-        }
+        assert!(n >= 2, "this test needs 2 or more CUDA GPUs, found {n}");
         let mut site = 0x6f00;
         for case in cases(n as i64) {
             for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {

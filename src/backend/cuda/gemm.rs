@@ -99,7 +99,9 @@ pub struct Operands {
 }
 
 /// Enqueues `g` on the stream `handle` is bound to: f32 compute (bf16/f16
-/// inputs accumulate in f32), overwriting or (`accumulate`) adding to `dst`.
+/// inputs accumulate in f32; f32 inputs use TF32 tensor cores when `tf32`,
+/// as XLA's own dot does at default precision), overwriting or
+/// (`accumulate`) adding to `dst`.
 ///
 /// # Safety
 /// `handle` is a live cuBLAS handle whose stream is the compute stream; the
@@ -110,16 +112,23 @@ pub unsafe fn enqueue(
     g: &Gemm,
     ops: Operands,
     accumulate: bool,
+    tf32: bool,
 ) -> Result<()> {
-    use cudarc::cublas::{result, sys};
+    use cudarc::cublas::sys;
     let Some(c) = ColMajor::of(g)? else { return Ok(()) };
+    let gemm_ex = super::api::cublas()?.gemm_ex;
+    let compute = if tf32 && ops.lhs.1 == DType::F32 && ops.rhs.1 == DType::F32 {
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+    } else {
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+    };
     let (a, b, dst) = c.addresses(ops);
     let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
     // The sizes fit in an int: checked by `ColMajor::of`.
     let int = |x: usize| x as std::ffi::c_int;
     // SAFETY: the caller's contract; alpha and beta are host f32 as COMPUTE_32F requires.
-    unsafe {
-        result::gemm_ex(
+    let status = unsafe {
+        gemm_ex(
             handle,
             sys::cublasOperation_t::CUBLAS_OP_N,
             sys::cublasOperation_t::CUBLAS_OP_N,
@@ -137,11 +146,11 @@ pub unsafe fn enqueue(
             dst as *mut std::ffi::c_void,
             cuda_type(ops.dst.1)?,
             int(c.ldc),
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            compute,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
-    }
-    .map_err(|e| Error::Internal(format!("cublasGemmEx: {e:?} for {c:?}")))
+    };
+    super::api::check_blas(status, &format!("cublasGemmEx for {c:?}"))
 }
 
 #[cfg(test)]

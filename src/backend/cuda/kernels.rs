@@ -1,10 +1,19 @@
-//! The CUDA C++ sources of `kernels/`, compiled at run time with NVRTC for the
-//! device's architecture and cached per (architecture, source): each source is
-//! compiled once per process and architecture, whatever the number of devices.
+//! The CUDA C++ sources of `kernels/`, compiled with NVRTC to CUBIN for a
+//! device's exact compute capability, and cached per (target, source): each
+//! source is compiled once per process and architecture, whatever the
+//! number of devices.
+//!
+//! CUBIN, not PTX: the driver JIT-compiles PTX and refuses PTX newer than
+//! itself, and pip installs the newest NVRTC (12.9 emits PTX 8.8, 13.x PTX
+//! 9.x), often newer than the driver. PTX remains the fallback for a device
+//! newer than every architecture the NVRTC knows (the driver then compiles
+//! it for the device).
 
-use super::libs::{require, Lib};
+use super::api::{self, check_nvrtc};
 use crate::error::{Error, Result};
+use cudarc::nvrtc::sys::nvrtcProgram;
 use std::collections::HashMap;
+use std::ffi::{c_char, CString};
 use std::sync::{Arc, Mutex};
 
 /// A source file of `kernels/`, embedded in the library.
@@ -18,47 +27,147 @@ pub struct Source {
 pub const SOURCES: [Source; 1] =
     [Source { name: "elementwise.cu", text: include_str!("../../../kernels/elementwise.cu") }];
 
-/// The NVRTC architectures the backend compiles for: `sm_XY` from a compute capability.
-pub fn arch(major: i32, minor: i32) -> Result<&'static str> {
-    match (major, minor) {
-        (8, 0) => Ok("sm_80"),
-        (8, 6) => Ok("sm_86"),
-        (8, 7) => Ok("sm_87"),
-        (8, 9) => Ok("sm_89"),
-        (9, 0) => Ok("sm_90"),
-        (10, 0) => Ok("sm_100"),
-        (12, 0) => Ok("sm_120"),
-        _ => Err(Error::Unimplemented(format!(
-            "compute capability {major}.{minor} is not supported (the kernels need sm_80 or newer)"
-        ))),
+/// The oldest architecture the kernels support (bf16 `cvt` needs sm_80).
+const OLDEST: i32 = 80;
+
+/// What NVRTC produces for a device.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// Machine code for exactly this architecture (`sm_90`).
+    Cubin(i32),
+    /// PTX for this virtual architecture (`compute_120`), JIT-compiled by the driver.
+    Ptx(i32),
+}
+
+impl Target {
+    /// NVRTC's `--gpu-architecture` value.
+    pub fn arch(&self) -> String {
+        match self {
+            Target::Cubin(sm) => format!("sm_{sm}"),
+            Target::Ptx(sm) => format!("compute_{sm}"),
+        }
+    }
+
+    /// The target for a device of compute capability `major.minor`, given the
+    /// architectures this NVRTC supports (`nvrtcGetSupportedArchs`): CUBIN for
+    /// the device's own architecture when NVRTC has it, else PTX for NVRTC's
+    /// newest when the device is newer still.
+    pub fn for_device(major: i32, minor: i32, supported: &[i32]) -> Result<Target> {
+        let sm = major * 10 + minor;
+        if sm < OLDEST {
+            return Err(Error::Unimplemented(format!(
+                "compute capability {major}.{minor} is not supported (the kernels need sm_{OLDEST} or newer)"
+            )));
+        }
+        if supported.contains(&sm) {
+            return Ok(Target::Cubin(sm));
+        }
+        match supported.iter().copied().max() {
+            Some(newest) if newest < sm && newest >= OLDEST => Ok(Target::Ptx(newest)),
+            _ => Err(Error::Unimplemented(format!(
+                "this NVRTC cannot compile for compute capability {major}.{minor} (it supports sm {supported:?}); \
+                 install the NVRTC of JAX's CUDA version"
+            ))),
+        }
     }
 }
 
-/// PTX per (architecture, source name).
-#[derive(Default)]
-pub struct PtxCache {
-    entries: Mutex<HashMap<(&'static str, &'static str), Arc<String>>>,
+/// The architectures the loaded NVRTC can compile for (`[75, 80, ..., 120]`).
+pub fn supported_archs() -> Result<Vec<i32>> {
+    let nvrtc = api::nvrtc()?;
+    let mut n = 0;
+    // SAFETY: valid out-pointers; the array holds the count NVRTC reported.
+    unsafe {
+        check_nvrtc((nvrtc.get_num_supported_archs)(&mut n), "nvrtcGetNumSupportedArchs")?;
+        let mut archs = vec![0; usize::try_from(n).unwrap_or(0)];
+        check_nvrtc((nvrtc.get_supported_archs)(archs.as_mut_ptr()), "nvrtcGetSupportedArchs")?;
+        Ok(archs)
+    }
 }
 
-impl PtxCache {
-    /// The PTX of `source` for `arch`, compiled on first use.
-    pub fn get(&self, arch: &'static str, source: Source) -> Result<Arc<String>> {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(ptx) = entries.get(&(arch, source.name)) {
-            return Ok(Arc::clone(ptx));
+/// A compiled source: the bytes `cuModuleLoadData` takes (PTX NUL-terminated),
+/// and NVRTC's log (ptxas's resource report with `extra` options that ask for it).
+#[derive(Debug)]
+pub struct Compiled {
+    pub image: Vec<u8>,
+    pub log: String,
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        if let Ok(nvrtc) = api::nvrtc() {
+            // SAFETY: created by `compile`, destroyed once.
+            let _ = unsafe { (nvrtc.destroy_program)(&mut self.0) };
         }
-        require(&[Lib::Nvrtc])?;
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some(arch),
-            name: Some(source.name.to_string()),
-            options: vec!["--std=c++17".into()],
-            ..Default::default()
+    }
+}
+
+/// Compiles `source` for `target` with NVRTC (`extra`: more NVRTC options).
+pub fn compile(source: Source, target: &Target, extra: &[&str]) -> Result<Compiled> {
+    let nvrtc = api::nvrtc()?;
+    let cstr = |s: &str| CString::new(s).map_err(|_| Error::Internal(format!("NUL byte in {s:?}")));
+    let (text, name) = (cstr(source.text)?, cstr(source.name)?);
+    let mut options = vec![cstr("--std=c++17")?, cstr(&format!("--gpu-architecture={}", target.arch()))?];
+    for o in extra {
+        options.push(cstr(o)?);
+    }
+    let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    let mut program = Program(std::ptr::null_mut());
+    // SAFETY: every pointer is a live NUL-terminated string for the calls;
+    // the out-buffers are sized from NVRTC's own size queries.
+    unsafe {
+        let created =
+            (nvrtc.create_program)(&mut program.0, text.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null());
+        check_nvrtc(created, "nvrtcCreateProgram")?;
+        let compiled = (nvrtc.compile_program)(program.0, option_ptrs.len() as i32, option_ptrs.as_ptr());
+        let mut log_size = 0usize;
+        check_nvrtc((nvrtc.get_program_log_size)(program.0, &mut log_size), "nvrtcGetProgramLogSize")?;
+        let mut log = vec![0u8; log_size.max(1)];
+        check_nvrtc((nvrtc.get_program_log)(program.0, log.as_mut_ptr().cast()), "nvrtcGetProgramLog")?;
+        let log = String::from_utf8_lossy(&log).trim_end_matches('\0').trim().to_string();
+        check_nvrtc(compiled, "nvrtcCompileProgram")
+            .map_err(|e| Error::Internal(format!("{} for {}: {}\n{log}", source.name, target.arch(), e.message())))?;
+        let mut size = 0usize;
+        let image = match target {
+            Target::Cubin(_) => {
+                check_nvrtc((nvrtc.get_cubin_size)(program.0, &mut size), "nvrtcGetCUBINSize")?;
+                let mut image = vec![0u8; size];
+                check_nvrtc((nvrtc.get_cubin)(program.0, image.as_mut_ptr().cast()), "nvrtcGetCUBIN")?;
+                image
+            }
+            Target::Ptx(_) => {
+                // The size counts the terminating NUL, which `cuModuleLoadData` needs.
+                check_nvrtc((nvrtc.get_ptx_size)(program.0, &mut size), "nvrtcGetPTXSize")?;
+                let mut image = vec![0u8; size];
+                check_nvrtc((nvrtc.get_ptx)(program.0, image.as_mut_ptr().cast()), "nvrtcGetPTX")?;
+                image
+            }
         };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source.text, opts)
-            .map_err(|e| Error::Internal(format!("NVRTC failed on {} for {arch}: {e}", source.name)))?;
-        let ptx = Arc::new(ptx.to_src());
-        entries.insert((arch, source.name), Arc::clone(&ptx));
-        Ok(ptx)
+        Ok(Compiled { image, log })
+    }
+}
+
+type ImageKey = (Target, &'static str);
+
+/// Compiled images per (target, source name).
+#[derive(Default)]
+pub struct ImageCache {
+    entries: Mutex<HashMap<ImageKey, Arc<Vec<u8>>>>,
+}
+
+impl ImageCache {
+    /// The image of `source` for `target`, compiled on first use.
+    pub fn get(&self, target: &Target, source: Source) -> Result<Arc<Vec<u8>>> {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(image) = entries.get(&(target.clone(), source.name)) {
+            return Ok(Arc::clone(image));
+        }
+        let image = Arc::new(compile(source, target, &[])?.image);
+        entries.insert((target.clone(), source.name), Arc::clone(&image));
+        Ok(image)
     }
 }
 
@@ -67,14 +176,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn architectures_and_missing_nvrtc() {
-        assert_eq!(arch(9, 0).unwrap(), "sm_90");
-        assert!(matches!(arch(7, 5), Err(Error::Unimplemented(_))));
-        // Without NVRTC on the loader path the cache reports it instead of panicking.
-        let cache = PtxCache::default();
-        match cache.get("sm_80", SOURCES[0]) {
-            Ok(ptx) => assert!(ptx.contains(".entry add_f32")),
-            Err(e) => assert!(matches!(e, Error::Unimplemented(_)), "{e}"),
-        }
+    fn cubin_for_known_devices_ptx_for_newer_ones() {
+        let nvrtc_12_9 = [75, 80, 86, 87, 89, 90, 100, 101, 103, 120, 121];
+        assert_eq!(Target::for_device(9, 0, &nvrtc_12_9).unwrap(), Target::Cubin(90));
+        assert_eq!(Target::for_device(10, 3, &nvrtc_12_9).unwrap(), Target::Cubin(103));
+        assert_eq!(Target::for_device(12, 1, &nvrtc_12_9).unwrap(), Target::Cubin(121));
+        // A device newer than this NVRTC: PTX for the newest it knows.
+        assert_eq!(Target::for_device(13, 0, &nvrtc_12_9).unwrap(), Target::Ptx(121));
+        assert_eq!(Target::for_device(13, 0, &nvrtc_12_9).unwrap().arch(), "compute_121");
+        assert_eq!(Target::Cubin(90).arch(), "sm_90");
+        assert!(matches!(Target::for_device(7, 5, &nvrtc_12_9), Err(Error::Unimplemented(_))));
+        // An arch missing in the middle of the list is refused, not silently JIT-compiled.
+        assert!(matches!(Target::for_device(8, 8, &nvrtc_12_9), Err(Error::Unimplemented(_))));
     }
 }

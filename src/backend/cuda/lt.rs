@@ -197,13 +197,10 @@ impl Fp8Gemm {
 
 mod device {
     use super::{LtCall, LtType};
+    use crate::backend::cuda::api::{self, check_lt};
     use crate::error::{Error, Result};
-    use cudarc::cublaslt::{result as lt, sys};
+    use cudarc::cublaslt::sys;
     use std::ffi::c_void;
-
-    fn fail(what: &'static str) -> impl Fn(lt::CublasError) -> Error {
-        move |e| Error::Internal(format!("cuBLASLt {what}: {e}"))
-    }
 
     fn data_type(t: LtType) -> sys::cudaDataType {
         match t {
@@ -217,24 +214,25 @@ mod device {
 
     /// Host-side cuBLASLt descriptors, destroyed on drop (after
     /// `cublasLtMatmul` has returned: it reads them while enqueueing only).
-    struct Descriptors {
+    struct Descriptors<'a> {
+        lt: &'a api::CublasLt,
         desc: sys::cublasLtMatmulDesc_t,
         layouts: Vec<sys::cublasLtMatrixLayout_t>,
         pref: sys::cublasLtMatmulPreference_t,
     }
 
-    impl Drop for Descriptors {
+    impl Drop for Descriptors<'_> {
         fn drop(&mut self) {
             // SAFETY: each handle was created by this struct and is destroyed once.
             unsafe {
                 for &l in &self.layouts {
-                    let _ = lt::destroy_matrix_layout(l);
+                    let _ = (self.lt.matrix_layout_destroy)(l);
                 }
                 if !self.desc.is_null() {
-                    let _ = lt::destroy_matmul_desc(self.desc);
+                    let _ = (self.lt.matmul_desc_destroy)(self.desc);
                 }
                 if !self.pref.is_null() {
-                    let _ = lt::destroy_matmul_pref(self.pref);
+                    let _ = (self.lt.preference_destroy)(self.pref);
                 }
             }
         }
@@ -255,12 +253,12 @@ mod device {
         call: &LtCall,
         workspace: (u64, usize),
     ) -> Result<()> {
-        let mut d = Descriptors {
-            desc: lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
-                .map_err(fail("cublasLtMatmulDescCreate"))?,
-            layouts: Vec::with_capacity(3),
-            pref: std::ptr::null_mut(),
-        };
+        let lt = api::cublaslt()?;
+        let mut d =
+            Descriptors { lt, desc: std::ptr::null_mut(), layouts: Vec::with_capacity(3), pref: std::ptr::null_mut() };
+        let (compute, scale) = (sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F);
+        // SAFETY: a valid out-pointer.
+        check_lt(unsafe { (lt.matmul_desc_create)(&mut d.desc, compute, scale) }, "cublasLtMatmulDescCreate")?;
         use sys::cublasLtMatmulDescAttributes_t as A;
         // cublasOperation_t values: CUBLAS_OP_T = 1, CUBLAS_OP_N = 0.
         let (transa, transb): (i32, i32) = (1, 0);
@@ -274,44 +272,54 @@ mod device {
         for (attr, value, size) in attrs {
             // SAFETY: `d.desc` is live; `value` points at `size` bytes of the
             // attribute's type, alive for the call (cuBLASLt copies it).
-            unsafe { lt::set_matmul_desc_attribute(d.desc, attr, value, size) }
-                .map_err(fail("cublasLtMatmulDescSetAttribute"))?;
+            let status = unsafe { (lt.matmul_desc_set_attribute)(d.desc, attr, value, size) };
+            check_lt(status, "cublasLtMatmulDescSetAttribute")?;
         }
         for l in [call.a_layout, call.b_layout, call.d_layout] {
-            let layout = lt::create_matrix_layout(data_type(l.dtype), l.rows, l.cols, l.ld)
-                .map_err(fail("cublasLtMatrixLayoutCreate"))?;
+            let mut layout = std::ptr::null_mut();
+            // SAFETY: a valid out-pointer; the layout is destroyed with `d`.
+            let status = unsafe { (lt.matrix_layout_create)(&mut layout, data_type(l.dtype), l.rows, l.cols, l.ld) };
+            check_lt(status, "cublasLtMatrixLayoutCreate")?;
             d.layouts.push(layout);
         }
-        d.pref = lt::create_matmul_pref().map_err(fail("cublasLtMatmulPreferenceCreate"))?;
+        // SAFETY: a valid out-pointer.
+        check_lt(unsafe { (lt.preference_create)(&mut d.pref) }, "cublasLtMatmulPreferenceCreate")?;
         let max_workspace = workspace.1;
         // SAFETY: `d.pref` is live; the value is a `usize` (uint64_t) for the call.
-        unsafe {
-            lt::set_matmul_pref_attribute(
+        let status = unsafe {
+            (lt.preference_set_attribute)(
                 d.pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&max_workspace as *const usize).cast(),
                 std::mem::size_of::<usize>(),
             )
-        }
-        .map_err(fail("cublasLtMatmulPreferenceSetAttribute"))?;
+        };
+        check_lt(status, "cublasLtMatmulPreferenceSetAttribute")?;
         let (a, b, dl) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-        // SAFETY: every descriptor is live; C and D share a layout.
-        let heuristic = unsafe { lt::get_matmul_algo_heuristic(handle, d.desc, a, b, dl, dl, d.pref) }
-            .map_err(fail("cublasLtMatmulAlgoGetHeuristic (no fp8 algorithm for this shape)"))?;
+        // SAFETY: an all-zero heuristic result is a valid bit pattern (plain integers and arrays).
+        let mut heuristic: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut found = 0;
+        // SAFETY: every descriptor is live; C and D share a layout; one result is asked for.
+        let status =
+            unsafe { (lt.algo_get_heuristic)(handle, d.desc, a, b, dl, dl, d.pref, 1, &mut heuristic, &mut found) };
+        check_lt(status, "cublasLtMatmulAlgoGetHeuristic")?;
+        if found < 1 {
+            return Err(Error::Internal("cuBLASLt has no fp8 algorithm for this shape and workspace".into()));
+        }
         let (alpha, beta) = (1.0f32, call.beta);
         // SAFETY: the caller's contract for the addresses, handle and stream;
         // alpha and beta are host floats (the default pointer mode), alive
         // for the call; the algorithm comes from this very configuration.
-        unsafe {
-            lt::matmul(
+        let status = unsafe {
+            (lt.matmul)(
                 handle,
                 d.desc,
                 (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
                 call.a as *const c_void,
                 a,
                 call.b as *const c_void,
                 b,
+                (&beta as *const f32).cast(),
                 call.d as *const c_void,
                 dl,
                 call.d as *mut c_void,
@@ -321,8 +329,8 @@ mod device {
                 workspace.1,
                 stream,
             )
-        }
-        .map_err(fail("cublasLtMatmul"))
+        };
+        check_lt(status, "cublasLtMatmul")
     }
 
     /// The cudaDataType of each `LtType` (checked against cuBLASLt's values).

@@ -1,5 +1,8 @@
-//! The CUDA backend (`--features cuda`): cudarc with dynamic loading, so the
-//! crate builds and its logic is tested where CUDA is absent.
+//! The CUDA backend (`--features cuda`): the CUDA libraries are opened at
+//! run time (`libs`: the copy JAX mapped, else a standard install's) and
+//! called through the project's function tables over cudarc's generated
+//! types (`api`), so the crate builds and its logic is tested where CUDA is
+//! absent.
 //!
 //! It shares the plans, the GEMM geometry and the stream ordering with the
 //! CPU path: `exec::stream` turns a plan into per-stream commands, `issue`
@@ -8,7 +11,8 @@
 //! cuBLASLt, for fp8 operands with their two scale operands), `nccl` posts each
 //! exchange as one group, `comms` keys and caches communicators and maps
 //! groups spanning processes (placement, exchanged unique ids), `kernels`
-//! compiles `kernels/` with NVRTC, `libs` checks the libraries first.
+//! compiles `kernels/` with NVRTC to CUBIN for each device, loaded at the
+//! handler's INITIALIZE stage, before any execution.
 //!
 //! `calls` maps a call's plan buffers onto XLA's device addresses (pure,
 //! tested without a device) and `device` drives the driver, cuBLAS, the
@@ -18,6 +22,8 @@
 //! verified, and what is missing, is in GPU.md.
 #![deny(unsafe_code)]
 
+#[allow(unsafe_code)]
+pub mod api;
 pub mod calls;
 pub mod comms;
 #[allow(unsafe_code)]
@@ -27,6 +33,7 @@ mod emulate;
 #[allow(unsafe_code)]
 pub mod gemm;
 pub mod issue;
+#[allow(unsafe_code)]
 pub mod kernels;
 #[allow(unsafe_code)]
 pub mod libs;
@@ -41,11 +48,12 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::stream::StreamSchedule;
 use crate::plan::{Action, Workspace};
-use crate::xla::Frame;
+use crate::xla::{Frame, Stage};
+use api::require;
 use calls::{DeviceBuffers, Region, Resolver};
 use comms::{CommKey, Placement};
 use device::{CallOps, CallWatch};
-use libs::{require, Lib};
+use libs::Lib;
 use std::time::Instant;
 
 /// The optional placement attributes of a mesh spanning processes (see
@@ -76,11 +84,38 @@ fn scales(frame: &Frame<'_>) -> Result<(u64, u64)> {
     Ok((scalar(2, "x_scale")?, scalar(3, "w_scale")?))
 }
 
+/// The part of an fp8 call's workspace its cuBLASLt GEMMs may use, after the
+/// plan's buffers (`ops::workspace_bytes` sized it).
+fn fp8_workspace(layout: &Workspace, addr: u64, bytes: usize) -> Result<(u64, usize)> {
+    let offset = crate::ops::fp8_gemm_workspace_offset(layout.total);
+    let need = offset + crate::ops::FP8_GEMM_WORKSPACE_BYTES;
+    if bytes < need {
+        return Err(Error::InvalidArgument(format!(
+            "`workspace` has {bytes} bytes; an fp8 call needs {need} (its plan's buffers and the GEMMs' workspace)"
+        )));
+    }
+    Ok((addr + offset as u64, crate::ops::FP8_GEMM_WORKSPACE_BYTES))
+}
+
 /// A fresh NCCL unique id for the lowering of a group spanning processes
 /// (`commfuse_nccl_unique_id`); UNIMPLEMENTED when NCCL cannot be loaded.
 pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
     require(&[Lib::Nccl])?;
     device::unique_id()
+}
+
+/// The CUDA handler's body for both stages it runs in: INITIALIZE sets up
+/// the device of XLA's stream (streams, and the kernels compiled to CUBIN
+/// and loaded: `cuModuleLoadData` takes a process-wide lock that must not be
+/// taken while work may run on other devices), EXECUTE runs the op.
+pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
+    match frame.stage() {
+        Stage::Initialize => {
+            require(&[Lib::Driver, Lib::Nvrtc])?;
+            device::bind(frame.stream()?).map(drop)
+        }
+        Stage::Execute => collective_matmul(frame),
+    }
 }
 
 /// One device's call of a fused op on a GPU: the same checks, problem and
@@ -110,6 +145,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let operands = [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)];
     let (problem, plan) = crate::ops::problem_and_plan(kind, schedule, operands, frame.attr_i64("dimension")?, &group)?;
     let layout = Workspace::layout(&plan, &problem.sizes());
+    let fp8_workspace =
+        x.dtype.is_fp8().then(|| fp8_workspace(&layout, workspace.addr, workspace.bytes)).transpose()?;
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
     let buffers = DeviceBuffers {
         x: region(x.addr, x.bytes, x.dtype),
@@ -124,7 +161,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let deadline = start + timeout;
 
     let xla_stream = frame.stream()?;
-    let dev = device::bind(xla_stream)?;
+    let dev = device::bind_for_execute(xla_stream)?;
     // An earlier call on this device that timed out on the device (see
     // `watchdog`) fails this one before it touches the group again.
     device::check_device_timeouts(dev.lock().unwrap_or_else(|e| e.into_inner()).ordinal)?;
@@ -156,6 +193,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         comm: comms.as_ref().map(|c| c.rank(group.rank)).transpose()?,
         deadline,
         comm_failed: false,
+        tf32: frame.has_attr("tf32") && frame.attr_i64("tf32")? != 0,
+        fp8_workspace,
     };
     let result = issue::issue(&plan, &streams, &mut ops);
     let result = match (result, watch) {

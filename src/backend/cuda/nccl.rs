@@ -1,7 +1,9 @@
 //! NCCL point-to-point: one plan `Exchange` step as one NCCL group of sends
 //! and receives on the communication stream. No NCCL collectives are used.
 
+use super::api::{self, check_nccl};
 use crate::error::{Error, Result};
+use cudarc::nccl::sys;
 
 /// One transfer of an exchange: a device address, its length in bytes, the
 /// peer's rank in the communicator.
@@ -21,33 +23,33 @@ pub struct P2p {
 /// same device; every address is device memory of at least `bytes` bytes that
 /// stays valid (and, for sends, unchanged) until the stream reaches the group.
 pub unsafe fn enqueue_exchange(
-    comm: cudarc::nccl::sys::ncclComm_t,
-    stream: cudarc::nccl::sys::cudaStream_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
     sends: &[P2p],
     recvs: &[P2p],
 ) -> Result<()> {
-    use cudarc::nccl::{result, sys};
-    let fail = |what: &str, e: result::NcclError| Error::Internal(format!("NCCL {what}: {e:?}"));
+    let nccl = api::nccl()?;
     let peer = |p: &P2p| {
         std::ffi::c_int::try_from(p.peer).map_err(|_| Error::Internal(format!("peer {} out of range", p.peer)))
     };
-    result::group_start().map_err(|e| fail("group start", e))?;
+    let bytes = sys::ncclDataType_t::ncclUint8;
+    // SAFETY: balanced by the `group_end` below.
+    check_nccl(unsafe { (nccl.group_start)() }, "ncclGroupStart")?;
     let posted = (|| -> Result<()> {
         for s in sends {
             // SAFETY: the caller's contract.
-            unsafe {
-                result::send(s.addr as *const _, s.bytes, sys::ncclDataType_t::ncclUint8, peer(s)?, comm, stream)
-            }
-            .map_err(|e| fail("send", e))?;
+            let status = unsafe { (nccl.send)(s.addr as *const _, s.bytes, bytes, peer(s)?, comm, stream) };
+            check_nccl(status, "ncclSend")?;
         }
         for r in recvs {
             // SAFETY: the caller's contract.
-            unsafe { result::recv(r.addr as *mut _, r.bytes, sys::ncclDataType_t::ncclUint8, peer(r)?, comm, stream) }
-                .map_err(|e| fail("recv", e))?;
+            let status = unsafe { (nccl.recv)(r.addr as *mut _, r.bytes, bytes, peer(r)?, comm, stream) };
+            check_nccl(status, "ncclRecv")?;
         }
         Ok(())
     })();
     // Close the group even after a failed post, so NCCL's group depth stays balanced.
-    let ended = result::group_end().map_err(|e| fail("group end", e));
-    posted.and(ended.map(|_| ()))
+    // SAFETY: closes the group opened above.
+    let ended = check_nccl(unsafe { (nccl.group_end)() }, "ncclGroupEnd");
+    posted.and(ended)
 }

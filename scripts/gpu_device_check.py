@@ -1,0 +1,237 @@
+"""The GPU validation of the CUDA backend on a bare GPU host, as one table.
+
+Run by scripts/gpu_device_check.sh (see it and GPU.md for the recipe): the
+library is the `.so` built elsewhere with `--features cuda`, loaded with
+ctypes, so one build serves any Python. Each row is one check: PASS, FAIL
+(with why) or N/A (with why it could not run here). Writes the table to
+stdout and, as markdown, to the file named by --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROWS: list[tuple[str, str, str]] = []
+
+
+def row(check: str, status: str, detail: str = "") -> None:
+    ROWS.append((check, status, " ".join(detail.split())))
+    print(f"[{status}] {check}: {detail}", flush=True)
+
+
+LOGS = "."
+
+
+def run(cmd, timeout, env=None, log=None):
+    """(exit code, combined output) of a command, a timeout being code 124;
+    the whole output is kept in LOGS/`log` when named."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        code, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out = 124, f"timed out after {timeout} s: {(e.stdout or b'')[-2000:]!r}"
+    if log:
+        with open(os.path.join(LOGS, log), "w") as f:
+            f.write(out)
+    return code, out
+
+
+def tail(text: str, n: int = 300) -> str:
+    return text.strip()[-n:]
+
+
+def check_host() -> None:
+    code, out = run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version,memory.total", "--format=csv,noheader"],
+                    30)
+    row("host", "PASS" if code == 0 else "FAIL", f"{out.strip()}; Python {platform.python_version()}")
+    import jax
+    import jaxlib
+    row("JAX", "PASS", f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, devices {jax.devices()}")
+
+
+def check_libraries() -> None:
+    import commfuse
+    from commfuse import _native
+    row("library", "PASS" if _native.cuda_built() else "FAIL",
+        f"{_native.LIBRARY_PATH} (cuda feature: {_native.cuda_built()})")
+    maps = open("/proc/self/maps").read()
+    for key, entry in commfuse.cuda_libraries().items():
+        if entry["error"]:
+            row(f"cuda_libraries()[{key!r}]", "FAIL", entry["error"])
+            continue
+        stem = os.path.basename(entry["path"]).split(".so")[0] + ".so"
+        copies = {os.path.realpath(line.split()[-1]) for line in maps.splitlines() if f"/{stem}" in line}
+        one = copies == {os.path.realpath(entry["path"])}
+        row(f"cuda_libraries()[{key!r}]", "PASS" if one else "FAIL",
+            f"{entry['version']} at {entry['path']}" + ("" if one else f"; copies mapped: {sorted(copies)}"))
+
+
+def check_ops_and_kernels() -> None:
+    """Every op kind on one GPU (a group of one) against the CPU reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import commfuse
+    from commfuse import _native
+
+    gpu_mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+    cpu_mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("cpu")[:1])
+    rng = np.random.default_rng(0)
+    ops = {
+        "all_gather_matmul": (lambda a, b: commfuse.all_gather_matmul(a, b, "x", precision="highest"),
+                              (256, 128), (128, 96)),
+        "matmul_reduce_scatter": (lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", precision="highest"),
+                                  (256, 128), (128, 96)),
+        "matmul_reduce_scatter (columns)": (
+            lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", scatter_dimension=1, precision="highest"),
+            (256, 128), (128, 96)),
+        "matmul_all_gather (columns)": (lambda a, b: commfuse.matmul_all_gather(a, b, "x", precision="highest"),
+                                        (256, 128), (128, 96)),
+        "matmul_all_gather (contraction)": (
+            lambda a, b: commfuse.matmul_all_gather(a, b, "x", gather_dimension=0, precision="highest"),
+            (256, 128), (128, 96)),
+        "all_to_all_matmul": (lambda a, b: commfuse.all_to_all_matmul(
+            a, b, "x", split_dimension=0, concat_dimension=0, precision="highest"), (256, 128), (128, 96)),
+        "matmul_all_to_all": (lambda a, b: commfuse.matmul_all_to_all(
+            a, b, "x", split_dimension=0, concat_dimension=0, precision="highest"), (256, 128), (128, 96)),
+    }
+    tolerances = {np.dtype(np.float32): 1e-4, np.dtype(jnp.bfloat16): 2e-2}
+    for name, (fn, xs, ws) in ops.items():
+        for dtype in (np.float32, jnp.bfloat16):
+            x = rng.uniform(-1, 1, xs).astype(dtype)
+            w = rng.uniform(-1, 1, ws).astype(dtype)
+            outs = []
+            try:
+                for mesh in (gpu_mesh, cpu_mesh):
+                    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+                    outs.append(np.asarray(f(x, w)).astype(np.float64))
+                err = float(np.max(np.abs(outs[0] - outs[1])) / np.max(np.abs(outs[1])))
+                ok = err <= tolerances[np.dtype(dtype)]
+                row(f"{name} {np.dtype(dtype).name}, 1 GPU vs CPU", "PASS" if ok else "FAIL",
+                    f"max error {err:.1e} of max |ref|")
+            except Exception as e:  # noqa: BLE001 - every failure is a row
+                row(f"{name} {np.dtype(dtype).name}, 1 GPU vs CPU", "FAIL", tail(f"{type(e).__name__}: {e}"))
+    if all(float(d.compute_capability) >= 9.0 for d in jax.devices("gpu")):
+        try:
+            x = rng.uniform(-1, 1, (256, 128)).astype(np.float32)
+            w = rng.uniform(-1, 1, (128, 96)).astype(np.float32)
+            sx, sw = np.float32(np.abs(x).max() / 448), np.float32(np.abs(w).max() / 448)
+            xq, wq = (x / sx).astype(jnp.float8_e4m3fn), (w / sw).astype(jnp.float8_e4m3fn)
+            f = jax.jit(jax.shard_map(
+                lambda a, b: commfuse.all_gather_matmul(a, b, "x", x_scale=sx, w_scale=sw,
+                                                        preferred_element_type=jnp.float32),
+                mesh=gpu_mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+            got = np.asarray(f(xq, wq)).astype(np.float64)
+            want = (xq.astype(np.float64) * sx) @ (wq.astype(np.float64) * sw)
+            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            row("fp8 e4m3 all_gather_matmul, 1 GPU", "PASS" if err <= 3e-3 else "FAIL",
+                f"max error {err:.1e} of max |ref| (Hopper fp8 accumulation)")
+        except Exception as e:  # noqa: BLE001
+            row("fp8 e4m3 all_gather_matmul, 1 GPU", "FAIL", tail(f"{type(e).__name__}: {e}"))
+    else:
+        row("fp8", "N/A", "needs sm_90")
+    during = _native.cuda_loads_during_execute()
+    row("kernels loaded before execution (INITIALIZE stage)", "PASS" if during == 0 else "FAIL",
+        f"{during} device(s) loaded inside an EXECUTE call")
+
+
+def check_overhead() -> None:
+    """The fused op's fixed per-call cost: a group of one against XLA's dot."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import commfuse
+
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+    for m, k, n in [(128, 256, 256), (1024, 1024, 1024), (8192, 8192, 8192)]:
+        x = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (m, k)), jnp.bfloat16)
+        w = jnp.asarray(np.random.default_rng(2).uniform(-1, 1, (k, n)), jnp.bfloat16)
+        reps = 50
+
+        def loop(op):
+            def body(a, b):
+                def step(i, acc):
+                    return acc + op(a, b)[0, 0].astype(jnp.float32)
+                return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
+            return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+
+        fused = loop(lambda a, b: commfuse.all_gather_matmul(a, b, "x"))
+        xla = loop(lambda a, b: jnp.matmul(a, b))
+        times = {}
+        for name, f in (("fused", fused), ("xla", xla)):
+            f(x, w).block_until_ready()
+            samples = []
+            for _ in range(5):
+                t = time.perf_counter()
+                f(x, w).block_until_ready()
+                samples.append((time.perf_counter() - t) / reps)
+            times[name] = sorted(samples)[2]
+        extra = (times["fused"] - times["xla"]) * 1e6
+        row(f"per-call cost, bf16 {m}x{k} @ {k}x{n}", "PASS",
+            f"fused {times['fused'] * 1e6:.1f} us, XLA dot {times['xla'] * 1e6:.1f} us, difference {extra:+.1f} us "
+            f"({times['fused'] / times['xla']:.2f}x)")
+
+
+def check_pytest(repo: str) -> None:
+    env = dict(os.environ, COMMFUSE_REQUIRE_GPU="1")
+    code, out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                     os.path.join(repo, "jax_tests", "test_gpu.py")], 500, env, "test_gpu.log")
+    summary = [line for line in out.splitlines() if " passed" in line or " failed" in line or "error" in line]
+    row("jax_tests/test_gpu.py (COMMFUSE_REQUIRE_GPU=1)", "PASS" if code == 0 else "FAIL",
+        (summary[-1] if summary else tail(out)) + ("" if code == 0 else " | " + tail(
+            "\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR", "E "))), 800)))
+    env = dict(os.environ, COMMFUSE_TEST_SHARED_GPU="1", COMMFUSE_TIMEOUT_S="60")
+    code, out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "gpu",
+                     os.path.join(repo, "jax_tests", "test_gpu.py"), "-k", "two_processes and ring"], 400, env,
+                    "two_ranks_one_gpu.log")
+    row("two ranks on one GPU (two jax.distributed processes, NCCL_MULTI_RANK_GPU_ENABLE=1)",
+        "PASS" if code == 0 else "FAIL", tail(out, 600))
+
+
+def check_rust(tests: str | None) -> None:
+    if not tests:
+        row("Rust device tests", "N/A", "no test binary given (--rust-tests)")
+        return
+    code, out = run([tests, "--include-ignored", "--test-threads", "1", "backend::cuda::device::tests::one_gpu"],
+                    300, log="rust_device.log")
+    row("Rust device test: every op kind on GPU 0 vs the CPU backend, bit for bit",
+        "PASS" if code == 0 else "FAIL", tail(out))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_check_table.md")
+    parser.add_argument("--rust-tests", default=None)
+    parser.add_argument("--logs", default=".", help="directory for the full logs of the subprocess checks")
+    args = parser.parse_args()
+    global LOGS
+    LOGS = args.logs
+    os.makedirs(LOGS, exist_ok=True)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for check in (check_host, check_libraries, check_ops_and_kernels, check_overhead):
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run
+            row(check.__name__, "FAIL", tail(f"{type(e).__name__}: {e}"))
+    check_rust(args.rust_tests)
+    check_pytest(repo)
+    lines = ["| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {c} | {s} | {d.replace('|', '/')} |" for c, s, d in ROWS]
+    table = "\n".join(lines)
+    print("\n" + table)
+    with open(args.out, "w") as f:
+        f.write(table + "\n")
+    return 1 if any(s == "FAIL" for _, s, _ in ROWS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,14 +5,17 @@ use crate::error::{Error, Result};
 use std::sync::Mutex;
 use std::time::Duration;
 
-const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Below XLA's own rendezvous timeout on CPU (40 s, after which it aborts
+/// the process), so that a commfuse wait that cannot finish reports its
+/// error first.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 const TIMEOUT_VAR: &str = "COMMFUSE_TIMEOUT_S";
 
 /// Set from Python by `commfuse.configure(timeout_s=...)`; overrides the variable.
 static TIMEOUT_OVERRIDE: Mutex<Option<Duration>> = Mutex::new(None);
 
 /// The deadline of every wait across devices: `configure`'s value, else
-/// `COMMFUSE_TIMEOUT_S` as it is when the program runs, else 60 s.
+/// `COMMFUSE_TIMEOUT_S` as it is when the program runs, else 30 s.
 pub fn timeout() -> Result<Duration> {
     if let Some(t) = *TIMEOUT_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) {
         return Ok(t);

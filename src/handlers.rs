@@ -101,6 +101,15 @@ pub extern "C" fn commfuse_set_timeout_ms(ms: u64) {
     let _ = catch_unwind(|| crate::config::set_timeout(timeout));
 }
 
+/// The deadline of cross-device waits in milliseconds as a call would use it
+/// now (`config::timeout`); the default when `COMMFUSE_TIMEOUT_S` is malformed
+/// (the op's first call reports that).
+#[no_mangle]
+pub extern "C" fn commfuse_timeout_ms() -> u64 {
+    let timeout = catch_unwind(|| crate::config::timeout().unwrap_or(crate::config::DEFAULT_TIMEOUT));
+    timeout.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// 1 if the library was built with the CUDA backend, else 0.
 #[no_mangle]
 pub extern "C" fn commfuse_cuda_built() -> i32 {

@@ -11,46 +11,110 @@ use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
 use std::time::Instant;
 
-/// One device's call of a fused op on the CPU backend.
+/// One device's call of a fused op on the CPU backend: decoded and checked
+/// on XLA's thread, then run on a thread of its own, finishing through
+/// XLA's future (`xla::Deferred`), so that a call waiting for its peers
+/// never holds a thread XLA needs for its own collectives.
 pub fn collective_matmul_cpu(frame: &mut Frame<'_>) -> Result<()> {
-    let start = Instant::now();
-    let kind = kind(frame.attr_i64("kind")?)?;
-    let x = frame.arg(0, "x")?;
-    let w = frame.arg(1, "w")?;
-    let out = frame.take_ret(0, "out")?;
-    let workspace = frame.ret_bytes(1, "workspace")?;
-
-    let site = frame.attr_i64("site")?;
-    let schedule = schedule(kind, frame.attr_i64("schedule")?)?;
-    let device = i64::from(frame.device_ordinal()?);
-    let group = Group::from_mesh(
-        frame.attr_i64_array("mesh_devices")?,
-        frame.attr_i64_array("mesh_shape")?,
-        frame.attr_i64_array("axes")?,
-        device,
-    )?;
-    let operands = [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)];
-    let (problem, plan) = problem_and_plan(kind, schedule, operands, frame.attr_i64("dimension")?, &group)?;
-    let timeout = crate::config::timeout()?;
-
-    let run = frame.run_id()?;
-    let key = transport::SessionKey {
-        sequence: transport::next_sequence(device, site, run),
-        group: group.devices.clone(),
-        site,
-        run,
-    };
-    // The link model as it is when the program runs (read on every call).
-    let link = transport::link::LinkModel::from_env()?;
-    let endpoint = transport::Endpoint::join(key, transport::CallInfo { op: kind.name(), rank: group.rank, timeout })
-        .with_link(link);
-    let _trace = crate::trace::enter(device, site, kind.name(), &plan, &problem, x.data.len());
-    let buffers = cpu::Buffers { x: x.data, w: w.data, out: out.data, workspace };
-    let result = cpu::run(&problem, &plan, buffers, &endpoint, start + timeout);
-    if result.is_err() {
-        endpoint.fail();
+    let call = CpuCall::decode(frame)?;
+    match frame.defer("commfuse collective matmul")? {
+        Some(deferred) => {
+            crate::exec::spawn_call(move || deferred.finish(|args, rets| call.run(args, rets)));
+            Ok(())
+        }
+        // An XLA without FFI futures: run here.
+        None => {
+            let args = [frame.arg_bytes(0, "x")?, frame.arg_bytes(1, "w")?];
+            let mut rets = [frame.ret_bytes(0, "out")?, frame.ret_bytes(1, "workspace")?];
+            call.run(&args, &mut rets)
+        }
     }
-    result
+}
+
+/// Everything a CPU call needs once its buffers are at hand, owned, so it
+/// can run on another thread.
+struct CpuCall {
+    kind: OpKind,
+    problem: Problem,
+    plan: plan::Plan,
+    device: i64,
+    site: i64,
+    rank: usize,
+    key: transport::SessionKey,
+    timeout: std::time::Duration,
+    deadline: Instant,
+    link: Option<transport::link::LinkModel>,
+}
+
+impl CpuCall {
+    fn decode(frame: &Frame<'_>) -> Result<CpuCall> {
+        let start = Instant::now();
+        let kind = kind(frame.attr_i64("kind")?)?;
+        let x = frame.arg(0, "x")?;
+        let w = frame.arg(1, "w")?;
+        let (out_dtype, out_dims) = frame.ret_type(0, "out")?;
+        let site = frame.attr_i64("site")?;
+        let schedule = schedule(kind, frame.attr_i64("schedule")?)?;
+        let device = i64::from(frame.device_ordinal()?);
+        let group = Group::from_mesh(
+            frame.attr_i64_array("mesh_devices")?,
+            frame.attr_i64_array("mesh_shape")?,
+            frame.attr_i64_array("axes")?,
+            device,
+        )?;
+        let operands = [(x.dims, x.dtype), (w.dims, w.dtype), (out_dims, out_dtype)];
+        let (problem, plan) = problem_and_plan(kind, schedule, operands, frame.attr_i64("dimension")?, &group)?;
+        let timeout = crate::config::timeout()?;
+        let run = frame.run_id()?;
+        // Numbered here, in the order XLA calls the handler on this device.
+        let key = transport::SessionKey {
+            sequence: transport::next_sequence(device, site, run),
+            group: group.devices.clone(),
+            site,
+            run,
+        };
+        Ok(CpuCall {
+            kind,
+            problem,
+            plan,
+            device,
+            site,
+            rank: group.rank,
+            key,
+            timeout,
+            deadline: start + timeout,
+            // The link model as it is when the program runs (read on every call).
+            link: transport::link::LinkModel::from_env()?,
+        })
+    }
+
+    /// Meets the peers and runs the plan on the call's buffers: operands
+    /// `x`, `w`, results `out`, `workspace`.
+    fn run(self, args: &[&[u8]], rets: &mut [&mut [u8]]) -> Result<()> {
+        let counts = (args.len(), rets.len());
+        let ([x, w], [out, workspace]) = (args, rets) else {
+            return Err(Error::InvalidArgument(format!(
+                "the call has {} operands and {} results; expected x, w and out, workspace",
+                counts.0, counts.1
+            )));
+        };
+        let info = transport::CallInfo { op: self.kind.name(), rank: self.rank, timeout: self.timeout };
+        let endpoint = transport::Endpoint::join(self.key, info).with_link(self.link);
+        let _trace = crate::trace::enter(self.device, self.site, self.kind.name(), &self.plan, &self.problem, x.len());
+        let buffers = cpu::Buffers { x, w, out, workspace };
+        let result = cpu::run(&self.problem, &self.plan, buffers, &endpoint, self.deadline);
+        if let Err(e) = &result {
+            endpoint.fail();
+            // Also said here: other devices of this program may be waiting in
+            // one of XLA's collectives for this one, and XLA aborts the
+            // process when its own rendezvous times out, before Python could
+            // show the error.
+            if matches!(e, Error::DeadlineExceeded(_)) {
+                eprintln!("{e}");
+            }
+        }
+        result
+    }
 }
 
 /// The low byte of a schedule code that means `Schedule::Sliced` or

@@ -41,7 +41,7 @@ def configure(*, timeout_s: float | None = None) -> None:
 
     A rank that waits longer (because a peer never reached the op) fails with
     DEADLINE_EXCEEDED, naming the ranks that never arrived. ``None`` goes back
-    to the environment variable ``COMMFUSE_TIMEOUT_S`` (default 60).
+    to the environment variable ``COMMFUSE_TIMEOUT_S`` (default 30).
     """
     if timeout_s is None:
         _set_timeout_ms(0)

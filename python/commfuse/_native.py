@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import glob
 import importlib.util
-import math
 import os
 import pathlib
 import threading
@@ -44,6 +43,8 @@ lib.commfuse_workspace_bytes.argtypes = [ctypes.c_int64] * 4 + [_I64P, ctypes.c_
     ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_set_timeout_ms.restype = None
 lib.commfuse_set_timeout_ms.argtypes = [ctypes.c_uint64]
+lib.commfuse_timeout_ms.restype = ctypes.c_uint64
+lib.commfuse_timeout_ms.argtypes = []
 lib.commfuse_cuda_built.restype = ctypes.c_int32
 lib.commfuse_cuda_built.argtypes = []
 lib.commfuse_nccl_unique_id.restype = ctypes.c_int32
@@ -199,23 +200,13 @@ def nccl_unique_id() -> bytes:
     raise RuntimeError(f"commfuse: making an NCCL unique id failed: {message}")
 
 
-_timeout_ms = 0  # 0: COMMFUSE_TIMEOUT_S or the default, as in the library
-
-
 def set_timeout_ms(ms: int) -> None:
-    global _timeout_ms
     lib.commfuse_set_timeout_ms(ms)
-    _timeout_ms = int(ms)
 
 
 def timeout_ms() -> int:
-    """The deadline of cross-device waits in milliseconds, as the library sees it."""
-    if _timeout_ms > 0:
-        return _timeout_ms
-    try:
-        seconds = float(os.environ.get("COMMFUSE_TIMEOUT_S") or 60.0)
-    except ValueError:  # the library reports the bad value at the op's first call
-        seconds = 60.0
-    if not (math.isfinite(seconds) and seconds > 0):
-        seconds = 60.0
-    return max(1, round(seconds * 1000))
+    """The deadline of cross-device waits in milliseconds, as the library sees
+    it now (``configure``'s value, else ``COMMFUSE_TIMEOUT_S``, else the
+    default; a malformed variable reads as the default here, and the op's
+    first call reports it)."""
+    return int(lib.commfuse_timeout_ms())

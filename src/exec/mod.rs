@@ -239,6 +239,77 @@ mod lane_threads {
     }
 }
 
+/// Runs `job` (one deferred call: it may wait for peers for as long as its
+/// deadline) on a thread of its own: a parked pool thread while one is
+/// free, else a fresh thread, so that any number of calls can wait at once.
+pub fn spawn_call(job: impl FnOnce() + Send + 'static) {
+    call_threads::spawn(Box::new(job));
+}
+
+/// The threads deferred calls run on (see `spawn_call`), kept between calls.
+///
+/// Not a work-stealing pool: the thread that finishes a call also runs
+/// XLA's continuation of that device's program (completing the future runs
+/// it), which may block in one of XLA's own collectives; a job queued
+/// behind it on that thread would wait for it, and its peers for the job.
+/// So a job is handed to an idle thread, or to a new one when none is idle,
+/// never queued behind a busy one.
+mod call_threads {
+    use std::collections::VecDeque;
+    use std::sync::{Condvar, Mutex, OnceLock};
+
+    type Job = Box<dyn FnOnce() + Send>;
+
+    #[derive(Default)]
+    struct Shared {
+        state: Mutex<State>,
+        work: Condvar,
+    }
+
+    #[derive(Default)]
+    struct State {
+        jobs: VecDeque<Job>,
+        idle: usize,
+    }
+
+    fn shared() -> &'static Shared {
+        static SHARED: OnceLock<Shared> = OnceLock::new();
+        SHARED.get_or_init(Shared::default)
+    }
+
+    pub fn spawn(job: Job) {
+        let shared = shared();
+        let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.jobs.push_back(job);
+        if state.idle >= state.jobs.len() {
+            shared.work.notify_one();
+            return;
+        }
+        drop(state);
+        // A thread that cannot be made leaves the job queued for the next
+        // idle one; failing that, the call times out like any missing peer.
+        let _ = std::thread::Builder::new().name("commfuse-call".into()).spawn(move || work(shared));
+    }
+
+    fn work(shared: &Shared) {
+        let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match state.jobs.pop_front() {
+                Some(job) => {
+                    drop(state);
+                    job();
+                    state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+                }
+                None => {
+                    state.idle += 1;
+                    state = shared.work.wait(state).unwrap_or_else(|e| e.into_inner());
+                    state.idle -= 1;
+                }
+            }
+        }
+    }
+}
+
 /// Runs one step; returns when it finished (model time, see `Wait::ready`).
 fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instant> {
     match action {

@@ -7,7 +7,10 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::ptr;
 use std::slice;
+
+use super::deferred::{Deferred, RawBytes};
 
 use super::sys;
 use crate::dtype::{xla_type_name, DType};
@@ -51,6 +54,7 @@ pub struct DeviceBytes<'a> {
 
 /// One call of a handler, as seen from Rust.
 pub struct Frame<'a> {
+    call_frame: *mut sys::XLA_FFI_CallFrame,
     stage: Stage,
     api: *const sys::XLA_FFI_Api,
     ctx: *mut sys::XLA_FFI_ExecutionContext,
@@ -194,7 +198,7 @@ impl<'a> Frame<'a> {
     /// `struct_size >= XLA_FFI_CallFrame_STRUCT_SIZE`, alive and unchanged for
     /// `'a`. Only fields up to `attrs` are read: XLA passes a struct that stops
     /// there, so no reference to the whole `XLA_FFI_CallFrame` is ever formed.
-    pub(super) unsafe fn from_raw(call_frame: *const sys::XLA_FFI_CallFrame) -> Result<Frame<'a>> {
+    pub(super) unsafe fn from_raw(call_frame: *mut sys::XLA_FFI_CallFrame) -> Result<Frame<'a>> {
         if call_frame.is_null() {
             return Err(internal("null call frame".into()));
         }
@@ -228,6 +232,7 @@ impl<'a> Frame<'a> {
                 Stage::Execute
             };
             Ok(Frame {
+                call_frame,
                 stage,
                 api: (*call_frame).api,
                 ctx: (*call_frame).ctx,
@@ -293,6 +298,69 @@ impl<'a> Frame<'a> {
         self.claim(i, name, ptr, len)?;
         // SAFETY: as in `take_ret`.
         Ok(unsafe { slice_of_mut((ptr, len)) })
+    }
+
+    /// The type and dims of result `i`, without handing it out.
+    pub fn ret_type(&self, i: usize, name: &str) -> Result<(DType, &'a [i64])> {
+        let raw = self.raw_buffer(Side::Result, i, name)?;
+        Ok((typed(&raw, Side::Result, name)?, raw.dims))
+    }
+
+    /// Hands the rest of the call to another thread: creates XLA's future
+    /// for it, returns it to XLA through the call frame, and gives back a
+    /// [`Deferred`] holding every operand and result, to be finished
+    /// elsewhere (XLA keeps them alive until then). The handler then returns
+    /// success at once. `None` when this XLA has no FFI futures (the caller
+    /// runs the call in place). No result may have been handed out before.
+    pub fn defer(&mut self, name: &'static str) -> Result<Option<Deferred>> {
+        // SAFETY: `api` is XLA's table (checked by the guard); `api_fn!`
+        // checks each field is there. A table with the future functions
+        // belongs to an XLA whose call frame has the `future` field (its
+        // struct_size stops before it: XLA writes it whatever the size).
+        let (create, available, error) = unsafe {
+            (
+                api_fn!(self.api, XLA_FFI_Future_Create),
+                api_fn!(self.api, XLA_FFI_Future_SetAvailable),
+                api_fn!(self.api, XLA_FFI_Future_SetError),
+            )
+        };
+        let (Some(create), Some(_), Some(_)) = (create, available, error) else {
+            return Ok(None);
+        };
+        if self.taken.iter().any(|&t| t) {
+            return Err(internal("a result was handed out before the call was deferred".into()));
+        }
+        let (num_args, num_rets) = (self.args.len, self.rets.len);
+        let mut buffers = |side: Side, count: usize| -> Result<Vec<RawBytes>> {
+            (0..count)
+                .map(|i| {
+                    let raw = self.raw_buffer(side, i, side.word())?;
+                    let size = whole_bytes(&raw, side, side.word())?;
+                    let (ptr, len) = self.bytes(&raw, size, side, side.word())?;
+                    if side == Side::Result {
+                        self.claim(i, side.word(), ptr, len)?;
+                    }
+                    Ok(RawBytes { ptr, len })
+                })
+                .collect()
+        };
+        let args = buffers(Side::Operand, num_args)?;
+        let rets = buffers(Side::Result, num_rets)?;
+        let mut made = sys::XLA_FFI_Future_Create_Args {
+            struct_size: sys::XLA_FFI_Future_Create_Args_STRUCT_SIZE as usize,
+            extension_start: ptr::null_mut(),
+            future: ptr::null_mut(),
+        };
+        // SAFETY: `made` is complete; XLA fills in `future`. The call frame
+        // is XLA's, alive for this call; `future` is its last field.
+        unsafe {
+            self.check(create(&mut made), "XLA_FFI_Future_Create")?;
+            if made.future.is_null() {
+                return Err(internal("XLA_FFI_Future_Create returned no future".into()));
+            }
+            (*self.call_frame).future = made.future;
+            Ok(Some(Deferred::new(self.api, made.future, args, rets, name)))
+        }
     }
 
     /// Whether the call has an attribute called `name`.

@@ -230,7 +230,7 @@ unsafe fn answer_probe(ext: *mut sys::XLA_FFI_Extension_Base, api: *const sys::X
 ///
 /// # Safety
 /// `api` must be XLA's API table.
-unsafe fn create_error(api: *const sys::XLA_FFI_Api, err: &Error, name: &str) -> *mut sys::XLA_FFI_Error {
+pub(super) unsafe fn create_error(api: *const sys::XLA_FFI_Api, err: &Error, name: &str) -> *mut sys::XLA_FFI_Error {
     // SAFETY: `api_fn!` checks the table has the field.
     let Some(create) = (unsafe { api_fn!(api, XLA_FFI_Error_Create) }) else {
         fatal(name, &format!("cannot report an error (no XLA_FFI_Error_Create): {err}"));

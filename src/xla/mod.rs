@@ -27,11 +27,13 @@ macro_rules! api_fn {
     }};
 }
 
+mod deferred;
 mod frame;
 mod guard;
 #[cfg(test)]
 mod tests;
 
+pub use deferred::Deferred;
 pub use frame::{Buffer, BufferMut, DeviceBuffer, DeviceBytes, Frame, Stage};
 pub use guard::{handle, handle_named, handle_stages, Stages};
 pub use xla_ffi_sys as sys;

@@ -726,3 +726,139 @@ fn the_cuda_handler_checks_the_call_then_reports_missing_libraries() {
     assert_eq!(code, sys::XLA_FFI_Error_Code_UNIMPLEMENTED, "{msg}");
     assert!(msg.contains("cannot load") && msg.contains("COMMFUSE_CUDA_LIBRARY_PATH"), "{msg}");
 }
+
+// ---- deferred calls (XLA's FFI future) -------------------------------------
+
+/// What the fake XLA's futures record: `None` while pending, then the
+/// outcome (`Ok`, or the error's code and message).
+struct FakeFuture {
+    outcome: std::sync::Mutex<Option<Result<(), (u32, String)>>>,
+}
+
+unsafe extern "C" fn fake_future_create(args: *mut sys::XLA_FFI_Future_Create_Args) -> *mut sys::XLA_FFI_Error {
+    let future = Box::into_raw(Box::new(FakeFuture { outcome: std::sync::Mutex::new(None) }));
+    unsafe { (*args).future = future as *mut sys::XLA_FFI_Future };
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn fake_future_available(
+    args: *mut sys::XLA_FFI_Future_SetAvailable_Args,
+) -> *mut sys::XLA_FFI_Error {
+    let future = unsafe { &*((*args).future as *const FakeFuture) };
+    let previous = future.outcome.lock().unwrap().replace(Ok(()));
+    assert!(previous.is_none(), "a future completed twice");
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn fake_future_error(args: *mut sys::XLA_FFI_Future_SetError_Args) -> *mut sys::XLA_FFI_Error {
+    let future = unsafe { &*((*args).future as *const FakeFuture) };
+    let error = take_error(unsafe { (*args).error }).expect("an error");
+    let previous = future.outcome.lock().unwrap().replace(Err(error));
+    assert!(previous.is_none(), "a future completed twice");
+    ptr::null_mut()
+}
+
+impl Built {
+    fn with_futures(self) -> Built {
+        unsafe {
+            (*self.api).XLA_FFI_Future_Create = Some(fake_future_create);
+            (*self.api).XLA_FFI_Future_SetAvailable = Some(fake_future_available);
+            (*self.api).XLA_FFI_Future_SetError = Some(fake_future_error);
+        }
+        self
+    }
+
+    /// The outcome of the future the handler returned through the call frame.
+    fn future_outcome(&self) -> Option<Result<(), (u32, String)>> {
+        let future = unsafe { (*self.frame).future } as *const FakeFuture;
+        assert!(!future.is_null(), "no future in the call frame");
+        let future = unsafe { Box::from_raw(future as *mut FakeFuture) };
+        let outcome = future.outcome.lock().unwrap().clone();
+        outcome
+    }
+}
+
+fn deferrable_call() -> Built {
+    Call {
+        args: vec![f32_arg(&[2, 2])],
+        rets: vec![f32_arg(&[2]), (sys::XLA_FFI_DataType_U8, vec![0])],
+        ..Default::default()
+    }
+    .build()
+    .with_futures()
+}
+
+#[test]
+fn a_deferred_call_completes_xlas_future_on_another_thread() {
+    let built = deferrable_call();
+    let mut deferred = None;
+    assert_eq!(
+        built.handle(|frame| {
+            deferred = frame.defer("test op")?;
+            Ok(())
+        }),
+        None
+    );
+    let deferred = deferred.expect("this XLA has futures");
+    std::thread::spawn(move || {
+        deferred.finish(|args, rets| {
+            assert_eq!((args.len(), rets.len()), (1, 2));
+            assert_eq!((args[0].len(), rets[0].len(), rets[1].len()), (16, 8, 0));
+            let sum: u8 = args[0].iter().fold(0u8, |a, &b| a.wrapping_add(b));
+            rets[0].fill(sum);
+            Ok(())
+        })
+    })
+    .join()
+    .unwrap();
+    assert_eq!(built.future_outcome(), Some(Ok(())));
+    let written = unsafe { std::slice::from_raw_parts((*built.ret_bufs[0]).data as *const u8, 8) };
+    let expected: u8 = (0..16).map(|i| (i * 7) as u8).fold(0u8, |a, b| a.wrapping_add(b));
+    assert!(written.iter().all(|&b| b == expected));
+}
+
+#[test]
+fn a_deferred_calls_error_panic_or_drop_completes_its_future_with_an_error() {
+    let run = |work: Box<dyn FnOnce(&[&[u8]], &mut [&mut [u8]]) -> crate::error::Result<()>>, finish: bool| {
+        let built = deferrable_call();
+        let mut deferred = None;
+        assert_eq!(
+            built.handle(|frame| {
+                deferred = frame.defer("test op")?;
+                Ok(())
+            }),
+            None
+        );
+        let deferred = deferred.unwrap();
+        if finish {
+            deferred.finish(work);
+        } else {
+            drop(deferred);
+        }
+        built.future_outcome().expect("completed")
+    };
+    let failed = run(Box::new(|_, _| Err(Error::DeadlineExceeded("rank 3 never arrived".into()))), true);
+    assert_eq!(
+        failed,
+        Err((sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED, "commfuse: deadline exceeded: rank 3 never arrived".into()))
+    );
+    let panicked = run(Box::new(|_, _| panic!("a bug")), true).unwrap_err();
+    assert_eq!(panicked.0, sys::XLA_FFI_Error_Code_INTERNAL);
+    assert!(panicked.1.contains("panic in test op"), "{}", panicked.1);
+    let dropped = run(Box::new(|_, _| Ok(())), false).unwrap_err();
+    assert!(dropped.1.contains("dropped before it ran"), "{}", dropped.1);
+}
+
+#[test]
+fn without_futures_a_call_is_not_deferred_and_results_handed_out_first_are_refused() {
+    let built = Call { rets: vec![f32_arg(&[2])], ..Default::default() }.build();
+    let mut frame = built.frame();
+    assert!(frame.defer("test op").unwrap().is_none());
+    assert!(unsafe { (*built.frame).future }.is_null());
+
+    let built = deferrable_call();
+    let mut frame = built.frame();
+    frame.take_ret(0, "out").unwrap();
+    let Err(e) = frame.defer("test op") else { panic!("deferred after a result was handed out") };
+    assert!(e.message().contains("handed out before"), "{e}");
+}

@@ -61,6 +61,9 @@ pub struct Device {
     /// Compute capability (major, minor): fp8 GEMMs need 9.0+.
     capability: (i32, i32),
     sums: [dsys::CUfunction; 3],
+    /// Device bytes for connecting communicators (`GroupComms::connect`):
+    /// allocated once, like NCCL's own buffers, outside XLA's memory.
+    scratch: Option<(u64, usize)>,
 }
 
 // SAFETY: the handles are plain driver/cuBLAS handles, usable from any thread
@@ -156,6 +159,7 @@ impl Device {
             lt: None,
             capability: (major, minor),
             sums,
+            scratch: None,
         })
     }
 
@@ -189,6 +193,23 @@ impl Device {
         }
         self.blas.push((stream, h));
         Ok(h)
+    }
+
+    /// `1 + ranks` bytes of this device's memory for connecting a group of
+    /// `ranks` (see `GroupComms::connect`), allocated once and never freed
+    /// (transfers may still use it on the device).
+    fn connect_scratch(&mut self, ranks: usize) -> Result<u64> {
+        const BYTES: usize = 64 << 10;
+        if ranks >= BYTES {
+            return Err(Error::Unimplemented(format!("groups of {ranks} ranks (at most {})", BYTES - 1)));
+        }
+        if let Some((addr, _)) = self.scratch {
+            return Ok(addr);
+        }
+        self.make_current()?;
+        let addr = api::mem_alloc(BYTES, "cuMemAlloc (communicator connection scratch)")?;
+        self.scratch = Some((addr, BYTES));
+        Ok(addr)
     }
 
     /// The device's cuBLASLt handle (created on first use, kept for the
@@ -231,6 +252,8 @@ pub struct GroupComms {
     /// Per rank, the calls it has enqueued on the group: the watchdog's
     /// message says which ranks never issued a call that timed out.
     issued: Vec<AtomicU64>,
+    /// Per rank, whether its communicator is connected to every peer (`connect`).
+    connected: Vec<std::sync::atomic::AtomicBool>,
 }
 
 // SAFETY: each communicator is used by one call at a time: rank r's only by
@@ -259,6 +282,36 @@ impl GroupComms {
         if let Some(c) = self.comms.release(rank) {
             abort_comm(c);
         }
+    }
+
+    /// Connects rank `rank`'s communicator to every peer once (one byte
+    /// each way with each, on `stream`), waiting on the host until NCCL has
+    /// set the connections up: NCCL connects peers at their first transfer,
+    /// a host-side handshake that needs the peer to post its side too. The
+    /// INITIALIZE stage does it, where every device takes part in program
+    /// order, so that no EXECUTE call waits on the host for a peer.
+    pub fn connect(&self, rank: usize, device: &mut Device, stream: *mut c_void, deadline: Instant) -> Result<()> {
+        let Some(done) = self.connected.get(rank) else {
+            return Err(Error::Internal(format!("rank {rank} is not in the group {:?}", self.key.devices)));
+        };
+        if done.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let comm = self.rank(rank)?;
+        let scratch = device.connect_scratch(self.members.len())?;
+        let peers = (0..self.members.len()).filter(|&p| p != rank);
+        let sends: Vec<P2p> = peers.clone().map(|peer| P2p { addr: scratch, bytes: 1, peer }).collect();
+        let recvs: Vec<P2p> = peers.map(|peer| P2p { addr: scratch + 1 + peer as u64, bytes: 1, peer }).collect();
+        // SAFETY: `comm` is this device's communicator of the group and
+        // `stream` XLA's stream of this device; the scratch is this device's
+        // memory, one byte sent and one byte per peer received, never freed.
+        unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, &sends, &recvs) }?;
+        // SAFETY: `comm` is live.
+        poll_until(deadline, "connecting the group's communicators (a peer may not have joined)", || unsafe {
+            probe(comm, "connection")
+        })?;
+        done.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Counts a call of `rank` enqueued on the group; returns its number (from 0).
@@ -431,6 +484,7 @@ fn create(key: &CommKey, members: &[Option<i32>], id: nsys::ncclUniqueId, deadli
         members: members.to_vec(),
         comms: ReleaseOnce::new(comms.iter().map(|&c| (!c.is_null()).then_some(c)).collect()),
         issued: members.iter().map(|_| AtomicU64::new(0)).collect(),
+        connected: members.iter().map(|_| Default::default()).collect(),
     };
     let ready = posted.and(ended.map(|_| ())).and_then(|()| {
         for (&c, member) in comms.iter().zip(members) {
@@ -807,6 +861,7 @@ mod tests {
             members: vec![Some(0), None, Some(1)],
             comms: ReleaseOnce::new(vec![None, None, None]),
             issued: (0..3).map(|_| AtomicU64::new(0)).collect(),
+            connected: (0..3).map(|_| Default::default()).collect(),
         });
         assert_eq!(group.devices(), &[5, 1, 7]);
         assert_eq!((group.count_call(2), group.count_call(2), group.count_call(0)), (0, 1, 0));

@@ -104,18 +104,72 @@ pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
     device::unique_id()
 }
 
-/// The CUDA handler's body for both stages it runs in: INITIALIZE sets up
-/// the device of XLA's stream (streams, and the kernels compiled to CUBIN
-/// and loaded: `cuModuleLoadData` takes a process-wide lock that must not be
-/// taken while work may run on other devices), EXECUTE runs the op.
+/// The CUDA handler's body for both stages it runs in. INITIALIZE runs on
+/// every device before the executable's thunks, in their program order, as
+/// XLA sets up its own collectives' communicators: it sets up the device of
+/// XLA's stream (streams; the kernels compiled to CUBIN and loaded, as
+/// `cuModuleLoadData` takes a process-wide lock that must not be taken
+/// while work may run on other devices) and, for an op that communicates,
+/// creates its group's communicators and connects them to every peer, the
+/// host waits that need the peers to be there too. EXECUTE then only
+/// enqueues work: no host wait for a peer, which could be blocked in
+/// something waiting for this device.
 pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
     match frame.stage() {
-        Stage::Initialize => {
-            require(&[Lib::Driver, Lib::Nvrtc])?;
-            device::bind(frame.stream()?).map(drop)
-        }
+        Stage::Initialize => initialize(frame),
         Stage::Execute => collective_matmul(frame),
     }
+}
+
+/// The call's group, with its placement, and this device's XLA ordinal.
+fn group_of<'a>(frame: &Frame<'a>) -> Result<(Group, Placement<'a>, &'a [i64], i32)> {
+    let ordinal = frame.device_ordinal()?;
+    let mesh_devices = frame.attr_i64_array("mesh_devices")?;
+    let placement = placement(frame)?;
+    let device = placement.my_device(mesh_devices, ordinal)?;
+    let group =
+        Group::from_mesh(mesh_devices, frame.attr_i64_array("mesh_shape")?, frame.attr_i64_array("axes")?, device)?;
+    Ok((group, placement, mesh_devices, ordinal))
+}
+
+/// The group's communicators (created on first use: a host wait for every
+/// member in this process, and for the others through NCCL's bootstrap).
+fn communicators(
+    group: &Group,
+    placement: &Placement<'_>,
+    mesh_devices: &[i64],
+    ordinal: i32,
+    dev: &std::sync::Mutex<device::Device>,
+    deadline: Instant,
+) -> Result<std::sync::Arc<device::GroupComms>> {
+    let key = CommKey::of(group);
+    let d = dev.lock().unwrap_or_else(|e| e.into_inner());
+    calls::check_same_device(ordinal, d.ordinal)?;
+    let members = placement.members(mesh_devices, &key, device::device_count()?)?;
+    let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
+    device::group_comms(&key, &members, id.as_ref(), &d, deadline)
+}
+
+/// The INITIALIZE stage (see `handler`).
+fn initialize(frame: &mut Frame<'_>) -> Result<()> {
+    let start = Instant::now();
+    require(&[Lib::Driver, Lib::Nvrtc])?;
+    let stream = frame.stream()?;
+    let dev = device::bind(stream)?;
+    let (group, placement, mesh_devices, ordinal) = group_of(frame)?;
+    if group.devices.len() < 2 {
+        return Ok(());
+    }
+    require(&[Lib::Nccl])?;
+    let deadline = start + crate::config::timeout()?;
+    let comms = communicators(&group, &placement, mesh_devices, ordinal, &dev, deadline)?;
+    let mut d = dev.lock().unwrap_or_else(|e| e.into_inner());
+    let connected = comms.connect(group.rank, &mut d, stream, deadline);
+    if connected.is_err() {
+        comms.abort_rank(group.rank);
+        device::evict(&CommKey::of(&group), &comms);
+    }
+    connected
 }
 
 /// One device's call of a fused op on a GPU: the same checks, problem and
@@ -127,12 +181,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let kind = crate::ops::kind(frame.attr_i64("kind")?)?;
     let site = frame.attr_i64("site")?;
     let schedule = crate::ops::schedule(kind, frame.attr_i64("schedule")?)?;
-    let ordinal = frame.device_ordinal()?;
-    let mesh_devices = frame.attr_i64_array("mesh_devices")?;
-    let placement = placement(frame)?;
-    let device = placement.my_device(mesh_devices, ordinal)?;
-    let group =
-        Group::from_mesh(mesh_devices, frame.attr_i64_array("mesh_shape")?, frame.attr_i64_array("axes")?, device)?;
+    let (group, placement, mesh_devices, ordinal) = group_of(frame)?;
     require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc])?;
 
     let x = frame.device_arg(0, "x")?;
@@ -169,17 +218,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     // other devices' contexts), then this device's lock for the enqueueing.
     let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
     let key = CommKey::of(&group);
-    let comms = if exchanges {
-        let d = dev.lock().unwrap_or_else(|e| e.into_inner());
-        calls::check_same_device(ordinal, d.ordinal)?;
-        let members = placement.members(mesh_devices, &key, device::device_count()?)?;
-        let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
-        let made = device::group_comms(&key, &members, id.as_ref(), &d, deadline);
-        drop(d);
-        Some(made?)
-    } else {
-        None
-    };
+    let comms =
+        exchanges.then(|| communicators(&group, &placement, mesh_devices, ordinal, &dev, deadline)).transpose()?;
     let mut d = dev.lock().unwrap_or_else(|e| e.into_inner());
     CallOps::prepare(&mut d, issue::events_needed(&streams))?;
     // Calls that communicate are watched until their work finishes on the

@@ -15,6 +15,7 @@ from ._all_gather_matmul import all_gather_matmul
 from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._explain import explain
 from ._matmul_all_gather import matmul_all_gather
+from ._matmul_all_reduce import matmul_all_reduce
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms
 from ._overlap import overlap
@@ -25,6 +26,7 @@ __all__ = [
     "all_gather_matmul",
     "matmul_reduce_scatter",
     "matmul_all_gather",
+    "matmul_all_reduce",
     "all_to_all_matmul",
     "matmul_all_to_all",
     "overlap",

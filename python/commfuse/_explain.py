@@ -97,7 +97,10 @@ def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     preset may carry overrides: ``"h100_pcie:gbytes_per_s=50,latency_us=10"``.
 
     Returns a dict: ``schedules`` (name -> predicted seconds), ``choice`` (the
-    fastest), ``t_compute``, ``t_comm``, ``floor`` = max(T_compute, T_comm),
+    fastest fused schedule), ``decision`` (what ``schedule="auto"`` runs: the
+    choice, or ``"unfused"`` where the predicted gain is below a fused call's
+    fixed cost) and ``decision_reason``, ``t_compute``, ``t_comm``,
+    ``floor`` = max(T_compute, T_comm),
     ``machine`` (its figures) and ``plan`` (rank 0's steps per lane with their
     predicted start and end).
     """
@@ -124,6 +127,10 @@ def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     except ValueError as e:
         raise ValueError(f"commfuse.explain: {e}") from None
     result["op"] = op
+    may_decline = os.environ.get(AUTO_UNFUSED_VAR, "1") != "0"
+    code, why = _decide(kind, dim, first, second, out, n, _DTYPES[name], _DTYPES[name], spec, rate, may_decline)
+    result["decision"] = "unfused" if code == _UNFUSED else result["choice"]
+    result["decision_reason"] = why
     _print(result, x, w)
     return result
 
@@ -176,31 +183,120 @@ def default_machine() -> str:
     return "h100_pcie" if "pcie" in kind else "h100_nvlink"
 
 
-def auto_schedule_code(kind: int, dim: int, x_shape, w_shape, out_shape, n: int, input_code: int,
-                       output_code: int) -> int:
-    """The schedule code `schedule="auto"` runs: the model's pick for this call
-    on `default_machine()` (see `sim::auto_schedule`), resolved at trace time so
-    that the workspace and the plan agree. 0 (the library's own rule) if the
-    model cannot time the call."""
+# Whether `auto` may run a call unfused where the model predicts no gain
+# (`COMMFUSE_AUTO_UNFUSED=0` makes it always fuse: the test-suite's fused-path
+# tests run tiny shapes, which would otherwise never fuse).
+AUTO_UNFUSED_VAR = "COMMFUSE_AUTO_UNFUSED"
+_UNFUSED = 6  # `_fused.UNFUSED` (not imported: `_fused` imports this module)
+
+
+def auto_decision(kind: int, dim: int, x_shape, w_shape, out_shape, n: int, input_code: int,
+                  output_code: int) -> tuple:
+    """(schedule code, why) `schedule="auto"` runs for this call: the cost
+    model's pick on `default_machine()` (see `sim::auto_schedule`), resolved at
+    trace time so that the workspace and the plan agree; or unfused (jax.lax's
+    own collective and dot) where the pick's predicted gain over the
+    unoverlapped collective-then-matmul is smaller than a fused call's fixed
+    cost. 0 (the library's own rule) if the model cannot time the call."""
     spec = default_machine()
     rate = cpu_gemm_gflops() if spec.startswith("cpu_here") else 0.0
-    return _auto_code(kind, dim, tuple(x_shape), tuple(w_shape), tuple(out_shape), n, input_code, output_code,
-                      spec, rate)
+    return _decide(kind, dim, tuple(x_shape), tuple(w_shape), tuple(out_shape), n, input_code, output_code,
+                   spec, rate, os.environ.get(AUTO_UNFUSED_VAR, "1") != "0")
+
+
+def auto_schedule_code(kind: int, dim: int, x_shape, w_shape, out_shape, n: int, input_code: int,
+                       output_code: int) -> int:
+    """The schedule code of `auto_decision`."""
+    return auto_decision(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code)[0]
 
 
 @functools.lru_cache(maxsize=4096)
-def _auto_code(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate) -> int:
+def _decide(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate, may_decline):
     try:
-        choice = _query(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate)["choice"]
+        r = _query(kind, dim, x_shape, w_shape, out_shape, n, input_code, output_code, spec, rate)
     except ValueError as e:
         if "argument: machine " in str(e):  # `Machine::from_spec`: a bad description, not an untimeable call
             source = MACHINE_VAR if os.environ.get(MACHINE_VAR, "").strip() else "COMMFUSE_CPU_LINK"
             raise ValueError(f"commfuse: schedule='auto' cannot use the machine description from {source}: {e}") \
                 from None
-        return 0
-    if choice.startswith("tiled("):
-        return 5 | (int(choice[len("tiled("):-1]) << 8)
-    return {"ring": 1, "bidirectional": 2}.get(choice, 0)
+        return 0, "the cost model cannot time this call; the library's default schedule"
+    choice = r["choice"]
+    code = 5 | (int(choice[len("tiled("):-1]) << 8) if choice.startswith("tiled(") else \
+        {"ring": 1, "bidirectional": 2}.get(choice, 0)
+    fused, unfused = r["schedules"].get(choice), r["schedules"].get("sequential")
+    if n == 1 or fused is None or unfused is None:
+        return code, f"{choice}, the cost model's pick"
+    gain = unfused - fused
+    overhead = call_overhead_s(spec, n)
+    if may_decline and gain <= overhead:
+        return _UNFUSED, (f"unfused: the model predicts {_us(gain)} of gain from fusing ({choice}), less than a "
+                          f"fused call's fixed cost of {_us(overhead)} over {n} devices")
+    return code, f"{choice}: predicted {_us(gain)} faster than unfused (fixed cost {_us(overhead)})"
+
+
+# A fused call's fixed cost over XLA's own collective and dot on the GPU
+# presets: measured on an H100 (GPU.md: 16 us per call, one GPU, small GEMMs).
+_GPU_CALL_OVERHEAD_S = 16e-6
+
+
+def call_overhead_s(spec: str, n: int) -> float:
+    """What a fused call costs beyond jax.lax's collective and dot, whatever
+    its size: measured on this host's CPU devices (`cpu_here`, once per
+    process and group size), or as measured on an H100 for the GPU presets."""
+    if not spec.startswith("cpu_here"):
+        return _GPU_CALL_OVERHEAD_S
+    return _cpu_call_overhead_s(n)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_call_overhead_s(n: int) -> float:
+    """Times a reduce-scatter matmul too small for its compute or transfers to
+    count, fused and as jax.lax's collective and dot, over `n` CPU devices
+    (the median of 5 runs of 20 calls each); the difference, at least 0.
+    Measured on a thread of its own: the caller is usually tracing (inside a
+    jit or a shard_map body), and JAX's trace and mesh contexts are the
+    calling thread's."""
+    import threading
+
+    result = []
+    thread = threading.Thread(target=lambda: result.append(_measure_cpu_call_overhead_s(n)),
+                              name="commfuse-calibration")
+    thread.start()
+    thread.join()
+    return result[0] if result else 0.0
+
+
+def _measure_cpu_call_overhead_s(n: int) -> float:
+    import time
+
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from . import _matmul_reduce_scatter
+
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        return 0.0
+    mesh = Mesh(np.array(devices[:n]), ("i",))
+    x = np.ones((8 * n, 8 * n), np.float32)
+    w = np.ones((8 * n, 8), np.float32)
+
+    def timed(op):
+        f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(None, "i"), P("i")), out_specs=P("i")))
+        f(x, w).block_until_ready()
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(20):
+                out = f(x, w)
+            out.block_until_ready()
+            runs.append((time.perf_counter() - start) / 20)
+        return sorted(runs)[2]
+
+    fused = timed(lambda a, b: _matmul_reduce_scatter.matmul_reduce_scatter(a, b, "i", schedule="ring"))
+    plain = timed(lambda a, b: jax.lax.psum_scatter(a @ b, "i", tiled=True))
+    return max(0.0, fused - plain)
 
 
 def _print(r: dict, x: tuple, w: tuple) -> None:
@@ -212,6 +308,7 @@ def _print(r: dict, x: tuple, w: tuple) -> None:
         mark = "  <- chosen" if name == r["choice"] else ""
         lines.append(f"  {name:<14} {_us(t):>12}  {t / r['floor']:.2f}x floor{mark}")
     lines.append(f"  floor = max(T_compute {_us(r['t_compute'])}, T_comm {_us(r['t_comm'])}) = {_us(r['floor'])}")
+    lines.append(f"  schedule='auto' runs: {r['decision_reason']}")
     lines.append(f"  plan of rank 0 under {r['choice']}:")
     for lane in ("compute", "comm"):
         steps = r["plan"][lane]

@@ -7,18 +7,22 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import threading
 from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as _jax_config  # `_check_vma`: the only private name used (see `vma_checked`)
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from . import _explain, _native, _nccl_id
 
-SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4, "tiled": 5}
+SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4, "tiled": 5, "unfused": 6}
+# jax.lax's own collective and dot (`unfused`): never reaches the library.
+UNFUSED = SCHEDULES["unfused"]
 
 # Schedules that cut each block into chunks (the keyword naming how many);
 # their code carries the number above the low byte (decoded by the Rust
@@ -233,7 +237,11 @@ def vary_together(x, w, axes):
     """`x` and `w` typed as varying over the same mesh axes: both operands',
     and the op's. The fused ops' VJPs return cotangents of that type; JAX
     then transposes the cast itself (a psum over the axes an operand was
-    replicated on), as it does for a plain dot_general."""
+    replicated on), as it does for a plain dot_general. Under
+    ``check_vma=False`` nothing is typed as varying, and the shard_map sums
+    replicated operands' cotangents itself: the operands stay as they are."""
+    if not vma_checked():
+        return x, w
     target = _varying(jax.typeof(x)) | _varying(jax.typeof(w)) | frozenset(axes)
     mesh_axes = jax.sharding.get_abstract_mesh().axis_names
 
@@ -424,15 +432,39 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
     return op
 
 
+# What each op this thread issued since `decisions()` was last cleared ran
+# as: (op name, schedule name, why). `overlap(report=True)` reports them.
+_DECISIONS = threading.local()
+
+
+def decisions(clear: bool = False) -> list:
+    made = getattr(_DECISIONS, "made", [])
+    if clear:
+        _DECISIONS.made = []
+    return list(made)
+
+
+def record_decision(op: str, schedule: str, why: str) -> None:
+    if not hasattr(_DECISIONS, "made"):
+        _DECISIONS.made = []
+    _DECISIONS.made.append((op, schedule, why))
+
+
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=(),
          fast_f32: bool = True):
     """Issues one fused op (operands already checked and laid out for `kind`);
     `scales`: ``(x_scale, w_scale)`` with fp8 operands; `fast_f32`: float32
-    GEMMs may use TF32 on GPUs."""
+    GEMMs may use TF32 on GPUs. Under ``"unfused"``, or where ``"auto"``'s
+    cost model predicts no gain, it is jax.lax's own collective and dot."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
+    why = "as asked"
     if schedule == SCHEDULES["auto"] and not scales:  # fp8: the library's own rule
-        schedule = _explain.auto_schedule_code(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
+        schedule, why = _explain.auto_decision(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
                                                DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
+    record_decision(kind.name.lower(), schedule_name(schedule), why)
+    if schedule == UNFUSED:
+        return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
+                       fast_f32=fast_f32)
     if cut_schedule(schedule):
         _check_cut(kind, x.shape, dimension, ranks, schedule)
         if x.ndim != 2 or dimension != 0:
@@ -458,10 +490,61 @@ def _abstract_eval(x, w, *scales, out_shape, out_dtype, workspace_bytes, axes, *
     # Typed as varying over the op's axes (and whatever x and w vary over), so
     # a custom_vjp or out_specs see the truth (see XLA_FFI_NOTES, point 3). The
     # workspace has x's rank, so it can share x's sharding.
-    varying = _varying(x) | _varying(w) | frozenset(axes)
+    varying = (_varying(x) | _varying(w) | frozenset(axes)) if vma_checked() else frozenset()
     workspace_shape = (1,) * (x.ndim - 1) + (workspace_bytes,)
     return (_typed_like(x, out_shape, out_dtype, varying),
             _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
+
+
+def schedule_name(code: int) -> str:
+    """The name of a schedule code (``"tiled(4)"`` for the cut ones)."""
+    cut = cut_schedule(code)
+    if cut:
+        return f"{cut}({chunks_of(code)})"
+    return {v: k for k, v in SCHEDULES.items()}.get(code, f"schedule code {code}")
+
+
+def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, fast_f32: bool):
+    """`kind`'s op in its canonical layout (see `Kind`) as jax.lax's own
+    collective and dot: what the fused op computes, and its fallback."""
+    K = Kind
+    precision = None if fast_f32 else jax.lax.Precision.HIGHEST
+    axes = tuple(axes)
+
+    def dot(a, b):
+        return jnp.matmul(a, b, precision=precision, preferred_element_type=out_dtype).astype(out_dtype)
+
+    def gather(a, axis):
+        return jax.lax.all_gather(a, axes, axis=axis, tiled=True)
+
+    def scatter(a, axis):
+        return jax.lax.psum_scatter(a, axes, scatter_dimension=axis, tiled=True)
+
+    def a2a(a):  # stacked blocks [N, ...]: block j to rank j, received ones stacked by sender
+        return jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
+
+    if kind == K.ALL_GATHER_MATMUL:
+        return dot(gather(x, dimension), w)
+    if kind == K.ALL_GATHER_MATMUL_CONTRACT:
+        return dot(gather(x, 1), w)
+    if kind == K.MATMUL_ALL_GATHER:  # (w [k, c] travels, x [m, k])
+        return dot(w, gather(x, 1))
+    if kind == K.MATMUL_ALL_GATHER_CONTRACT:  # (w [kb, n] travels, x [m, N*kb])
+        return dot(w, gather(x, 0))
+    if kind == K.MATMUL_REDUCE_SCATTER:
+        return scatter(dot(x, w), dimension)
+    if kind == K.MATMUL_REDUCE_SCATTER_COLS:
+        return scatter(dot(x, w), 1)
+    if kind == K.ALL_TO_ALL_MATMUL:
+        return dot(a2a(x), w)
+    if kind == K.ALL_TO_ALL_MATMUL_CONTRACT:  # x [N, m, kb]: received blocks side by side along k
+        moved = a2a(x)
+        return dot(jnp.moveaxis(moved, 0, 1).reshape(moved.shape[1], -1), w)
+    if kind == K.MATMUL_ALL_TO_ALL:
+        return a2a(dot(x, w))
+    # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
+    y = dot(x, w)
+    return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, -1), 1, 0))
 
 
 def _lower_cpu(ctx, x, w, *scales, kind, **params):
@@ -550,6 +633,19 @@ mlir.register_lowering(_PRIMITIVE, _lower_cpu, platform="cpu")
 mlir.register_lowering(_PRIMITIVE, _lower_cuda, platform="cuda")
 mlir.register_lowering(_PRIMITIVE, partial(_lower_unsupported, "rocm"), platform="rocm")
 batching.primitive_batchers[_PRIMITIVE] = _batch
+
+
+def vma_checked() -> bool:
+    """Whether the enclosing shard_map tracks varying manual axes
+    (``check_vma=True``, the default); under ``check_vma=False`` no value is
+    typed as varying, and a result typed so would not match its cotangent."""
+    flag = getattr(getattr(_jax_config, "_check_vma", None), "value", True)
+    return bool(flag)
+
+
+def varying_axes(value) -> frozenset:
+    """The mesh axes `value` is typed as varying over (empty under check_vma=False)."""
+    return _varying(jax.typeof(value))
 
 
 def _varying(aval) -> frozenset:

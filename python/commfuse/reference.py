@@ -45,3 +45,10 @@ def matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, sch
     del schedule
     y = jnp.matmul(x, w, precision=precision, preferred_element_type=preferred_element_type)
     return jax.lax.all_to_all(y, axis_name, split_dimension, concat_dimension, tiled=True)
+
+
+def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision=None, preferred_element_type=None):
+    """``psum(x @ w, axis_name)``."""
+    del schedule, tiles
+    y = jnp.matmul(x, w, precision=precision, preferred_element_type=preferred_element_type)
+    return jax.lax.psum(y, axis_name)

@@ -44,7 +44,9 @@ import functools
 import jax
 import numpy as np
 
-from .interpret import _State, _interpret
+from .. import _fused
+from .interpret import interpret
+from .state import State
 
 __all__ = ["overlap"]
 
@@ -64,7 +66,7 @@ def _in_manual_context() -> bool:
         return False
 
 
-def overlap(fun=None, *, report: bool = False, logger=None):
+def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=None):
     """Returns ``fun`` with its shard_map collective/matmul pairs fused into commfuse ops.
 
     The result has ``fun``'s signature and results. Each call traces ``fun``
@@ -86,17 +88,27 @@ def overlap(fun=None, *, report: bool = False, logger=None):
     ``w`` 2-D (``x`` may carry any number of leading dims). Anything else runs
     unchanged.
 
-    ``report=True`` prints one line per rewrite and per collective (or dot next
-    to one) left unchanged, with the reason; ``logger`` (a ``logging.Logger``)
-    gets the same lines through ``logger.info``. The returned function keeps
-    the lines of its latest trace in its ``last_report`` attribute.
+    ``schedule`` is given to every fused op the rewrite makes: ``"auto"`` (the
+    cost model's pick per op, which may be to leave a pair unfused where it
+    predicts no gain), or any other schedule, which fuses every candidate it
+    can (``"ring"``, ``"bidirectional"``, ...; ``"unfused"`` keeps them all as
+    they were).
+
+    ``report=True`` prints one line per rewrite, per collective left
+    unchanged (with the reason) and per shard_map body without candidates;
+    ``logger`` (a ``logging.Logger``) gets the same lines through
+    ``logger.info``. The returned function keeps the lines of its latest
+    trace in its ``last_report`` attribute.
 
     Composes with ``jax.jit`` (either way round) and ``jax.grad``.
     """
     if fun is None:
-        return functools.partial(overlap, report=report, logger=logger)
+        return functools.partial(overlap, schedule=schedule, report=report, logger=logger)
     if not callable(fun):
         raise TypeError(f"commfuse.overlap: expected a callable, got {fun!r}")
+    if schedule not in _fused.SCHEDULES or schedule in _fused.CUT_SCHEDULES:
+        options = ", ".join(repr(s) for s in _fused.SCHEDULES if s not in _fused.CUT_SCHEDULES)
+        raise ValueError(f"commfuse.overlap: unknown schedule {schedule!r}; expected one of {options}")
 
     jitted_cache: dict = {}
 
@@ -122,9 +134,9 @@ def overlap(fun=None, *, report: bool = False, logger=None):
             return [leaf for leaf in out_leaves if _is_dynamic(leaf)]
 
         closed = jax.make_jaxpr(flat_fun)(*dyn)
-        state.__init__()
+        state.__init__(schedule)
         manual = _in_manual_context()  # fun is (part of) a shard_map body itself
-        outs = _interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
+        outs = interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
         if not state.shard_maps and not manual:
             state.lines.append("overlap: the traced function has no shard_map; nothing was rewritten")
         state.fresh = True
@@ -144,7 +156,7 @@ def overlap(fun=None, *, report: bool = False, logger=None):
         static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
         if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
             # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
-            state, out_box = _State(), [None, None]
+            state, out_box = State(schedule), [None, None]
             outs = rewritten(treedef, static, len(leaves), state, out_box, *dyn)
             emit(state.lines)
             return unflatten(out_box, outs)
@@ -156,7 +168,7 @@ def overlap(fun=None, *, report: bool = False, logger=None):
             key = None
         entry = jitted_cache.get(key) if key is not None else None
         if entry is None:
-            state, out_box = _State(), [None, None]
+            state, out_box = State(schedule), [None, None]
             state.fresh = False
             fn = jax.jit(functools.partial(rewritten, treedef, static, len(leaves), state, out_box))
             entry = (fn, state, out_box)

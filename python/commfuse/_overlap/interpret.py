@@ -3,58 +3,23 @@ scans, conds and whiles inside them) around rewritten bodies."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 from jax.extend import core as jcore
 
-from . import rewrite
-from .jaxpr import (
-    _bind_eqn,
-    _shard_map_call,
-    _is_literal,
-    _subjaxprs,
-    _closed,
-    _describe_collective,
-    _vma,
-    _CANDIDATES,
-    _CALLS,
-    _REMAT,
-)
+from .jaxpr import CALLS, CANDIDATES, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
+from .jaxpr import subjaxprs, vma
+from .rewrite import Rewriter
+from .state import State
 
 
-
-# ----------------------------------------------------------------------------
-# The interpreter
-# ----------------------------------------------------------------------------
-class _State:
-    def __init__(self):
-        self.lines: list[str] = []
-        self.shard_maps = 0
-        self._memo: dict = {}
-
-    def needs_work(self, jaxpr, manual: bool) -> bool:
-        """Whether interpreting ``jaxpr`` (rather than binding it unchanged) can rewrite anything."""
-        key = (id(jaxpr), manual)
-        if key not in self._memo:
-            self._memo[key] = (jaxpr, False)  # keeps jaxpr alive so its id stays unique
-            found = False
-            for eqn in jaxpr.eqns:
-                name = eqn.primitive.name
-                if name == "shard_map" or (manual and name in _CANDIDATES):
-                    found = True
-                    break
-                if any(self.needs_work(sub, manual) for sub in _subjaxprs(eqn.params)):
-                    found = True
-                    break
-            self._memo[key] = (jaxpr, found)
-        return self._memo[key][1]
-
-
-def _interpret(jaxpr, consts, args, state: _State, where: str, manual: bool):
+def interpret(jaxpr, consts, args, state: State, where: str, manual: bool):
     """Evaluates ``jaxpr``; inside a shard_map body (``manual``) fuses the patterns it finds."""
     env = {}
 
     def read(v):
-        return v.val if _is_literal(v) else env[v]
+        return v.val if is_literal(v) else env[v]
 
     def write(v, val):
         if not isinstance(v, jcore.DropVar):
@@ -66,36 +31,37 @@ def _interpret(jaxpr, consts, args, state: _State, where: str, manual: bool):
         write(v, val)
 
     if manual:
-        rewrite._Rewriter(jaxpr, state, where, read, write).run()
-    else:
-        for eqn in jaxpr.eqns:
-            outs = _eval_eqn(eqn, [read(v) for v in eqn.invars], state, where, manual)
-            for v, val in zip(eqn.outvars, outs):
-                write(v, val)
+        rewriter = Rewriter(jaxpr, state, where, read, write, partial(eval_eqn, state=state, where=where, manual=True))
+        rewriter.run()
+        return [rewriter.read(v) for v in jaxpr.outvars]
+    for eqn in jaxpr.eqns:
+        outs = eval_eqn(eqn, [read(v) for v in eqn.invars], state=state, where=where, manual=manual)
+        for v, val in zip(eqn.outvars, outs):
+            write(v, val)
     return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_eqn(eqn, invals, state: _State, where: str, manual: bool):
+def eval_eqn(eqn, invals, *, state: State, where: str, manual: bool):
     """One equation that is not part of a pattern: recursing where rewrites may hide."""
     name = eqn.primitive.name
     params = eqn.params
     if name == "shard_map":
         return _eval_shard_map(eqn, invals, state, where)
-    subs = list(_subjaxprs(params))
+    subs = list(subjaxprs(params))
     if not subs or not any(state.needs_work(s, manual) for s in subs):
-        return _bind_eqn(eqn, invals)
+        return bind_eqn(eqn, invals)
     here = f"{where}/{name}"
-    if name in _CALLS:
+    if name in CALLS:
         key = "jaxpr" if "jaxpr" in params else "call_jaxpr"
-        jaxpr, consts = _closed(params[key])
-        return _interpret(jaxpr, consts, invals, state, here, manual)
+        jaxpr, consts = closed(params[key])
+        return interpret(jaxpr, consts, invals, state, here, manual)
     divergent = manual and _divergent(eqn)
     if divergent:
         for sub in subs:
             _report_untouched(sub, state, here, divergent)
-        return _bind_eqn(eqn, invals)
+        return bind_eqn(eqn, invals)
     rebuild = {"scan": _eval_scan, "cond": _eval_cond, "while": _eval_while}.get(name)
-    if name in _REMAT and "jaxpr" in params:
+    if name in REMAT and "jaxpr" in params:
         rebuild = _eval_remat
     if rebuild is not None:
         mark = len(state.lines)
@@ -105,13 +71,13 @@ def _eval_eqn(eqn, invals, state: _State, where: str, manual: bool):
             del state.lines[mark:]
             for sub in subs:
                 _report_untouched(sub, state, here, f"{name} left unchanged: {type(e).__name__}: {e}")
-            return _bind_eqn(eqn, invals)
+            return bind_eqn(eqn, invals)
     # Any other higher-order primitive (custom_jvp_call, custom_vjp_call, ...):
     # its semantics hang on its params, so it is bound as it is.
     if manual:
         for sub in subs:
             _report_untouched(sub, state, here, f"inside {name}, which overlap does not rewrite")
-    return _bind_eqn(eqn, invals)
+    return bind_eqn(eqn, invals)
 
 
 def _divergent(eqn) -> str | None:
@@ -125,49 +91,50 @@ def _divergent(eqn) -> str | None:
         what = "while_loop condition"
     else:
         return None
-    axes = _vma(pred)
+    axes = vma(pred)
     if not axes:
         return None
     return (f"the {what} varies over mesh axes {tuple(sorted(axes))}, so ranks may take different paths "
             f"and a fused op waits for every rank; not rewritten")
 
 
-def _report_untouched(jaxpr, state: _State, where: str, reason: str):
+def _report_untouched(jaxpr, state: State, where: str, reason: str):
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CANDIDATES:
-            state.lines.append(f"overlap[{where}]: no match: {_describe_collective(eqn)}: {reason}")
-        for sub in _subjaxprs(eqn.params):
+        if eqn.primitive.name in CANDIDATES:
+            state.lines.append(f"overlap[{where}]: no match: {describe_collective(eqn)}: {reason}")
+        for sub in subjaxprs(eqn.params):
             _report_untouched(sub, state, where, reason)
 
 
-def _eval_shard_map(eqn, invals, state: _State, where: str):
+def _eval_shard_map(eqn, invals, state: State, where: str):
     state.shard_maps += 1
     here = f"{where}/shard_map#{state.shard_maps - 1}".lstrip("/")
-    body, consts = _closed(eqn.params["jaxpr"])
+    body, consts = closed(eqn.params["jaxpr"])
     if not state.needs_work(body, True):
-        return _bind_eqn(eqn, invals)
+        state.lines.append(f"overlap[{here}]: no collective in this body; nothing to fuse")
+        return bind_eqn(eqn, invals)
     mark = len(state.lines)
 
     def body_fn(*args):
-        return tuple(_interpret(body, consts, args, state, here, True))
+        return tuple(interpret(body, consts, args, state, here, True))
 
     try:
-        return _shard_map_call(eqn.params, body_fn, invals)
+        return shard_map_call(eqn.params, body_fn, invals)
     except Exception as e:  # noqa: BLE001 - never worse than the original program
         del state.lines[mark:]
         state.lines.append(f"overlap[{here}]: shard_map left unchanged: {type(e).__name__}: {e}")
-        return _bind_eqn(eqn, invals)
+        return bind_eqn(eqn, invals)
 
 
 def _eval_remat(params, invals, state, where, manual):
-    jaxpr, consts = _closed(params["jaxpr"])
-    fn = jax.checkpoint(lambda *a: _interpret(jaxpr, consts, a, state, where, manual),
+    jaxpr, consts = closed(params["jaxpr"])
+    fn = jax.checkpoint(lambda *a: interpret(jaxpr, consts, a, state, where, manual),
                         prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
     return list(fn(*invals))
 
 
 def _eval_scan(params, invals, state, where, manual):
-    jaxpr, consts = _closed(params["jaxpr"])
+    jaxpr, consts = closed(params["jaxpr"])
     if "num_consts" in params:  # jax < 0.11
         n_consts, n_carry = params["num_consts"], params["num_carry"]
     else:  # jax >= 0.11: `ft_in` holds the flat trees of (consts, carry, xs)
@@ -177,7 +144,7 @@ def _eval_scan(params, invals, state, where, manual):
     init, xs = invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
 
     def step(carry, x):
-        outs = _interpret(jaxpr, consts, [*loop_consts, *carry, *x], state, where, manual)
+        outs = interpret(jaxpr, consts, [*loop_consts, *carry, *x], state, where, manual)
         return tuple(outs[:n_carry]), tuple(outs[n_carry:])
 
     carry, ys = jax.lax.scan(step, tuple(init), tuple(xs), length=params["length"],
@@ -188,24 +155,24 @@ def _eval_scan(params, invals, state, where, manual):
 def _eval_cond(params, invals, state, where, manual):
     index, ops = invals[0], invals[1:]
 
-    def branch(closed, i):
-        jaxpr, consts = _closed(closed)
-        return lambda *a: tuple(_interpret(jaxpr, consts, a, state, f"{where}.branch{i}", manual))
+    def branch(branch_jaxpr, i):
+        jaxpr, consts = closed(branch_jaxpr)
+        return lambda *a: tuple(interpret(jaxpr, consts, a, state, f"{where}.branch{i}", manual))
 
     branches = [branch(b, i) for i, b in enumerate(params["branches"])]
     return list(jax.lax.switch(index, branches, *ops))
 
 
 def _eval_while(params, invals, state, where, manual):
-    cj, cc = _closed(params["cond_jaxpr"])
-    bj, bc = _closed(params["body_jaxpr"])
+    cj, cc = closed(params["cond_jaxpr"])
+    bj, bc = closed(params["body_jaxpr"])
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
 
     def cond_fun(carry):
-        return _interpret(cj, cc, [*cond_consts, *carry], state, f"{where}.cond", manual)[0]
+        return interpret(cj, cc, [*cond_consts, *carry], state, f"{where}.cond", manual)[0]
 
     def body_fun(carry):
-        return tuple(_interpret(bj, bc, [*body_consts, *carry], state, f"{where}.body", manual))
+        return tuple(interpret(bj, bc, [*body_consts, *carry], state, f"{where}.body", manual))
 
     return list(jax.lax.while_loop(cond_fun, body_fun, tuple(init)))

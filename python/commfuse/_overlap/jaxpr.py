@@ -1,31 +1,37 @@
 """What the rewrite reads and binds: the primitives it knows, binding an
-equation, describing equations in reports, and the varying-axes type casts."""
+equation, describing equations in reports, a dot_general seen as ``x @ w``,
+and the varying-axes type casts."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import math
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
-_ALL_GATHER = "all_gather"
-_REDUCE_SCATTER = ("reduce_scatter", "psum_scatter")  # the primitive's name across JAX versions
-_ALL_TO_ALL = "all_to_all"
-_CANDIDATES = frozenset((_ALL_GATHER, _ALL_TO_ALL, "all_gather_invariant") + _REDUCE_SCATTER)
-# Collectives that are no pattern; a dot_general next to one of them is reported as unmatched.
-_OTHER_COLLECTIVES = frozenset(("psum", "psum_invariant", "pmax", "pmin", "ppermute", "pbroadcast"))
-_CASTS = frozenset(("pvary",))  # value-preserving type casts a pattern may span
-_CALLS = frozenset(("pjit", "jit", "closed_call", "core_call"))
-_REMAT = frozenset(("checkpoint", "remat", "remat2"))
+from .. import _fused
+
+ALL_GATHER = "all_gather"
+ALL_GATHER_REDUCED = "all_gather_reduced"  # all_gather(..., to="reduced")
+REDUCE_SCATTER = ("reduce_scatter", "psum_scatter")  # the primitive's name across JAX versions
+ALL_TO_ALL = "all_to_all"
+PSUM = ("psum", "psum_invariant")
+GATHERS = (ALL_GATHER, ALL_GATHER_REDUCED)
+CANDIDATES = frozenset(GATHERS + (ALL_TO_ALL, "all_gather_invariant") + REDUCE_SCATTER + PSUM)
+# Collectives that are no pattern; they are named in reports.
+OTHER_COLLECTIVES = frozenset(("pmax", "pmin", "ppermute", "pbroadcast", "axis_index"))
+CASTS = frozenset(("pvary",))  # value-preserving type casts a pattern may span
+CALLS = frozenset(("pjit", "jit", "closed_call", "core_call"))
+REMAT = frozenset(("checkpoint", "remat", "remat2"))
 
 
 # ----------------------------------------------------------------------------
 # The only access to JAX internals: binding an equation as jax.core.eval_jaxpr
 # does (with the equation's context manager, e.g. compute_on / xla_metadata).
 # ----------------------------------------------------------------------------
-def _bind_eqn(eqn, invals):
+def bind_eqn(eqn, invals):
     """Binds ``eqn``'s primitive to ``invals`` with its own params; returns the list of outputs."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
@@ -39,10 +45,10 @@ def _bind_eqn(eqn, invals):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _shard_map_call(params, body_fn, invals):
+def shard_map_call(params, body_fn, invals):
     """Re-creates a shard_map equation with body ``body_fn`` through the public API."""
     if "in_specs" not in params or "out_specs" not in params:
-        raise _Unsupported("shard_map parameters of this JAX version are not understood")
+        raise Unsupported("shard_map parameters of this JAX version are not understood")
     mesh = params["mesh"]
     if "newly_manual_axes" in params:
         axis_names = params["newly_manual_axes"]
@@ -66,28 +72,28 @@ def _shard_map_call(params, body_fn, invals):
     return list(fn(*invals))
 
 
-class _Unsupported(Exception):
+class Unsupported(Exception):
     pass
 
 
 # ----------------------------------------------------------------------------
 # Small helpers
 # ----------------------------------------------------------------------------
-def _is_literal(v) -> bool:
+def is_literal(v) -> bool:
     return isinstance(v, jcore.Literal)
 
 
-def _fmt(aval) -> str:
+def fmt(aval) -> str:
     shape = ",".join(str(d) for d in getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", None)
     return f"{np.dtype(dtype).name if dtype is not None else '?'}[{shape}]"
 
 
-def _axes(name) -> tuple:
+def axes_of(name) -> tuple:
     return tuple(name) if isinstance(name, (tuple, list)) else (name,)
 
 
-def _subjaxprs(params):
+def subjaxprs(params):
     """The (open) jaxprs carried in an equation's params."""
     def walk(v):
         if isinstance(v, jcore.ClosedJaxpr):
@@ -102,35 +108,42 @@ def _subjaxprs(params):
         yield from walk(value)
 
 
-def _closed(v):
+def closed(v):
     """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr param."""
     if isinstance(v, jcore.ClosedJaxpr):
         return v.jaxpr, list(v.consts)
     return v, []
 
 
-def _describe_collective(eqn) -> str:
+def describe_collective(eqn) -> str:
     p = eqn.params
     name = eqn.primitive.name
-    axis = _axes(p.get("axis_name"))
-    if name == _ALL_TO_ALL:
-        dims = f"split={p.get('split_axis')}, concat={p.get('concat_axis')}"
-    elif name in _REDUCE_SCATTER:
-        dims = f"dim={p.get('scatter_dimension')}"
+    axis = axes_of(p.get("axis_name", p.get("axes")))
+    if name == ALL_TO_ALL:
+        dims = f", split={p.get('split_axis')}, concat={p.get('concat_axis')}"
+    elif name in REDUCE_SCATTER:
+        dims = f", dim={p.get('scatter_dimension')}"
+    elif name in GATHERS or name == "all_gather_invariant":
+        dims = f", dim={p.get('all_gather_dimension')}"
     else:
-        dims = f"dim={p.get('all_gather_dimension')}"
+        dims = ""
     src = eqn.invars[0].aval if eqn.invars else None
-    return f"{name}(axis={axis}, {dims}) {_fmt(src)} -> {_fmt(eqn.outvars[0].aval)}"
+    return f"{name}(axis={axis}{dims}) {fmt(src)} -> {fmt(eqn.outvars[0].aval)}"
 
 
-def _describe_dot(eqn) -> str:
+def describe_dot(eqn) -> str:
     lhs, rhs = (v.aval for v in eqn.invars)
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = f"contract {tuple(lc)}x{tuple(rc)}" + (f", batch {tuple(lb)}x{tuple(rb)}" if lb or rb else "")
-    return f"dot_general({_fmt(lhs)} @ {_fmt(rhs)} -> {_fmt(eqn.outvars[0].aval)}, {dims})"
+    return f"dot_general({fmt(lhs)} @ {fmt(rhs)} -> {fmt(eqn.outvars[0].aval)}, {dims})"
 
 
-def _static_reason(eqn) -> str | None:
+def collective_axes(eqn) -> tuple:
+    p = eqn.params
+    return axes_of(p["axis_name"] if "axis_name" in p else p.get("axes"))
+
+
+def static_reason(eqn) -> str | None:
     """Why a collective can never be fused, judging by its params alone."""
     p = eqn.params
     name = eqn.primitive.name
@@ -143,80 +156,127 @@ def _static_reason(eqn) -> str | None:
     return None
 
 
-def _dot_shape_reason(eqn, x_side: int) -> str | None:
-    """Why operand ``x_side`` (0: lhs, 1: rhs) of the dot cannot be ``x`` in ``x @ w``."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if len(lb) or len(rb):
-        return "dot_general has batch dimensions on both sides"
-    if len(lc) != 1:
-        return f"dot_general contracts {len(lc)} dimensions (a fused op contracts exactly one)"
-    x_aval, w_aval = eqn.invars[x_side].aval, eqn.invars[1 - x_side].aval
-    w_name = "rhs" if x_side == 0 else "lhs"
-    if len(w_aval.shape) != 2:
-        return f"the dot's {w_name} operand {_fmt(w_aval)} is not 2-D"
-    if len(x_aval.shape) < 2:
-        return f"the dot's {'lhs' if x_side == 0 else 'rhs'} operand {_fmt(x_aval)} has rank < 2"
-    return None
-
-
-class _Form:
-    """A dot_general seen as ``finish(prep_x(x) @ prep_w(w))`` with ``x`` operand ``x_side``."""
+# ----------------------------------------------------------------------------
+# A dot_general as `x @ w`
+# ----------------------------------------------------------------------------
+class DotForm:
+    """A dot_general without batch dims, with operand ``x_side`` (0: lhs,
+    1: rhs) as ``x``, seen as ``finish(prep_x(x) @ prep_w(w))``: ``prep_x``
+    keeps x's free dims in order and flattens its contracting dims into one,
+    last; ``prep_w`` makes ``w`` 2-D (its contracting dims flattened into
+    rows, in the same order, then its free dims into columns); ``finish``
+    unflattens the columns and puts the dims in the dot's output order. So
+    weights of rank > 2 (``bsE,Ehd->bshd``) and several contracting dims
+    (``bshd,hdE->bsE``) become the fused ops' ``x [..., k] @ w [k, n]``."""
 
     def __init__(self, eqn, x_side: int):
-        (lc, rc), _ = eqn.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if len(lb) or len(rb):
+            raise Unsupported("dot_general has batch dimensions (each batch is its own product)")
         self.x_side = x_side
-        self.n = len(eqn.invars[x_side].aval.shape)
-        self.xc = int((lc if x_side == 0 else rc)[0])
-        self.wc = int((rc if x_side == 0 else lc)[0])
+        xc, wc = (lc, rc) if x_side == 0 else (rc, lc)
+        self.xc, self.wc = [int(d) for d in xc], [int(d) for d in wc]
+        self.x_shape = tuple(eqn.invars[x_side].aval.shape)
+        self.w_shape = tuple(eqn.invars[1 - x_side].aval.shape)
+        self.x_free = [d for d in range(len(self.x_shape)) if d not in self.xc]
+        self.w_free = [d for d in range(len(self.w_shape)) if d not in self.wc]
+        if not self.x_free:
+            raise Unsupported(f"the dot's {'lhs' if x_side == 0 else 'rhs'} operand keeps no dimension")
+        if not self.xc:
+            raise Unsupported("dot_general contracts no dimension (an outer product)")
         prec = eqn.params.get("precision")
         if x_side == 1 and isinstance(prec, tuple) and len(prec) == 2:
             prec = (prec[1], prec[0])
         self.kwargs = {"precision": prec, "preferred_element_type": eqn.params.get("preferred_element_type")}
 
-    def x_dim(self, d: int) -> int:
-        """A dim of ``x`` -> the same dim of ``prep_x(x)`` (the contracting dim goes last)."""
-        if d == self.xc:
-            return self.n - 1
-        return d if d < self.xc else d - 1
+    def x_dim(self, d: int):
+        """A dim of ``x`` -> the same dim of ``prep_x(x)``; None if it does not survive as one dim."""
+        if d in self.x_free:
+            return self.x_free.index(d)
+        if self.xc == [d]:
+            return len(self.x_free)
+        return None
 
-    def w_dim(self, d: int) -> int:
-        return d if self.wc == 0 else 1 - d
+    def w_dim(self, d: int):
+        """A dim of ``w`` -> 0 (rows) or 1 (columns) of ``prep_w(w)`` when its
+        blocks are contiguous blocks of that 2-D dim (it is the outermost dim
+        of the rows or of the columns), else None."""
+        if self.wc and d == self.wc[0]:
+            return 0
+        if self.w_free and d == self.w_free[0]:
+            return 1
+        return None
 
-    def y_dim(self, d: int) -> int:
-        """A dim of the dot's result -> the same dim of ``prep_x(x) @ prep_w(w)``."""
+    def y_dim(self, d: int):
+        """A dim of the dot's result -> the same dim of ``prep_x(x) @ prep_w(w)``,
+        or None where the blocks along it are not contiguous there."""
+        nx, nw = len(self.x_free), len(self.w_free)
         if self.x_side == 0:
-            return d
-        return self.n - 1 if d == 0 else d - 1
+            if d < nx:
+                return d
+            return nx if d == nx and nw else None
+        if d < nw:
+            return nx if d == 0 else None
+        return d - nw
 
     def prep_x(self, x):
-        if self.xc == self.n - 1:
-            return x
-        return jax.lax.transpose(x, tuple(i for i in range(self.n) if i != self.xc) + (self.xc,))
+        order = self.x_free + self.xc
+        if order != list(range(len(self.x_shape))):
+            x = jax.lax.transpose(x, tuple(order))
+        k = math.prod(self.x_shape[d] for d in self.xc)
+        return x.reshape(tuple(self.x_shape[d] for d in self.x_free) + (k,)) if len(self.xc) != 1 else x
 
     def prep_w(self, w):
-        return w if self.wc == 0 else jax.lax.transpose(w, (1, 0))
+        order = self.wc + self.w_free
+        if order != list(range(len(self.w_shape))):
+            w = jax.lax.transpose(w, tuple(order))
+        k = math.prod(self.w_shape[d] for d in self.wc)
+        n = math.prod(self.w_shape[d] for d in self.w_free)
+        return w.reshape(k, n) if w.ndim != 2 else w
 
     def finish(self, y):
-        if self.x_side == 0:
-            return y
-        return jax.lax.transpose(y, (self.n - 1,) + tuple(range(self.n - 1)))
+        nx = len(self.x_free)
+        w_free_shape = tuple(self.w_shape[d] for d in self.w_free)
+        if len(w_free_shape) != 1:
+            y = y.reshape(tuple(y.shape[:nx]) + w_free_shape)
+        if self.x_side == 1:  # the dot's output lists the rhs's (x's) free dims last
+            nw = len(w_free_shape)
+            y = jax.lax.transpose(y, tuple(range(nx, nx + nw)) + tuple(range(nx)))
+        return y
 
     def notes(self) -> str:
         parts = []
-        if self.xc != self.n - 1:
+        if self.x_free + self.xc != list(range(len(self.x_shape))):
             parts.append("x transposed")
-        if self.wc != 0:
+        if len(self.xc) > 1:
+            parts.append(f"{len(self.xc)} contracting dims flattened")
+        if self.wc + self.w_free != list(range(len(self.w_shape))):
             parts.append("w transposed")
+        if len(self.w_shape) != 2:
+            parts.append(f"rank-{len(self.w_shape)} w flattened to 2-D")
         if self.x_side == 1:
             parts.append("operands swapped, result transposed")
         return f" [{', '.join(parts)}]" if parts else ""
 
 
-def _commfuse():
-    return importlib.import_module(__name__.split(".")[0])
+# The fused ops the rewrite makes, by name (one table, not names looked up in strings).
+def fused_ops() -> dict:
+    from .. import _all_gather_matmul, _all_to_all, _matmul_all_gather, _matmul_all_reduce, _matmul_reduce_scatter
+
+    return {
+        "all_gather_matmul": _all_gather_matmul.all_gather_matmul,
+        "matmul_all_gather": _matmul_all_gather.matmul_all_gather,
+        "matmul_reduce_scatter": _matmul_reduce_scatter.matmul_reduce_scatter,
+        "matmul_all_reduce": _matmul_all_reduce.matmul_all_reduce,
+        "all_to_all_matmul": _all_to_all.all_to_all_matmul,
+        "matmul_all_to_all": _all_to_all.matmul_all_to_all,
+    }
 
 
-def _vma(aval) -> frozenset:
+# ----------------------------------------------------------------------------
+# Varying axes
+# ----------------------------------------------------------------------------
+def vma(aval) -> frozenset:
     """The mesh axes a value is typed as varying over (the field moved across JAX versions)."""
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None and getattr(mat, "varying", None) is not None:
@@ -224,9 +284,9 @@ def _vma(aval) -> frozenset:
     return frozenset(getattr(aval, "vma", ()) or ())
 
 
-def _typeof(value):
-    typeof = getattr(jax, "typeof", None) or jax.core.get_aval
-    return typeof(value)
+def typeof(value):
+    typeof_ = getattr(jax, "typeof", None) or jax.core.get_aval
+    return typeof_(value)
 
 
 def _cast_varying(value, axes: tuple):
@@ -235,18 +295,22 @@ def _cast_varying(value, axes: tuple):
     return jax.lax.pvary(value, axes)
 
 
-def _vary(value, axes):
+def vary(value, axes):
     """``value`` typed as varying over ``axes`` too (a no-op on its values)."""
-    missing = tuple(a for a in dict.fromkeys(axes) if a not in _vma(_typeof(value)))
+    if not _fused.vma_checked():
+        return value
+    missing = tuple(a for a in dict.fromkeys(axes) if a not in vma(typeof(value)))
     return _cast_varying(value, missing) if missing else value
 
 
-def _match_vma(value, aval):
+def match_vma(value, aval):
     """``value`` cast to also vary over the axes ``aval`` varies over.
 
     A fused op's result varies over its axes and its operands' axes; the original
     may vary over more (a ``pvary`` between the pair). Where the fused result varies
     over more axes than the original (only possible with check_vma=False, where
     the types are not checked), it is left as it is."""
-    missing = tuple(sorted(_vma(aval) - _vma(_typeof(value))))
+    if not _fused.vma_checked():
+        return value
+    missing = tuple(sorted(vma(aval) - vma(typeof(value))))
     return _cast_varying(value, missing) if missing else value

@@ -1,277 +1,368 @@
-"""Pattern matching and rewriting inside a shard_map body."""
+"""Pattern matching and rewriting inside a shard_map body.
+
+One body (a jaxpr) is evaluated equation by equation. The equations that a
+candidate fusion would replace (its collective, or its dots, and what lies
+between them) are deferred: evaluated only when something reads their
+results. So a candidate that cannot be fused costs nothing: its equations
+are evaluated where they are needed, and every other candidate keeps its
+chance.
+
+The patterns, with ``~>`` a chain of single-use value-preserving casts
+(``pvary``) and, on the output side, transposes:
+
+* input side: ``all_gather`` / ``all_gather(to="reduced")`` / ``all_to_all``
+  ~> operand of one or more ``dot_general``s (each dot becomes its own fused
+  op; the collective is still evaluated if any other equation reads it);
+* output side: ``dot_general`` ~> ``reduce_scatter`` (``psum_scatter``),
+  ``all_to_all`` or ``psum``.
+
+A dot_general is fused in its general form (``DotForm``): weights of rank
+> 2 and several contracting dims are flattened to the 2-D ops; batch dims
+are not (each batch would be its own product). A dot next to two
+collectives (a gather feeding it and a scatter of its result) is fused with
+the one that moves more bytes.
+"""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import interpret
+from .. import _fused
 from .jaxpr import (
-    _is_literal,
-    _fmt,
-    _axes,
-    _describe_collective,
-    _describe_dot,
-    _static_reason,
-    _dot_shape_reason,
-    _Form,
-    _commfuse,
-    _vary,
-    _match_vma,
-    _ALL_GATHER,
-    _REDUCE_SCATTER,
-    _ALL_TO_ALL,
-    _CANDIDATES,
-    _OTHER_COLLECTIVES,
-    _CASTS,
+    ALL_GATHER_REDUCED,
+    ALL_TO_ALL,
+    CANDIDATES,
+    CASTS,
+    GATHERS,
+    OTHER_COLLECTIVES,
+    PSUM,
+    REDUCE_SCATTER,
+    DotForm,
+    Unsupported,
+    axes_of,
+    collective_axes,
+    describe_collective,
+    describe_dot,
+    fmt,
+    fused_ops,
+    is_literal,
+    match_vma,
+    static_reason,
+    vary,
 )
+from .state import State
+
+_TRANSPOSES = frozenset(("transpose",))
 
 
+@dataclass
+class Fusion:
+    """One candidate: a collective and the dot it would be fused with."""
+    side: str                 # "in": the collective feeds the dot; "out": it takes the dot's result
+    coll: int                 # the collective's equation
+    dot: int                  # the dot_general's equation
+    operand: int = 0          # "in": which operand of the dot the collective feeds
+    chain: list = field(default_factory=list)  # equations between them (casts, transposes), in order
 
-# ----------------------------------------------------------------------------
-# Pattern matching and rewriting inside a shard_map body
-# ----------------------------------------------------------------------------
-class _Rewriter:
-    """Evaluates one jaxpr of a shard_map body, fusing collective/dot pairs.
+    @property
+    def emit_at(self) -> int:
+        """Where the fused op is evaluated: at the later of the pair."""
+        return self.dot if self.side == "in" else self.coll
 
-    A pair may have value-preserving casts (``pvary``, which only widens the
-    type to vary over more axes) between its two equations; they go with it.
-    """
 
-    def __init__(self, jaxpr, state: interpret._State, where: str, read, write):
+class Rewriter:
+    """Evaluates one jaxpr of a shard_map body, fusing the candidates it finds.
+
+    ``read``/``write`` are the interpreter's environment; ``eval_eqn``
+    evaluates an equation that is no part of a fusion (recursing into the
+    higher-order ones)."""
+
+    def __init__(self, jaxpr, state: State, where: str, read, write, eval_eqn):
         self.jaxpr, self.state, self.where = jaxpr, state, where
-        self.read, self.write = read, write
+        self.env_read, self.write, self.eval_eqn = read, write, eval_eqn
         eqns = jaxpr.eqns
-        producer, users = {}, defaultdict(list)
+        self.producer, self.users = {}, defaultdict(list)
         for i, eqn in enumerate(eqns):
             for v in eqn.invars:
-                if not _is_literal(v):
-                    users[v].append(i)
+                if not is_literal(v):
+                    self.users[v].append(i)
             for v in eqn.outvars:
-                producer[v] = i
-        outputs = Counter(v for v in jaxpr.outvars if not _is_literal(v))
+                self.producer[v] = i
+        self.outputs = Counter(v for v in jaxpr.outvars if not is_literal(v))
+        self.reasons: dict[int, list[str]] = defaultdict(list)   # collective -> why not fused
+        self.done: dict[int, list[str]] = defaultdict(list)      # collective -> lines of its fusions
+        self.evaluated: set[int] = set()
+        self.collectives = [i for i, e in enumerate(eqns) if e.primitive.name in CANDIDATES]
+        self.others = [i for i, e in enumerate(eqns) if e.primitive.name in OTHER_COLLECTIVES]
+        self.fusions = self._find()
+        self.deferred: set[int] = set()
+        for f in self.fusions:
+            self.deferred.update([f.coll, *f.chain] if f.side == "in" else [f.dot, *f.chain])
+        self.at: dict[int, list[Fusion]] = defaultdict(list)
+        for f in self.fusions:
+            self.at[f.emit_at].append(f)
 
-        self.reasons: dict[int, list[str]] = defaultdict(list)  # collective -> why not fused
-        self.done: dict[int, str] = {}          # collective -> line of its rewrite
-        self.deferred: set[int] = set()         # input-side collectives (and casts) evaluated at their dot
-        self.bound: set[int] = set()
-        self.fused_away: set[int] = set()       # equations replaced by a fused op
-        self.inputs = defaultdict(list)         # dot -> [(collective, operand index, casts)]
-        self.output: dict[int, tuple] = {}      # dot -> (collective, casts)
-        self.collectives: list[int] = []
+    # -- finding candidates ---------------------------------------------------------
+    def _single_use(self, var) -> bool:
+        return not self.outputs[var] and len(self.users.get(var, ())) == 1
 
-        def single_use(var):
-            return not outputs[var] and len(users.get(var, ())) == 1
+    def _use_reason(self, var, what) -> str | None:
+        n = len(self.users.get(var, ())) + self.outputs[var]
+        if self.outputs[var]:
+            return (f"{what} result is also an output of the body (a residual for the backward pass, say): "
+                    f"fusing its dot would gather it twice")
+        if n == 0:
+            return f"{what} result is unused"
+        return None
 
-        def use_reason(var, what):
-            n = len(users.get(var, ())) + outputs[var]
-            if outputs[var]:
-                return f"{what} result is also an output of the body"
-            if n == 0:
-                return f"{what} result is unused"
-            if n > 1:
-                names = ", ".join(eqns[j].primitive.name for j in users[var])
-                return f"{what} result has other users ({n} uses: {names})"
-            return None
-
-        for i, eqn in enumerate(eqns):
+    def _find(self) -> list:
+        eqns = self.jaxpr.eqns
+        inputs, outputs = [], []
+        for c in self.collectives:
+            eqn = eqns[c]
             name = eqn.primitive.name
-            if name not in _CANDIDATES:
-                continue
-            self.collectives.append(i)
-            reason = _static_reason(eqn)
+            reason = static_reason(eqn)
             if reason:
-                self.reasons[i].append(reason)
+                self.reasons[c].append(reason)
                 continue
-            found = []
-            if name in (_ALL_GATHER, _ALL_TO_ALL):  # collective -> (casts) -> dot
-                out, casts = eqn.outvars[0], []
-                while single_use(out) and eqns[users[out][0]].primitive.name in _CASTS:
-                    casts.append(users[out][0])
-                    out = eqns[casts[-1]].outvars[0]
-                why = use_reason(out, name)
-                if why is None and eqns[users[out][0]].primitive.name != "dot_general":
-                    why = f"{name} result is used by {eqns[users[out][0]].primitive.name}, not a dot_general"
-                if why is None:
-                    d = users[out][0]
-                    self.inputs[d].append((i, list(eqns[d].invars).index(out), casts))
-                    self.deferred.update([i, *casts])
-                    found.append("in")
-                else:
-                    found.append(why)
-            if name in _REDUCE_SCATTER + (_ALL_TO_ALL,):  # dot -> (casts) -> collective
-                src, casts = eqn.invars[0], []
-                while (not _is_literal(src) and src in producer and single_use(src)
-                       and eqns[producer[src]].primitive.name in _CASTS):
-                    casts.insert(0, producer[src])
-                    src = eqns[producer[src]].invars[0]
-                p = None if _is_literal(src) else producer.get(src)
-                if p is None:
-                    why = f"{name} operand is not computed in this body"
-                elif eqns[p].primitive.name != "dot_general":
-                    why = f"{name} operand is produced by {eqns[p].primitive.name}, not a dot_general"
-                else:
-                    why = use_reason(src, "dot_general")
-                if why is None:
-                    self.output[p] = (i, casts)
-                    found.append("out")
-                else:
-                    found.append(why)
-            if "in" not in found and "out" not in found:
-                self.reasons[i].append("; ".join(found))
-
-        # dot_generals next to a collective that is no pattern (psum, ppermute, ...)
-        self.lonely_dots = []
-        for i, eqn in enumerate(eqns):
-            if eqn.primitive.name != "dot_general" or i in self.inputs or i in self.output:
+            found = False
+            if name in GATHERS or name == ALL_TO_ALL:
+                found |= self._find_inputs(c, inputs)
+            if name in REDUCE_SCATTER or name in PSUM or name == ALL_TO_ALL:
+                found |= self._find_output(c, outputs)
+        # A dot is fused with one collective: the one moving more bytes.
+        by_dot = defaultdict(list)
+        for f in inputs + outputs:
+            by_dot[f.dot].append(f)
+        chosen = []
+        for d, fs in by_dot.items():
+            if len(fs) == 1:
+                chosen.append(fs[0])
                 continue
-            near = {eqns[producer[v]].primitive.name for v in eqn.invars
-                    if not _is_literal(v) and v in producer}
-            near |= {eqns[j].primitive.name for j in users.get(eqn.outvars[0], ())}
-            if near & _OTHER_COLLECTIVES and not near & _CANDIDATES:
-                self.lonely_dots.append((i, sorted(near & _OTHER_COLLECTIVES)))
+            best = max(fs, key=lambda f: self._bytes(f))
+            chosen.append(best)
+            for f in fs:
+                if f is not best:
+                    self.reasons[f.coll].append(
+                        f"its dot_general is fused with {describe_collective(eqns[best.coll])} instead, which "
+                        f"moves more bytes (a dot is fused with one collective)")
+        return sorted(chosen, key=lambda f: f.emit_at)
 
-    # -- evaluation ------------------------------------------------------------
-    def run(self):
-        for i, eqn in enumerate(self.jaxpr.eqns):
-            if i in self.fused_away or (i in self.deferred and i not in self.bound):
-                continue
-            if i in self.inputs or i in self.output:
-                self._dot(i, eqn)
-            else:
-                self._plain(eqn)
-        self._report()
+    def _bytes(self, f: Fusion) -> int:
+        aval = self.jaxpr.eqns[f.coll].outvars[0].aval
+        return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
-    def _plain(self, eqn):
-        outs = interpret._eval_eqn(eqn, [self.read(v) for v in eqn.invars], self.state, self.where, True)
+    def _find_inputs(self, c, found: list) -> bool:
+        """``collective ~> dot`` for every dot reading the collective's result."""
+        eqns = self.jaxpr.eqns
+        name = eqns[c].primitive.name
+        out, chain = eqns[c].outvars[0], []
+        while self._single_use(out) and eqns[self.users[out][0]].primitive.name in CASTS:
+            chain.append(self.users[out][0])
+            out = eqns[chain[-1]].outvars[0]
+        why = self._use_reason(out, name)
+        users = sorted(set(self.users.get(out, ())))
+        if why is None:
+            not_dots = sorted({eqns[u].primitive.name for u in users if eqns[u].primitive.name != "dot_general"})
+            if not_dots:
+                why = f"{name} result is used by {', '.join(not_dots)}, not only by dot_generals"
+        if why is not None:
+            self.reasons[c].append(why)
+            return False
+        for d in users:
+            for k, v in enumerate(eqns[d].invars):
+                if v is out:
+                    found.append(Fusion("in", c, d, k, chain))
+        return True
+
+    def _find_output(self, c, found: list) -> bool:
+        """``dot ~> collective`` through single-use casts and transposes."""
+        eqns = self.jaxpr.eqns
+        name = eqns[c].primitive.name
+        src, chain = eqns[c].invars[0], []
+        while (not is_literal(src) and src in self.producer and self._single_use(src)
+               and eqns[self.producer[src]].primitive.name in CASTS | _TRANSPOSES):
+            chain.insert(0, self.producer[src])
+            src = eqns[self.producer[src]].invars[0]
+        p = None if is_literal(src) else self.producer.get(src)
+        if p is None:
+            why = f"{name} operand is not computed in this body"
+        elif eqns[p].primitive.name != "dot_general":
+            why = f"{name} operand is produced by {eqns[p].primitive.name}, not a dot_general"
+        elif not self._single_use(src):
+            n = len(self.users.get(src, ()))
+            why = (f"the dot_general's result is also an output of the body" if self.outputs[src]
+                   else f"the dot_general's result has other users ({n} uses)")
+        elif len(eqns[c].invars) != 1:
+            why = f"{name} of {len(eqns[c].invars)} values at once"
+        else:
+            found.append(Fusion("out", c, p, 0, chain))
+            return True
+        self.reasons[c].append(why)
+        return False
+
+    # -- evaluation ---------------------------------------------------------------
+    def read(self, v):
+        """A variable's value; a deferred equation producing it is evaluated now."""
+        if is_literal(v):
+            return v.val
+        p = self.producer.get(v)
+        if p is not None and p in self.deferred and p not in self.evaluated:
+            self._eval(p)
+        return self.env_read(v)
+
+    def _eval(self, i):
+        eqn = self.jaxpr.eqns[i]
+        self.evaluated.add(i)
+        outs = self.eval_eqn(eqn, [self.read(v) for v in eqn.invars])
         for v, val in zip(eqn.outvars, outs):
             self.write(v, val)
 
-    def _dot(self, d, dot):
-        eqns = self.jaxpr.eqns
-        fused = None
-        pending = [t for t in self.inputs.get(d, ()) if t[0] not in self.bound and t[0] not in self.fused_away]
-        for c, k, casts in sorted(pending, key=lambda t: t[1]):
-            if fused is not None:
-                self.reasons[c].append(f"its dot_general is already fused with {fused[1]}")
+    def run(self):
+        for i in range(len(self.jaxpr.eqns)):
+            for f in self.at.get(i, ()):
+                self._fuse(f)
+            if i in self.deferred or i in self.evaluated:
                 continue
-            result = self._try_input(d, dot, c, k)
-            if result is not None:
-                fused = (c, eqns[c].primitive.name)
-                self.fused_away.update([c, *casts])
-                self.write(dot.outvars[0], result)
-        if d in self.output:
-            c, casts = self.output[d]
-            if c in self.bound or c in self.fused_away:
-                pass
-            elif fused is not None:
-                self.reasons[c].append(f"its dot_general is already fused with the preceding {fused[1]}")
-            else:
-                result = self._try_output(d, dot, c)
-                if result is not None:
-                    fused = (c, eqns[c].primitive.name)
-                    self.fused_away.update([c, *casts])
-                    self.write(eqns[c].outvars[0], result)
-        for c, _, casts in pending:  # the input-side collectives left as they were
-            if c not in self.fused_away:
-                for j in (c, *casts):
-                    self.bound.add(j)
-                    self._plain(eqns[j])
-        if fused is None:
-            self._plain(dot)
+            self._eval(i)
+        self._report()
 
-    def _attempt(self, op_name, x, w, kwargs, form, target, c, pair):
-        """Calls commfuse.<op_name>; returns the result in the original layout, or None (reason recorded)."""
-        op = getattr(_commfuse(), op_name, None)
-        if op is None:
-            self.reasons[c].append(f"commfuse.{op_name} is not available in this commfuse build")
-            return None
+    def _fuse(self, f: Fusion):
+        eqns = self.jaxpr.eqns
+        # The other candidates of this collective (or dot) may have fused it already.
+        target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
+        if (f.dot if f.side == "in" else f.coll) in self.evaluated:
+            return
+        out = self._try_input(f) if f.side == "in" else self._try_output(f)
+        if out is None:
+            return
+        self.write(target, out)
+        if f.side == "in":
+            self.evaluated.add(f.dot)
+        else:
+            self.evaluated.update([f.coll, f.dot, *f.chain])
+
+    def _attempt(self, f: Fusion, op_name, x, w, kwargs, form, target, pair, finish=None):
+        """Calls the fused op; returns the result in the original layout, or None (reason recorded)."""
+        op = fused_ops()[op_name]
+        kwargs = {**kwargs, "schedule": self.state.schedule}
+        _fused.decisions(clear=True)
         try:
-            y = op(form.prep_x(x), form.prep_w(w), **kwargs, **form.kwargs)
-            out = _match_vma(form.finish(y), target.aval)
+            y = form.finish(op(form.prep_x(x), form.prep_w(w), **kwargs, **form.kwargs))
+            if finish is not None:
+                y = finish(y)
+            out = match_vma(y, target.aval)
         except Exception as e:  # noqa: BLE001 - the fused op refused; keep the original equations
-            self.reasons[c].append(f"commfuse.{op_name} raised {type(e).__name__}: {e}")
+            self.reasons[f.coll].append(f"commfuse.{op_name} raised {type(e).__name__}: {e}")
             return None
         want = target.aval
         if tuple(out.shape) != tuple(want.shape) or np.dtype(out.dtype) != np.dtype(want.dtype):
-            self.reasons[c].append(
-                f"commfuse.{op_name} gave {_fmt(out)} where {_fmt(want)} was expected (not rewritten)")
+            self.reasons[f.coll].append(
+                f"commfuse.{op_name} gave {fmt(out)} where {fmt(want)} was expected (not rewritten)")
             return None
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        self.done[c] = (f"overlap[{self.where}]: rewrote {pair} -> commfuse.{op_name}(x: {_fmt(x)}, "
-                        f"w: {_fmt(w)}, {args}) -> {_fmt(want)}{form.notes()}")
+        ran = _fused.decisions(clear=True)
+        verb = "rewrote"
+        if ran and all(schedule == "unfused" for _, schedule, _ in ran):
+            verb = "kept unfused (as jax.lax's collective and dot)"
+        how = "; ".join(dict.fromkeys(why for _, _, why in ran))
+        self.done[f.coll].append(f"overlap[{self.where}]: {verb} {pair} -> commfuse.{op_name}(x: {fmt(x)}, "
+                                 f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}" + (f": {how}" if how else ""))
         return out
 
-    def _try_input(self, d, dot, c, k):
-        """``collective(a)`` is operand ``k`` of the dot; tries the fused ops in order of preference."""
-        coll = self.jaxpr.eqns[c]
+    def _try_input(self, f: Fusion):
+        """``collective(a)`` is operand ``f.operand`` of the dot: as the activation
+        ``x``, or as the weight ``w`` (a gather of it)."""
+        eqns = self.jaxpr.eqns
+        coll, dot = eqns[f.coll], eqns[f.dot]
         name, p = coll.primitive.name, coll.params
-        kw0 = {"axis_name": _axes(p["axis_name"])}
+        kw0 = {"axis_name": axes_of(p["axis_name"])}
         a = self.read(coll.invars[0])
-        other = self.read(dot.invars[1 - k])
-        pair = f"{_describe_collective(coll)} + {_describe_dot(dot)}"
-        target = dot.outvars[0]
-        # Operand k as the activation x (all_gather_matmul / all_to_all_matmul), or as
-        # the 2-D weight w (matmul_all_gather); the one needing no transposed result first.
-        roles = ["x", "w"] if k == 0 else ["w", "x"]
-        if name == _ALL_TO_ALL:
+        for j in f.chain:  # the casts, applied to the collective's operand instead
+            a = vary(a, axes_of(eqns[j].params.get("axes", ())))
+        other = self.read(dot.invars[1 - f.operand])
+        pair = f"{describe_collective(coll)} + {describe_dot(dot)}"
+        roles = ["x", "w"] if f.operand == 0 else ["w", "x"]
+        if name == ALL_TO_ALL:
             roles = ["x"]  # an all_to_all feeding the weight has no fused op
-        shape_reasons = []
+        if name == ALL_GATHER_REDUCED:
+            self.reasons[f.coll].append("all_gather(..., to='reduced') is not fused (its result is typed reduced)")
+            return None
+        why = []
         for role in roles:
-            x_side = k if role == "x" else 1 - k
-            why = _dot_shape_reason(dot, x_side)
-            if why is not None:
-                shape_reasons.append(why)
+            x_side = f.operand if role == "x" else 1 - f.operand
+            try:
+                form = DotForm(dot, x_side)
+            except Unsupported as e:
+                why.append(str(e))
                 continue
-            form = _Form(dot, x_side)
-            if role == "x" and name == _ALL_GATHER:
-                op, x, w = "all_gather_matmul", a, other
-                kw = {"gather_dimension": form.x_dim(p["all_gather_dimension"])}
+            if role == "x" and name in GATHERS:
+                dim = form.x_dim(p["all_gather_dimension"])
+                op, x, w, kw = "all_gather_matmul", a, other, {"gather_dimension": dim}
             elif role == "x":
+                dim = (form.x_dim(p["split_axis"]), form.x_dim(p["concat_axis"]))
                 op, x, w = "all_to_all_matmul", a, other
-                kw = {"split_dimension": form.x_dim(p["split_axis"]),
-                      "concat_dimension": form.x_dim(p["concat_axis"])}
+                kw = {"split_dimension": dim[0], "concat_dimension": dim[1]}
+                dim = None if None in dim else dim
             else:
-                op, x, w = "matmul_all_gather", other, a
-                kw = {"gather_dimension": form.w_dim(p["all_gather_dimension"])}
-            out = self._attempt(op, x, w, {**kw0, **kw}, form, target, c, pair)
+                dim = form.w_dim(p["all_gather_dimension"])
+                op, x, w, kw = "matmul_all_gather", other, a, {"gather_dimension": dim}
+            if dim is None:
+                why.append(f"as {role}, the collective's dimension is not one dim of the flattened operand")
+                continue
+            out = self._attempt(f, op, x, w, {**kw0, **kw}, form, dot.outvars[0], pair)
             if out is not None:
                 return out
-        if len(shape_reasons) == len(roles):
-            self.reasons[c].append(shape_reasons[0])
+        if why and not self.reasons[f.coll]:
+            self.reasons[f.coll].append("; ".join(dict.fromkeys(why)))
         return None
 
-    def _try_output(self, d, dot, c):
-        """``collective(dot(...))``; tries ``x`` = lhs, then ``x`` = rhs."""
-        coll = self.jaxpr.eqns[c]
+    def _try_output(self, f: Fusion):
+        """``collective(chain(dot(...)))``: the fused op computes the dot's
+        product and the collective along the dim the chain maps it to."""
+        eqns = self.jaxpr.eqns
+        coll, dot = eqns[f.coll], eqns[f.dot]
         name, p = coll.primitive.name, coll.params
-        kw0 = {"axis_name": _axes(p["axis_name"])}
-        # pvary(x @ w) == pvary(x) @ pvary(w): casts between the pair move to the operands,
-        # so that the fused op's operands are typed as in the original collective.
-        cast_axes = [a for j in self.output[d][1] for a in _axes(self.jaxpr.eqns[j].params.get("axes", ()))]
-        lhs, rhs = (_vary(self.read(v), cast_axes) for v in dot.invars)
-        pair = f"{_describe_dot(dot)} + {_describe_collective(coll)}"
-        target = coll.outvars[0]
-        shape_reasons = []
+        kw0 = {"axis_name": collective_axes(coll)}
+        # pvary(x @ w) == pvary(x) @ pvary(w): casts move to the operands; a
+        # transpose moves after the fused op, mapping the collective's dims.
+        cast_axes = [a for j in f.chain if eqns[j].primitive.name in CASTS
+                     for a in axes_of(eqns[j].params.get("axes", ()))]
+        perm = list(range(len(dot.outvars[0].aval.shape)))
+        for j in f.chain:
+            if eqns[j].primitive.name in _TRANSPOSES:
+                perm = [perm[q] for q in eqns[j].params["permutation"]]
+        lhs, rhs = (vary(self.read(v), cast_axes) for v in dot.invars)
+        pair = f"{describe_dot(dot)} + {describe_collective(coll)}"
+        transpose = None if perm == sorted(perm) else (lambda y, perm=tuple(perm): y.transpose(perm))
+        why = []
         for x_side in (0, 1):
-            why = _dot_shape_reason(dot, x_side)
-            if why is not None:
-                shape_reasons.append(why)
+            try:
+                form = DotForm(dot, x_side)
+            except Unsupported as e:
+                why.append(str(e))
                 continue
-            form = _Form(dot, x_side)
             x, w = (lhs, rhs) if x_side == 0 else (rhs, lhs)
-            if name in _REDUCE_SCATTER:
-                op, kw = "matmul_reduce_scatter", {"scatter_dimension": form.y_dim(p["scatter_dimension"])}
+            if name in REDUCE_SCATTER:
+                dim = form.y_dim(perm[p["scatter_dimension"]])
+                op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
+            elif name in PSUM:
+                dim, op, kw = 0, "matmul_all_reduce", {}
             else:
-                op = "matmul_all_to_all"
-                kw = {"split_dimension": form.y_dim(p["split_axis"]),
-                      "concat_dimension": form.y_dim(p["concat_axis"])}
-            out = self._attempt(op, x, w, {**kw0, **kw}, form, target, c, pair)
+                dims = (form.y_dim(perm[p["split_axis"]]), form.y_dim(perm[p["concat_axis"]]))
+                dim = None if None in dims else dims
+                op, kw = "matmul_all_to_all", {"split_dimension": dims[0], "concat_dimension": dims[1]}
+            if dim is None:
+                why.append("the collective's dimension is not one dim of the flattened product")
+                continue
+            out = self._attempt(f, op, x, w, {**kw0, **kw}, form, coll.outvars[0], pair, transpose)
             if out is not None:
                 return out
-        if len(shape_reasons) == 2:
-            self.reasons[c].append(shape_reasons[0])
+        if why and not self.reasons[f.coll]:
+            self.reasons[f.coll].append("; ".join(dict.fromkeys(why)))
         return None
 
     # -- report ------------------------------------------------------------------
@@ -279,13 +370,22 @@ class _Rewriter:
         eqns = self.jaxpr.eqns
         lines = []
         for c in self.collectives:
-            if c in self.done:
-                lines.append((c, self.done[c]))
+            if self.done.get(c):
+                lines.extend((c, line) for line in self.done[c])
+                if self.reasons.get(c) and c in self.evaluated:
+                    why = "; ".join(dict.fromkeys(self.reasons[c]))
+                    lines.append((c, f"overlap[{self.where}]: kept {describe_collective(eqns[c])} as well: {why}"))
             else:
-                why = "; ".join(dict.fromkeys(self.reasons[c])) or "not rewritten"
-                lines.append((c, f"overlap[{self.where}]: no match: {_describe_collective(eqns[c])}: {why}"))
-        for d, near in self.lonely_dots:
-            lines.append((d, f"overlap[{self.where}]: no match: {_describe_dot(eqns[d])}: its neighbour "
-                             f"{', '.join(near)} is no fusable collective (all_gather -> dot, dot -> "
-                             f"reduce_scatter, all_to_all <-> dot)"))
+                why = "; ".join(dict.fromkeys(self.reasons[c])) or "no dot_general next to it"
+                lines.append((c, f"overlap[{self.where}]: no match: {describe_collective(eqns[c])}: {why}"))
+        for i in self.others:
+            name = eqns[i].primitive.name
+            if name == "ppermute":
+                lines.append((i, f"overlap[{self.where}]: {describe_collective(eqns[i])}: a hand-written "
+                                 f"ppermute ring is already overlapped; left alone"))
+            elif name != "axis_index":
+                lines.append((i, f"overlap[{self.where}]: {describe_collective(eqns[i])}: no fused op for "
+                                 f"{name}; left alone"))
+        if not lines:
+            lines.append((0, f"overlap[{self.where}]: no collective next to a dot_general; nothing to fuse"))
         self.state.lines.extend(line for _, line in sorted(lines, key=lambda t: t[0]))

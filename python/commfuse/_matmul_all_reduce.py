@@ -1,0 +1,131 @@
+"""matmul_all_reduce: ``psum(x @ w, axis)``, tensor parallelism without
+sequence parallelism (a row-parallel linear).
+
+The all-reduce is a reduce-scatter and an all-gather: the rows of ``x`` are
+cut into ``tiles`` chunks; each chunk's product is reduce-scattered by the
+fused ring (``matmul_reduce_scatter``) and then all-gathered, and the
+all-gather of chunk c (jax.lax's own collective) has no data dependence on
+the fused reduce-scatter of chunk c+1, which runs meanwhile. Only the last
+chunk's all-gather is left exposed.
+
+VJP: the result is the same on every rank, so its cotangent is too, and
+``d/dx = dY @ wᵀ``, ``d/dw = xᵀ @ dY`` need no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _fused
+from ._matmul_reduce_scatter import matmul_reduce_scatter
+
+OP = "matmul_all_reduce"
+
+
+class _Settings(NamedTuple):
+    axes: tuple
+    ranks: int
+    tiles: int
+    schedule: int
+    out_dtype: object
+    fast_f32: bool
+
+
+def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision=None, preferred_element_type=None):
+    """Returns ``jax.lax.psum(x @ w, axis_name)``.
+
+    Call inside a ``jax.shard_map`` body. ``x`` has rank >= 2 and contracts
+    its last dim with 2-D ``w``'s first. The rows of ``x`` (all dims but the
+    last) are cut into ``tiles`` chunks (default: 4, or the most of 4, 2, 1
+    that divide the rows into a multiple of the axis size); each chunk is
+    reduce-scattered by the fused ring (``schedule`` as for
+    ``matmul_reduce_scatter``: "auto", "ring", "bidirectional",
+    "sequential") and all-gathered while the next chunk is reduce-scattered.
+    ``schedule="unfused"`` is jax.lax's own ``psum`` of the product.
+    """
+    axes, ranks = _fused.axis_group(OP, axis_name)
+    _fused.check_matmul_operands(OP, x, w)
+    code = _fused.check_schedule(OP, schedule)
+    rows = math.prod(x.shape[:-1])
+    if tiles is None:
+        tiles = next((t for t in (4, 2, 1) if rows % (t * ranks) == 0), None)
+    elif not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+        raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
+    fast = _fused.fast_f32(OP, precision)
+    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    if tiles is None or rows % (tiles * ranks):
+        if code not in (_fused.SCHEDULES["auto"], _fused.UNFUSED):
+            raise ValueError(
+                f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={x.shape}) must divide into "
+                f"tiles={tiles} chunks of a multiple of the axis size {ranks} for schedule={schedule!r}")
+        code = _fused.UNFUSED  # "auto": nothing to cut into a ring's blocks
+    x, w = _fused.vary_together(x, w, axes)
+    return _all_reduce(x, w, _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast))
+
+
+def _unfused(x, w, static):
+    precision = None if static.fast_f32 else jax.lax.Precision.HIGHEST
+    y = jnp.matmul(x, w, precision=precision, preferred_element_type=static.out_dtype).astype(static.out_dtype)
+    return jax.lax.psum(y, static.axes)
+
+
+def _gather_invariant(y, axes):
+    """all_gather typed as the same on every rank (as psum's result is), where
+    varying axes are tracked; JAX spells the option ``to="invarying"``."""
+    if not _fused.vma_checked():
+        return jax.lax.all_gather(y, axes, tiled=True)
+    try:
+        return jax.lax.all_gather(y, axes, tiled=True, to="invarying")
+    except ValueError:  # a JAX that spells it "invariant"
+        return jax.lax.all_gather(y, axes, tiled=True, to="invariant")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _all_reduce(x, w, static):
+    if static.schedule == _fused.UNFUSED or static.ranks == 1:
+        why = "as asked" if static.schedule == _fused.UNFUSED else "one rank: nothing to reduce"
+        _fused.record_decision(OP, "unfused", why)
+        return _unfused(x, w, static)
+    schedule = _fused.schedule_name(static.schedule)
+    tiles = static.tiles
+    flat = x.reshape(-1, x.shape[-1])
+    chunk = flat.shape[0] // tiles
+    outs = []
+    for c in range(tiles):
+        part = matmul_reduce_scatter(flat[c * chunk:(c + 1) * chunk], w, static.axes, schedule=schedule,
+                                     precision=None if static.fast_f32 else "highest",
+                                     preferred_element_type=static.out_dtype)
+        outs.append(_gather_invariant(part, static.axes))
+    out = outs[0] if tiles == 1 else jnp.concatenate(outs, axis=0)
+    return out.reshape(x.shape[:-1] + (w.shape[1],))
+
+
+def _fwd(x, w, static):
+    return _all_reduce(x, w, static), (x, w)
+
+
+def _bwd(static, residuals, dy):
+    x, w = residuals
+    precision = None if static.fast_f32 else jax.lax.Precision.HIGHEST
+    dy_x, w_x = _fused.vary_together(dy, w, ())
+    dx = jnp.matmul(dy_x, w_x.T, precision=precision).astype(x.dtype)
+    x2, dy2 = _fused.vary_together(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), ())
+    dw = jnp.matmul(x2.T, dy2, precision=precision).astype(w.dtype)
+    return _match(dx, x), _match(dw, w)
+
+
+def _match(ct, primal):
+    """A cotangent typed as varying over exactly the primal's axes (a product
+    of an invariant cotangent and a varying operand varies over more)."""
+    if not _fused.vma_checked():
+        return ct
+    extra = _fused.varying_axes(ct) - _fused.varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
+_all_reduce.defvjp(_fwd, _bwd)

@@ -1,0 +1,36 @@
+"""What one trace of ``overlap(fun)`` accumulates, shared by the interpreter
+and the rewriter: the report lines, the shard_maps seen, the fused ops'
+settings, and which jaxprs can hold a rewrite at all."""
+
+from __future__ import annotations
+
+from .jaxpr import CANDIDATES, OTHER_COLLECTIVES, subjaxprs
+
+
+class State:
+    def __init__(self, schedule: str = "auto"):
+        self.lines: list[str] = []
+        self.shard_maps = 0
+        # Given to every fused op the rewrite makes ("auto": the cost model's
+        # pick, which may be to run the collective and the dot unfused).
+        self.schedule = schedule
+        self._memo: dict = {}
+
+    def needs_work(self, jaxpr, manual: bool) -> bool:
+        """Whether interpreting ``jaxpr`` (rather than binding it unchanged) can
+        rewrite or report anything: it holds a shard_map, or, inside one
+        (``manual``), a collective."""
+        key = (id(jaxpr), manual)
+        if key not in self._memo:
+            self._memo[key] = (jaxpr, False)  # keeps jaxpr alive so its id stays unique
+            found = False
+            for eqn in jaxpr.eqns:
+                name = eqn.primitive.name
+                if name == "shard_map" or (manual and (name in CANDIDATES or name in OTHER_COLLECTIVES)):
+                    found = True
+                    break
+                if any(self.needs_work(sub, manual) for sub in subjaxprs(eqn.params)):
+                    found = True
+                    break
+            self._memo[key] = (jaxpr, found)
+        return self._memo[key][1]

@@ -9,7 +9,9 @@ the fused reduce-scatter of chunk c+1, which runs meanwhile. Only the last
 chunk's all-gather is left exposed.
 
 VJP: the result is the same on every rank, so its cotangent is too, and
-``d/dx = dY @ wᵀ``, ``d/dw = xᵀ @ dY`` need no communication.
+``d/dx = dY @ wᵀ``, ``d/dw = xᵀ @ dY`` need no communication. Under
+``check_vma=False`` JAX hands each rank a part of the cotangent and
+transposes ``psum`` into a ``psum``; the VJP does the same.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def _fwd(x, w, static):
 def _bwd(static, residuals, dy):
     x, w = residuals
     precision = None if static.fast_f32 else jax.lax.Precision.HIGHEST
+    if not _fused.vma_checked():
+        dy = jax.lax.psum(dy, static.axes)
     dy_x, w_x = _fused.vary_together(dy, w, ())
     dx = jnp.matmul(dy_x, w_x.T, precision=precision).astype(x.dtype)
     x2, dy2 = _fused.vary_together(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), ())

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _fused
+from . import rowwise
 from .jaxpr import (
     ALL_GATHER_REDUCED,
     ALL_TO_ALL,
@@ -66,6 +67,13 @@ class Fusion:
     dot: int                  # the dot_general's equation
     operand: int = 0          # "in": which operand of the dot the collective feeds
     chain: list = field(default_factory=list)  # equations between them (casts, transposes), in order
+    # "in", a row gather: row-wise equations between the gather and the dot,
+    # moved before it (`rowwise`): their order, each value's row dim, the
+    # gathered value they start from, and the value the dot reads.
+    local: list = field(default_factory=list)
+    rows: dict = field(default_factory=dict)
+    start: object = None
+    end: object = None
 
     @property
     def emit_at(self) -> int:
@@ -94,16 +102,24 @@ class Rewriter:
         self.outputs = Counter(v for v in jaxpr.outvars if not is_literal(v))
         self.reasons: dict[int, list[str]] = defaultdict(list)   # collective -> why not fused
         self.done: dict[int, list[str]] = defaultdict(list)      # collective -> lines of its fusions
-        self.evaluated: set[int] = set()
+        self.evaluated: set[int] = set()     # equations done: evaluated, or replaced by a fused op
+        self.materialized: set[int] = set()  # equations evaluated as they were
         self.collectives = [i for i, e in enumerate(eqns) if e.primitive.name in CANDIDATES]
         self.others = [i for i, e in enumerate(eqns) if e.primitive.name in OTHER_COLLECTIVES]
-        self.fusions = self._find()
+        fusions = self._find()
         self.deferred: set[int] = set()
-        for f in self.fusions:
-            self.deferred.update([f.coll, *f.chain] if f.side == "in" else [f.dot, *f.chain])
-        self.at: dict[int, list[Fusion]] = defaultdict(list)
-        for f in self.fusions:
-            self.at[f.emit_at].append(f)
+        for f in fusions:
+            self.deferred.update([f.coll, *f.chain, *f.local] if f.side == "in" else [f.dot, *f.chain])
+        # A dot is fused with one collective: its candidates are tried in turn,
+        # the one moving more bytes first, once all of them can be (at the
+        # latest of their places), so that one that fails leaves the next its chance.
+        by_dot = defaultdict(list)
+        for f in fusions:
+            by_dot[f.dot].append(f)
+        self.at: dict[int, list[list[Fusion]]] = defaultdict(list)
+        for group in by_dot.values():
+            group.sort(key=lambda f: -self._bytes(f))
+            self.at[max(f.emit_at for f in group)].append(group)
 
     # -- finding candidates ---------------------------------------------------------
     def _single_use(self, var) -> bool:
@@ -119,37 +135,19 @@ class Rewriter:
         return None
 
     def _find(self) -> list:
-        eqns = self.jaxpr.eqns
-        inputs, outputs = [], []
+        found = []
         for c in self.collectives:
-            eqn = eqns[c]
+            eqn = self.jaxpr.eqns[c]
             name = eqn.primitive.name
             reason = static_reason(eqn)
             if reason:
                 self.reasons[c].append(reason)
                 continue
-            found = False
             if name in GATHERS or name == ALL_TO_ALL:
-                found |= self._find_inputs(c, inputs)
+                self._find_inputs(c, found)
             if name in REDUCE_SCATTER or name in PSUM or name == ALL_TO_ALL:
-                found |= self._find_output(c, outputs)
-        # A dot is fused with one collective: the one moving more bytes.
-        by_dot = defaultdict(list)
-        for f in inputs + outputs:
-            by_dot[f.dot].append(f)
-        chosen = []
-        for d, fs in by_dot.items():
-            if len(fs) == 1:
-                chosen.append(fs[0])
-                continue
-            best = max(fs, key=lambda f: self._bytes(f))
-            chosen.append(best)
-            for f in fs:
-                if f is not best:
-                    self.reasons[f.coll].append(
-                        f"its dot_general is fused with {describe_collective(eqns[best.coll])} instead, which "
-                        f"moves more bytes (a dot is fused with one collective)")
-        return sorted(chosen, key=lambda f: f.emit_at)
+                self._find_output(c, found)
+        return found
 
     def _bytes(self, f: Fusion) -> int:
         aval = self.jaxpr.eqns[f.coll].outvars[0].aval
@@ -167,7 +165,17 @@ class Rewriter:
         users = sorted(set(self.users.get(out, ())))
         if why is None:
             not_dots = sorted({eqns[u].primitive.name for u in users if eqns[u].primitive.name != "dot_general"})
-            if not_dots:
+            if not_dots and name in GATHERS:
+                # Row-wise work (a norm) between the gather and its dot moves before the gather.
+                found_rows, rows_why = rowwise.find(eqns, out, eqns[c].params["all_gather_dimension"], self.users,
+                                                    self.outputs, self.producer, c + 1)
+                if found_rows is not None:
+                    local, rows, d, k = found_rows
+                    found.append(Fusion("in", c, d, k, chain, local, rows, out, eqns[d].invars[k]))
+                    return True
+                why = (f"{name} result is used by {', '.join(not_dots)}, not only by dot_generals, and not "
+                       f"row-wise on the way to one ({rows_why})")
+            elif not_dots:
                 why = f"{name} result is used by {', '.join(not_dots)}, not only by dot_generals"
         if why is not None:
             self.reasons[c].append(why)
@@ -217,33 +225,41 @@ class Rewriter:
     def _eval(self, i):
         eqn = self.jaxpr.eqns[i]
         self.evaluated.add(i)
+        self.materialized.add(i)
         outs = self.eval_eqn(eqn, [self.read(v) for v in eqn.invars])
         for v, val in zip(eqn.outvars, outs):
             self.write(v, val)
 
     def run(self):
-        for i in range(len(self.jaxpr.eqns)):
-            for f in self.at.get(i, ()):
-                self._fuse(f)
+        eqns = self.jaxpr.eqns
+        for i in range(len(eqns)):
+            for group in self.at.get(i, ()):
+                fused = next((f for f in group if self._fuse(f)), None)
+                for f in group:
+                    if fused is not None and f is not fused:
+                        self.reasons[f.coll].append(
+                            f"its dot_general is fused with {describe_collective(eqns[fused.coll])} instead "
+                            f"(a dot is fused with one collective)")
             if i in self.deferred or i in self.evaluated:
                 continue
             self._eval(i)
         self._report()
 
-    def _fuse(self, f: Fusion):
+    def _fuse(self, f: Fusion) -> bool:
+        """Tries one candidate; whether it fused."""
         eqns = self.jaxpr.eqns
-        # The other candidates of this collective (or dot) may have fused it already.
         target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
-        if (f.dot if f.side == "in" else f.coll) in self.evaluated:
-            return
+        if f.dot in self.evaluated or (f.side == "out" and f.coll in self.evaluated):
+            return False
         out = self._try_input(f) if f.side == "in" else self._try_output(f)
         if out is None:
-            return
+            return False
         self.write(target, out)
         if f.side == "in":
             self.evaluated.add(f.dot)
         else:
             self.evaluated.update([f.coll, f.dot, *f.chain])
+        return True
 
     def _attempt(self, f: Fusion, op_name, x, w, kwargs, form, target, pair, finish=None):
         """Calls the fused op; returns the result in the original layout, or None (reason recorded)."""
@@ -283,10 +299,16 @@ class Rewriter:
         a = self.read(coll.invars[0])
         for j in f.chain:  # the casts, applied to the collective's operand instead
             a = vary(a, axes_of(eqns[j].params.get("axes", ())))
+        gather_dim = p.get("all_gather_dimension")
+        if f.local:  # the row-wise work, on the local rows
+            a = rowwise.apply(eqns, f.local, f.rows, f.start, a, self.read, a.shape[gather_dim])[f.end]
+            gather_dim = f.rows[f.end]
         other = self.read(dot.invars[1 - f.operand])
         pair = f"{describe_collective(coll)} + {describe_dot(dot)}"
+        if f.local:
+            pair = f"{describe_collective(coll)} + {len(f.local)} row-wise ops (moved before it) + {describe_dot(dot)}"
         roles = ["x", "w"] if f.operand == 0 else ["w", "x"]
-        if name == ALL_TO_ALL:
+        if name == ALL_TO_ALL or f.local:
             roles = ["x"]  # an all_to_all feeding the weight has no fused op
         if name == ALL_GATHER_REDUCED:
             self.reasons[f.coll].append("all_gather(..., to='reduced') is not fused (its result is typed reduced)")
@@ -300,7 +322,7 @@ class Rewriter:
                 why.append(str(e))
                 continue
             if role == "x" and name in GATHERS:
-                dim = form.x_dim(p["all_gather_dimension"])
+                dim = form.x_dim(gather_dim)
                 op, x, w, kw = "all_gather_matmul", a, other, {"gather_dimension": dim}
             elif role == "x":
                 dim = (form.x_dim(p["split_axis"]), form.x_dim(p["concat_axis"]))
@@ -372,7 +394,7 @@ class Rewriter:
         for c in self.collectives:
             if self.done.get(c):
                 lines.extend((c, line) for line in self.done[c])
-                if self.reasons.get(c) and c in self.evaluated:
+                if self.reasons.get(c) and c in self.materialized:
                     why = "; ".join(dict.fromkeys(self.reasons[c]))
                     lines.append((c, f"overlap[{self.where}]: kept {describe_collective(eqns[c])} as well: {why}"))
             else:

@@ -1,0 +1,287 @@
+"""What real programs meet: fused ops beside XLA's own collectives (no
+deadlock, whatever order the runtime picks), ``check_vma=False``, the
+patterns third-party code writes, ``matmul_all_reduce``, ``auto`` choosing
+not to fuse, and a report line for every shard_map body."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import commfuse
+from conftest import assert_close, place, rand
+from programs import fsdp_mlp, make_mesh
+
+# --------------------------------------------------------------------------
+# Beside XLA's own collectives
+# --------------------------------------------------------------------------
+def test_fsdp_loss_beside_xlas_bias_gathers_runs_hundreds_of_calls():
+    """The FSDP MLP whose fused weight gathers have no data dependence on the
+    bias gathers XLA runs beside them: deadlocked within ~50 calls when a
+    fused op held its device thread while waiting for peers."""
+    mesh = make_mesh({"fsdp": 4})
+    fn, args = fsdp_mlp.build(mesh, np.random.default_rng(3), scale=2)
+    fused = jax.jit(commfuse.overlap(fn, schedule="ring"))
+    want = float(jax.jit(fn)(*args))
+    for _ in range(200):
+        got = fused(*args)
+    assert abs(float(got) - want) <= 1e-5 * abs(want)
+    grad = jax.jit(jax.grad(commfuse.overlap(fn, schedule="ring")))
+    want_grad = jax.jit(jax.grad(fn))(*args)
+    for _ in range(50):
+        got_grad = grad(*args)
+    for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
+        assert_close(np.asarray(g), np.asarray(w), np.float32)
+
+
+def test_fused_ops_beside_every_kind_of_xla_collective_with_no_data_dependence():
+    n = 4
+    mesh = make_mesh({"x": n})
+    rng = np.random.default_rng(5)
+
+    def body(x, w, a, b, c, d, e):
+        y = commfuse.all_gather_matmul(x, w, "x", schedule="ring")
+        z = commfuse.matmul_reduce_scatter(x, w, "x", schedule="bidirectional")
+        others = (jax.lax.psum(a, "x"), jax.lax.all_gather(b, "x", tiled=True),
+                  jax.lax.psum_scatter(c, "x", tiled=True),
+                  jax.lax.ppermute(d, "x", [(i, (i + 1) % n) for i in range(n)]),
+                  jax.lax.all_to_all(e, "x", 0, 0, tiled=True))
+        return y, z, *others
+
+    specs = (P("x"), P()) + (P("x"),) * 5
+    outs = (P("x"), P("x"), P(), P("x"), P("x"), P("x"), P("x"))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=outs, check_vma=False))
+    args = [place(rand((n * 8, 16), rng=rng), mesh, P("x")), place(rand((16, 12), rng=rng), mesh, P())]
+    args += [place(rand((n * 4, 8), rng=rng), mesh, P("x")) for _ in range(5)]
+    first = fn(*args)
+    for _ in range(60):
+        again = fn(*args)
+    for u, v in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    x, w = (np.asarray(a, np.float64) for a in args[:2])
+    assert_close(np.asarray(first[0]), np.tile(x @ w, (n, 1)), np.float32)
+
+
+# --------------------------------------------------------------------------
+# check_vma=False
+# --------------------------------------------------------------------------
+OPS = {
+    "all_gather_matmul": (lambda x, w: commfuse.all_gather_matmul(x, w, "x"),
+                          lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w, (P("x"), P()), P("x")),
+    "matmul_reduce_scatter": (lambda x, w: commfuse.matmul_reduce_scatter(x, w, "x"),
+                              lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
+                              (P(None, "x"), P("x")), P("x")),
+    "matmul_all_gather": (lambda x, w: commfuse.matmul_all_gather(x, w, "x"),
+                          lambda x, w: x @ jax.lax.all_gather(w, "x", axis=1, tiled=True), (P(), P(None, "x")),
+                          P("x")),
+    "matmul_all_reduce": (lambda x, w: commfuse.matmul_all_reduce(x, w, "x"),
+                          lambda x, w: jax.lax.psum(x @ w, "x"), (P(None, "x"), P("x")), P()),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_every_op_differentiates_with_and_without_check_vma(op, check_vma):
+    fused, plain, in_specs, out_spec = OPS[op]
+    mesh = make_mesh({"x": 4})
+    rng = np.random.default_rng(9)
+    x, w = rand((32, 16), rng=rng), rand((16, 8), rng=rng)
+    args = [place(x, mesh, in_specs[0]), place(w, mesh, in_specs[1])]
+
+    def loss(body):
+        f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)
+        return lambda a, b: jnp.sum(f(a, b) ** 2)
+
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(*args)
+    for how, grad in (("direct", jax.grad(loss(fused), argnums=(0, 1))),
+                      ("grad(overlap)", jax.grad(loss(commfuse.overlap(plain)), argnums=(0, 1))),
+                      ("overlap(grad)", commfuse.overlap(jax.grad(loss(plain), argnums=(0, 1))))):
+        got = jax.jit(grad)(*args)
+        for g, r in zip(got, want):
+            assert_close(np.asarray(g), np.asarray(r), np.float32, err_msg=f"{op} {how} check_vma={check_vma}")
+    _, vjp = jax.vjp(loss(fused), *args)
+    for g, r in zip(vjp(jnp.float32(1)), want):
+        assert_close(np.asarray(g), np.asarray(r), np.float32, err_msg=f"{op} vjp")
+
+
+# --------------------------------------------------------------------------
+# Patterns real code writes
+# --------------------------------------------------------------------------
+def _fused_lines(fn):
+    return [line for line in fn.last_report if "]: rewrote " in line]
+
+
+def test_a_weight_gather_that_cannot_fuse_costs_the_scatter_of_its_dot_nothing():
+    """einsum("bqd,mqd->bm", x, all_gather(w)) then psum_scatter over another
+    axis: the gather feeds a dot with two contracting dims where the gathered
+    dim is not the outer one; it read the gather before it was evaluated."""
+    mesh = make_mesh({"a": 2, "b": 2})
+    rng = np.random.default_rng(1)
+
+    def body(x, w):
+        wg = jax.lax.all_gather(w, "a", axis=2, tiled=True)
+        y = jnp.einsum("bqd,mqd->bm", x, wg)
+        return jax.lax.psum_scatter(y, "b", scatter_dimension=0, tiled=True)
+
+    x = place(rand((8, 4, 6), rng=rng), mesh, P())
+    w = place(rand((10, 4, 6), rng=rng), mesh, P(None, None, "a"))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, None, "a")), out_specs=P("b"), check_vma=False)
+    g = commfuse.overlap(f)
+    assert_close(np.asarray(g(x, w)), np.asarray(jax.jit(f)(x, w)), np.float32)
+    assert len(_fused_lines(g)) == 1 and "psum_scatter" not in _fused_lines(g)[0], g.last_report
+    assert "reduce_scatter" in _fused_lines(g)[0], g.last_report
+    # Inside checkpoint and scan the body keeps its other fusion.
+    def scanned(x, w):
+        def step(c, _):
+            return c, jax.checkpoint(body)(x, w)
+        return jax.lax.scan(step, 0.0, None, length=2)[1]
+    fs = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, None, "a")), out_specs=P(None, "b"),
+                       check_vma=False)
+    gs = commfuse.overlap(fs)
+    assert_close(np.asarray(gs(x, w)), np.asarray(jax.jit(fs)(x, w)), np.float32)
+    assert len(_fused_lines(gs)) == 1, gs.last_report
+
+
+def test_rms_norm_between_the_sequence_gather_and_its_dot_moves_before_the_gather():
+    mesh = make_mesh({"x": 4})
+    rng = np.random.default_rng(2)
+
+    def body(x, scale, w):
+        xg = jax.lax.all_gather(x, "x", axis=1, tiled=True)
+        normed = xg * jax.lax.rsqrt(jnp.mean(xg * xg, axis=-1, keepdims=True) + 1e-6) * scale
+        return normed @ w
+
+    args = (place(rand((2, 16, 32), rng=rng), mesh, P(None, "x")), place(rand((32,), rng=rng), mesh, P()),
+            place(rand((32, 16), rng=rng), mesh, P(None, "x")))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P(), P(None, "x")), out_specs=P(None, None, "x"))
+    g = commfuse.overlap(f)
+    assert_close(np.asarray(g(*args)), np.asarray(jax.jit(f)(*args)), np.float32)
+    assert len(_fused_lines(g)) == 1 and "row-wise ops (moved before it)" in _fused_lines(g)[0], g.last_report
+    # Not row-wise over the gathered dim (a mean over the sequence): left alone.
+    def across(x, scale, w):
+        xg = jax.lax.all_gather(x, "x", axis=1, tiled=True)
+        return (xg - jnp.mean(xg, axis=1, keepdims=True)) @ w
+    f2 = jax.shard_map(across, mesh=mesh, in_specs=(P(None, "x"), P(), P(None, "x")), out_specs=P(None, None, "x"))
+    g2 = commfuse.overlap(f2)
+    assert_close(np.asarray(g2(*args)), np.asarray(jax.jit(f2)(*args)), np.float32)
+    assert not _fused_lines(g2) and any("not row-wise" in line for line in g2.last_report), g2.last_report
+
+
+def test_rank3_weights_and_two_contracting_dims_fuse():
+    mesh = make_mesh({"x": 4})
+    rng = np.random.default_rng(4)
+
+    def body(x, wq, wo):
+        q = jnp.einsum("bsE,Ehd->bshd", jax.lax.all_gather(x, "x", axis=1, tiled=True), wq)
+        return jax.lax.psum_scatter(jnp.einsum("bshd,hdE->bsE", q, wo), "x", scatter_dimension=1, tiled=True)
+
+    args = (place(rand((2, 16, 8), rng=rng), mesh, P(None, "x")), place(rand((8, 4, 2), rng=rng), mesh, P(None, "x")),
+            place(rand((4, 2, 8), rng=rng), mesh, P("x")))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P(None, "x"), P("x")), out_specs=P(None, "x"))
+    g = commfuse.overlap(f)
+    assert_close(np.asarray(g(*args)), np.asarray(jax.jit(f)(*args)), np.float32)
+    lines = _fused_lines(g)
+    assert len(lines) == 2, g.last_report
+    assert "rank-3 w flattened" in lines[0] and "2 contracting dims flattened" in lines[1], lines
+
+
+def test_psum_of_a_dot_becomes_matmul_all_reduce():
+    mesh = make_mesh({"x": 4})
+    rng = np.random.default_rng(6)
+    body = lambda x, w: jax.lax.psum(x @ w, "x")  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P())
+    args = (place(rand((16, 32), rng=rng), mesh, P(None, "x")), place(rand((32, 8), rng=rng), mesh, P("x")))
+    g = commfuse.overlap(f)
+    assert_close(np.asarray(g(*args)), np.asarray(jax.jit(f)(*args)), np.float32)
+    assert len(_fused_lines(g)) == 1 and "matmul_all_reduce" in _fused_lines(g)[0], g.last_report
+
+
+# --------------------------------------------------------------------------
+# matmul_all_reduce
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule,tiles", [("ring", 4), ("bidirectional", 2), ("auto", None), ("unfused", None)])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_matmul_all_reduce_matches_psum(schedule, tiles, dtype):
+    n = 4
+    mesh = make_mesh({"x": n})
+    rng = np.random.default_rng(8)
+    x, w = rand((2, 16, n * 8), dtype, rng=rng), rand((n * 8, 12), dtype, rng=rng)
+
+    def run(op):
+        f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(None, None, "x"), P("x")), out_specs=P()))
+        return np.asarray(f(x, w))
+
+    got = run(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule=schedule, tiles=tiles))
+    want = run(lambda a, b: commfuse.reference.matmul_all_reduce(a, b, "x"))
+    assert got.shape == (2, 16, 12)
+    assert_close(got, want, dtype)
+
+
+def test_matmul_all_reduce_refuses_rows_that_do_not_split_for_a_fused_schedule():
+    mesh = make_mesh({"x": 4})
+    f = jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule="ring"), mesh=mesh,
+                      in_specs=(P(None, "x"), P("x")), out_specs=P())
+    with pytest.raises(ValueError, match="rows of x"):
+        jax.jit(f).lower(jnp.ones((6, 8)), jnp.ones((8, 4)))
+    # "auto" runs jax.lax's psum instead.
+    g = jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x"), mesh=mesh,
+                      in_specs=(P(None, "x"), P("x")), out_specs=P())
+    x, w = rand((6, 8), seed=1), rand((8, 4), seed=2)
+    assert_close(np.asarray(jax.jit(g)(x, w)), x.astype(np.float64) @ w, np.float32)
+
+
+# --------------------------------------------------------------------------
+# auto may choose not to fuse; overlap(schedule=...)
+# --------------------------------------------------------------------------
+def test_auto_runs_small_calls_unfused_and_says_why(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    mesh = make_mesh({"x": 4})
+    body = lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True)  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
+    x, w = rand((16, 64), seed=3), rand((64, 32), seed=4)
+    auto = commfuse.overlap(f)
+    assert_close(np.asarray(auto(x, w)), np.asarray(jax.jit(f)(x, w)), np.float32)
+    lines = [line for line in auto.last_report if "matmul_reduce_scatter" in line]
+    assert len(lines) == 1 and "kept unfused" in lines[0] and "fixed cost" in lines[0], auto.last_report
+    # Any other schedule fuses every candidate it can.
+    forced = commfuse.overlap(f, schedule="ring")
+    assert_close(np.asarray(forced(x, w)), np.asarray(jax.jit(f)(x, w)), np.float32)
+    assert len(_fused_lines(forced)) == 1, forced.last_report
+    result = commfuse.explain("matmul_reduce_scatter", (16, 16), (16, 32), 4)
+    assert result["decision"] == "unfused" and "fixed cost" in result["decision_reason"], result
+
+
+def test_overlap_refuses_an_unknown_schedule():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        commfuse.overlap(lambda x: x, schedule="fastest")
+
+
+# --------------------------------------------------------------------------
+# A report line for every body
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["psum_only", "ppermute_ring", "reduced", "nothing"])
+def test_every_shard_map_body_gets_a_report_line(case, capsys):
+    n = 4
+    mesh = make_mesh({"x": n})
+    if case == "psum_only":
+        body, out = (lambda x: jax.lax.psum(jnp.sum(x * x), "x")), P()
+        expect = "psum"
+    elif case == "ppermute_ring":
+        body, out = (lambda x: jax.lax.ppermute(x, "x", [(i, (i + 1) % n) for i in range(n)])), P("x")
+        expect = "ppermute ring is already overlapped"
+    elif case == "reduced":
+        body, out = (lambda x: jax.lax.all_gather(x, "x", tiled=True, to="reduced") @ jnp.ones((8, 3))), P()
+        expect = "to='reduced'"
+    else:
+        body, out = (lambda x: x * 2), P("x")
+        expect = "no collective in this body"
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),), out_specs=out)
+    g = commfuse.overlap(f, report=True)
+    x = rand((n * 4, 8), seed=5)
+    assert_close(np.asarray(g(x)), np.asarray(jax.jit(f)(x)), np.float32)
+    printed = capsys.readouterr().out
+    assert g.last_report and all(line in printed for line in g.last_report)
+    assert any(expect in line for line in g.last_report), g.last_report

@@ -23,7 +23,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _fused
+import numpy as np
+
+from . import _explain, _fused
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 
 OP = "matmul_all_reduce"
@@ -66,6 +68,16 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
                 f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={x.shape}) must divide into "
                 f"tiles={tiles} chunks of a multiple of the axis size {ranks} for schedule={schedule!r}")
         code = _fused.UNFUSED  # "auto": nothing to cut into a ring's blocks
+    if code == _fused.SCHEDULES["auto"] and ranks > 1:
+        # The cost model judges one chunk's reduce-scatter; unfused, the
+        # whole op is one psum rather than chunked gathers.
+        chunk = (rows // tiles, x.shape[-1])
+        codes = _fused.DTYPE_CODES[np.dtype(x.dtype)], _fused.DTYPE_CODES[np.dtype(out_dtype)]
+        decided, why = _explain.auto_decision(int(_fused.Kind.MATMUL_REDUCE_SCATTER), 0, chunk, w.shape,
+                                              (chunk[0] // ranks, w.shape[1]), ranks, *codes)
+        if decided == _fused.UNFUSED:
+            code = _fused.UNFUSED
+            _fused.record_decision(OP, "unfused", why)
     x, w = _fused.vary_together(x, w, axes)
     return _all_reduce(x, w, _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast))
 
@@ -90,8 +102,8 @@ def _gather_invariant(y, axes):
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_reduce(x, w, static):
     if static.schedule == _fused.UNFUSED or static.ranks == 1:
-        why = "as asked" if static.schedule == _fused.UNFUSED else "one rank: nothing to reduce"
-        _fused.record_decision(OP, "unfused", why)
+        if static.ranks == 1:
+            _fused.record_decision(OP, "unfused", "one rank: nothing to reduce")
         return _unfused(x, w, static)
     schedule = _fused.schedule_name(static.schedule)
     tiles = static.tiles

@@ -123,13 +123,16 @@ def test_chunks_must_divide_the_rows(schedule):
         _trace(lambda a, b: commfuse.all_gather_matmul(a, b, "x", **_cut(schedule, 3)))
     # Reduce-scatter: x [16, K] per rank, blocks of 4 rows.
     with pytest.raises(ValueError, match=f"{unit} must divide 4"):
+        _trace(lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", **_cut(schedule, 3)))
+    # More chunks than rows: nothing to cut.
+    with pytest.raises(ValueError, match=f"{unit}=8 is more than the 4 rows of each rank's block"):
         _trace(lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x", **_cut(schedule, 8)))
 
 
 @pytest.mark.parametrize("unit", ["slices", "tiles"])
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_chunks_must_be_a_positive_int(unit, value):
-    with pytest.raises(ValueError, match=f"{unit} must be an int >= 1"):
+    with pytest.raises(ValueError, match=rf"{unit} must be an int in \[1, 1024\]"):
         _trace(lambda a, b: commfuse.all_gather_matmul(a, b, "x", **{unit: value}))
 
 

@@ -1,7 +1,8 @@
-//! Run-time settings: the deadline of every wait across devices.
+//! Run-time settings: the deadline of every wait across devices, and interrupts.
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -31,6 +32,21 @@ pub fn timeout() -> Result<Duration> {
 /// `None` clears the override.
 pub fn set_timeout(timeout: Option<Duration>) {
     *TIMEOUT_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
+}
+
+/// Interrupts (Ctrl-C) seen so far. A call notes the count when it begins
+/// and stops waiting for its peers once it changes; calls begun after an
+/// interrupt are not affected by it.
+static INTERRUPTS: AtomicU64 = AtomicU64::new(0);
+
+/// Ends every wait across devices under way now (Python's SIGINT handler
+/// calls this through `commfuse_interrupt`).
+pub fn interrupt() {
+    INTERRUPTS.fetch_add(1, Ordering::AcqRel);
+}
+
+pub fn interrupts() -> u64 {
+    INTERRUPTS.load(Ordering::Acquire)
 }
 
 fn parse_seconds(text: &str) -> Option<Duration> {

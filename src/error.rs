@@ -13,6 +13,8 @@ pub enum Error {
     DeadlineExceeded(String),
     /// A driver or internal failure (with the raw code where there is one).
     Internal(String),
+    /// The process was interrupted (Ctrl-C) while the call waited.
+    Interrupted(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -20,7 +22,11 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     pub fn message(&self) -> &str {
         match self {
-            Error::InvalidArgument(m) | Error::Unimplemented(m) | Error::DeadlineExceeded(m) | Error::Internal(m) => m,
+            Error::InvalidArgument(m)
+            | Error::Unimplemented(m)
+            | Error::DeadlineExceeded(m)
+            | Error::Internal(m)
+            | Error::Interrupted(m) => m,
         }
     }
 }
@@ -32,6 +38,7 @@ impl fmt::Display for Error {
             Error::Unimplemented(_) => "unimplemented",
             Error::DeadlineExceeded(_) => "deadline exceeded",
             Error::Internal(_) => "internal error",
+            Error::Interrupted(_) => "interrupted",
         };
         write!(f, "commfuse: {kind}: {}", self.message())
     }

@@ -68,7 +68,10 @@ pub unsafe extern "C" fn commfuse_workspace_bytes(
     let call = CallShapes { kind, schedule, ranks, dimension, x, w, out, input: input_dtype, output: output_dtype };
     let result = catch_unwind(|| crate::ops::workspace_bytes(&call));
     let message = match result {
-        Ok(Ok(bytes)) => return i64::try_from(bytes).unwrap_or(-1),
+        Ok(Ok(bytes)) => match i64::try_from(bytes) {
+            Ok(bytes) => return bytes,
+            Err(_) => format!("the workspace would be {bytes} bytes, more than an int64"),
+        },
         Ok(Err(e)) => e.to_string(),
         Err(_) => "panic while sizing the workspace".to_string(),
     };
@@ -108,6 +111,34 @@ pub extern "C" fn commfuse_set_timeout_ms(ms: u64) {
 pub extern "C" fn commfuse_timeout_ms() -> u64 {
     let timeout = catch_unwind(|| crate::config::timeout().unwrap_or(crate::config::DEFAULT_TIMEOUT));
     timeout.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The limits Python checks at trace time (one source of truth): writes up
+/// to `len` of [`plan::MAX_RANKS`, `plan::MAX_CHUNKS`, `plan::MAX_CUT_BLOCKS`,
+/// `problem::MAX_ELEMENTS`] to `out`; returns how many there are.
+///
+/// # Safety
+/// `out` must be null or writable for `len` u64s.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_limits(out: *mut u64, len: usize) -> usize {
+    use crate::{plan, problem};
+    let limits = [plan::MAX_RANKS, plan::MAX_CHUNKS, plan::MAX_CUT_BLOCKS, problem::MAX_ELEMENTS].map(|l| l as u64);
+    if !out.is_null() {
+        // SAFETY: the caller guarantees `len` writable u64s at `out`.
+        let out = unsafe { std::slice::from_raw_parts_mut(out, len) };
+        for (o, l) in out.iter_mut().zip(limits) {
+            *o = l;
+        }
+    }
+    limits.len()
+}
+
+/// Ends every wait across devices under way now (`config::interrupt`):
+/// Python's SIGINT handler calls this, so a Ctrl-C does not wait for a
+/// deadline. Calls begun afterwards are not affected.
+#[no_mangle]
+pub extern "C" fn commfuse_interrupt() {
+    crate::config::interrupt();
 }
 
 /// 1 if the library was built with the CUDA backend, else 0.

@@ -9,6 +9,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod exec;
+pub mod fuzzing;
 pub mod handlers;
 pub mod ops;
 pub mod plan;

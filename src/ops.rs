@@ -9,7 +9,6 @@ use crate::error::{Error, Result};
 use crate::plan::{self, Schedule, Workspace};
 use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
-use std::time::Instant;
 
 /// One device's call of a fused op on the CPU backend: decoded and checked
 /// on XLA's thread, then run on a thread of its own, finishing through
@@ -42,13 +41,14 @@ struct CpuCall {
     rank: usize,
     key: transport::SessionKey,
     timeout: std::time::Duration,
-    deadline: Instant,
+    /// `config::interrupts()` when XLA called the handler.
+    interrupts: u64,
     link: Option<transport::link::LinkModel>,
 }
 
 impl CpuCall {
     fn decode(frame: &Frame<'_>) -> Result<CpuCall> {
-        let start = Instant::now();
+        let interrupts = crate::config::interrupts();
         let kind = kind(frame.attr_i64("kind")?)?;
         let x = frame.arg(0, "x")?;
         let w = frame.arg(1, "w")?;
@@ -82,7 +82,7 @@ impl CpuCall {
             rank: group.rank,
             key,
             timeout,
-            deadline: start + timeout,
+            interrupts,
             // The link model as it is when the program runs (read on every call).
             link: transport::link::LinkModel::from_env()?,
         })
@@ -98,13 +98,23 @@ impl CpuCall {
                 counts.0, counts.1
             )));
         };
-        let info = transport::CallInfo { op: self.kind.name(), rank: self.rank, timeout: self.timeout };
+        if self.problem.is_trivial() {
+            // Every rank has these shapes and skips alike: no peer to meet.
+            out.fill(0);
+            return Ok(());
+        }
+        let info = transport::CallInfo {
+            op: self.kind.name(),
+            rank: self.rank,
+            timeout: self.timeout,
+            interrupts: self.interrupts,
+        };
         let endpoint = transport::Endpoint::join(self.key, info).with_link(self.link);
         let _trace = crate::trace::enter(self.device, self.site, self.kind.name(), &self.plan, &self.problem, x.len());
         let buffers = cpu::Buffers { x, w, out, workspace };
-        let result = cpu::run(&self.problem, &self.plan, buffers, &endpoint, self.deadline);
+        let result = cpu::run(&self.problem, &self.plan, buffers, &endpoint);
         if let Err(e) = &result {
-            endpoint.fail();
+            endpoint.fail(e);
             // Also said here: other devices of this program may be waiting in
             // one of XLA's collectives for this one, and XLA aborts the
             // process when its own rendezvous times out, before Python could
@@ -125,12 +135,25 @@ pub const TILED: i64 = 5;
 
 /// Decodes the `schedule` attribute: `Schedule::from_code`'s codes, or a sliced or tiled code.
 pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
-    if code >= 0 && matches!(code & 0xff, SLICED | TILED) {
+    if code < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{}: schedule code {code} is negative: not a schedule (a sliced or tiled code carries its count above \
+             the low byte, at most {})",
+            kind.name(),
+            plan::MAX_CHUNKS
+        )));
+    }
+    if matches!(code & 0xff, SLICED | TILED) {
         let (what, unit) = if code & 0xff == SLICED { ("sliced", "slices") } else { ("tiled", "tiles") };
-        let chunks = usize::try_from(code >> 8).unwrap_or(0);
-        if chunks == 0 {
-            return Err(Error::InvalidArgument(format!("{}: the {what} schedule needs {unit} >= 1", kind.name())));
+        let chunks = code >> 8;
+        if chunks < 1 || chunks > plan::MAX_CHUNKS as i64 {
+            return Err(Error::InvalidArgument(format!(
+                "{}: the {what} schedule needs {unit} in [1, {}], got {chunks}",
+                kind.name(),
+                plan::MAX_CHUNKS
+            )));
         }
+        let chunks = chunks as usize;
         if !Schedule::sliceable(kind.pattern())
             || !matches!(kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter)
         {
@@ -162,6 +185,7 @@ pub fn problem_and_plan(
     group: &Group,
 ) -> Result<(Problem, plan::Plan)> {
     let operand = |(dims, dtype)| Operand { dims, dtype };
+    plan::check_size(kind.name(), schedule, group.size())?;
     let problem = Problem::new(kind, operand(x), operand(w), operand(out), dimension, group.size())?;
     let problem = problem.for_schedule(schedule)?;
     Ok((problem, plan::plan(kind.pattern(), schedule, group.size(), group.rank)))
@@ -190,8 +214,10 @@ impl CallShapes<'_> {
     /// The op, group size and problem these shapes describe (before slicing).
     pub fn problem(&self) -> Result<(OpKind, usize, Problem)> {
         let kind = kind(self.kind)?;
-        let ranks = usize::try_from(self.ranks).ok().filter(|&r| r >= 1);
-        let ranks = ranks.ok_or_else(|| Error::InvalidArgument(format!("ranks must be >= 1, got {}", self.ranks)))?;
+        let ranks = usize::try_from(self.ranks).ok().filter(|&r| (1..=plan::MAX_RANKS).contains(&r));
+        let ranks = ranks.ok_or_else(|| {
+            Error::InvalidArgument(format!("ranks must be in [1, {}], got {}", plan::MAX_RANKS, self.ranks))
+        })?;
         let dtype = |code: u32| {
             DType::from_xla(code).ok_or_else(|| Error::InvalidArgument(format!("unsupported dtype code {code}")))
         };
@@ -224,9 +250,50 @@ pub fn fp8_gemm_workspace_offset(plan_bytes: usize) -> usize {
 pub fn workspace_bytes(call: &CallShapes) -> Result<usize> {
     let (kind, ranks, problem) = call.problem()?;
     let schedule = schedule(kind, call.schedule)?;
+    plan::check_size(kind.name(), schedule, ranks)?;
     let fp8 = problem.input.is_fp8();
     let problem = problem.for_schedule(schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
-    let plan_bytes = Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes()).total;
+    let plan_bytes = Workspace::layout(&plan::plan(kind.pattern(), schedule, ranks, 0), &problem.sizes())?.total;
     Ok(if fp8 { fp8_gemm_workspace_offset(plan_bytes) + FP8_GEMM_WORKSPACE_BYTES } else { plan_bytes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_codes_at_the_edges_say_what_is_wrong() {
+        let kind = OpKind::AllGatherMatmul;
+        let message = |code: i64| schedule(kind, code).unwrap_err().to_string();
+        assert_eq!(schedule(kind, TILED | (4 << 8)), Ok(Schedule::Tiled { tiles: 4 }));
+        assert_eq!(schedule(kind, SLICED | (1024 << 8)), Ok(Schedule::Sliced { slices: 1024 }));
+        // tiles = 2^55 wraps the code negative: once "unknown schedule code -9223372036854775803".
+        let wrapped = TILED | (1i64 << 55).wrapping_shl(8);
+        assert!(message(wrapped).contains("is negative: not a schedule"), "{}", message(wrapped));
+        // tiles = 2^56 shifts out to 0 tiles: once "needs tiles >= 1".
+        assert!(message(TILED).contains("needs tiles in [1, 1024], got 0"), "{}", message(TILED));
+        assert!(message(TILED | (1025 << 8)).contains("got 1025"));
+        assert!(message(TILED | (1 << 40 << 8)).contains("got 1099511627776"));
+        assert!(message(99).contains("unknown schedule code 99"));
+    }
+
+    #[test]
+    fn workspace_sizing_refuses_plans_past_the_limits_without_making_them() {
+        let shapes = |ranks, schedule| CallShapes {
+            kind: 0,
+            schedule,
+            ranks,
+            dimension: 0,
+            x: &[0, 8],
+            w: &[8, 6],
+            out: &[0, 6],
+            input: 11,
+            output: 11,
+        };
+        let e = workspace_bytes(&shapes(1 << 40, 1)).unwrap_err();
+        assert!(e.to_string().contains("ranks must be in [1, 65536]"), "{e}");
+        let e = workspace_bytes(&shapes(4, TILED | (2 << 8))).unwrap_err();
+        assert!(e.to_string().contains("tiles=2 is more than the 0 rows"), "{e}");
+    }
 }

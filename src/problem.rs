@@ -161,6 +161,29 @@ fn dims_usize(op: &str, arg: &str, dims: &[i64]) -> Result<Vec<usize>> {
         .ok_or_else(|| crate::error::Error::InvalidArgument(format!("{op}: `{arg}` has a negative dim: {dims:?}")))
 }
 
+/// The most elements one operand or result may have: its bytes in the widest
+/// accumulator (f64, which the CPU backend may convert it to) stay within
+/// what one allocation can address.
+pub const MAX_ELEMENTS: usize = (isize::MAX as usize) / 8;
+
+/// `a * b` for sizes, or INVALID_ARGUMENT naming `what` when it overflows.
+pub fn checked_mul(op: &str, what: &str, a: usize, b: usize) -> Result<usize> {
+    match a.checked_mul(b) {
+        Some(p) if p <= MAX_ELEMENTS => Ok(p),
+        _ => bail!(InvalidArgument, "{op}: {what} is too large: {a} x {b} exceeds {MAX_ELEMENTS} elements"),
+    }
+}
+
+/// The element count of `dims`, or INVALID_ARGUMENT naming `arg` when the
+/// product of its non-empty dims exceeds `MAX_ELEMENTS`: an empty dim makes
+/// the count 0, but every partial product of the dims must still fit.
+fn elements(op: &str, arg: &str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .filter(|&&d| d > 0)
+        .try_fold(1usize, |acc, &d| checked_mul(op, &format!("`{arg}` of shape {dims:?}"), acc, d))?;
+    Ok(if dims.contains(&0) { 0 } else { dims.iter().product() })
+}
+
 impl Problem {
     /// Checks the operands of `kind` over `ranks` devices; `dimension` is the
     /// gathered or scattered dim of `x` (row kinds; ignored otherwise).
@@ -204,12 +227,14 @@ impl Problem {
                     );
                 }
                 let d = dimension as usize;
+                elements(name, "x", &xd)?;
                 let outer: usize = xd[..d].iter().product();
                 let inner: usize = xd[d + 1..rank - 1].iter().product();
                 let mut expected = xd.clone();
                 expected[rank - 1] = wd[1];
                 let seg = if kind == AllGatherMatmul {
-                    expected[d] *= nr;
+                    expected[d] =
+                        checked_mul(name, &format!("the gathered dim {d} of `x` times the axis size"), xd[d], nr)?;
                     xd[d] * inner
                 } else {
                     if xd[d] % nr != 0 {
@@ -254,23 +279,25 @@ impl Problem {
                     }
                     Ok(())
                 };
+                let times_axis =
+                    |what: &str, v: usize| checked_mul(name, &format!("{what} times the axis size"), v, nr);
                 match kind {
                     AllGatherMatmulContract => {
                         let (m, kb) = two("x", &xd)?;
                         let (kw, n) = two("w", &wd)?;
-                        mismatch(kb * nr, kw)?;
+                        mismatch(times_axis("the columns of `x`", kb)?, kw)?;
                         (1, m, kb, n, vec![m, n])
                     }
                     MatmulAllGather => {
                         let (k, c) = two("w", &xd)?;
                         let (m, kx) = two("x", &wd)?;
                         mismatch(kx, k)?;
-                        (1, m, k, c, vec![m, nr * c])
+                        (1, m, k, c, vec![m, times_axis("the columns of the gathered operand", c)?])
                     }
                     MatmulAllGatherContract => {
                         let (kb, n) = two("w", &xd)?;
                         let (m, kx) = two("x", &wd)?;
-                        mismatch(kx, kb * nr)?;
+                        mismatch(kx, times_axis("the rows of the gathered operand", kb)?)?;
                         (1, m, kb, n, vec![m, n])
                     }
                     MatmulReduceScatterCols | MatmulAllToAllCols => {
@@ -290,7 +317,7 @@ impl Problem {
                     AllToAllMatmulContract => {
                         let (m, kb) = three("x", &xd)?;
                         let (kw, n) = two("w", &wd)?;
-                        mismatch(kb * nr, kw)?;
+                        mismatch(times_axis("the columns of `x`", kb)?, kw)?;
                         (1, m, kb, n, vec![m, n])
                     }
                     AllGatherMatmul | MatmulReduceScatter => unreachable!(),
@@ -315,9 +342,9 @@ impl Problem {
             n,
             input: x.dtype,
             output: out.dtype,
-            x_len: xd.iter().product(),
-            w_len: wd.iter().product(),
-            out_len: od.iter().product(),
+            x_len: elements(name, "x", &xd)?,
+            w_len: elements(name, "w", &wd)?,
+            out_len: elements(name, "out", &od)?,
         })
     }
 
@@ -361,6 +388,16 @@ impl Problem {
                 self.outer
             );
         }
+        // A plan holds steps in proportion to the chunks: bounded by the
+        // rows before anything is planned.
+        if slices > self.seg.max(1) {
+            bail!(
+                InvalidArgument,
+                "{name}: {unit}={slices} is more than the {} rows of each block (the {what} schedule cuts each \
+                 block's rows into {unit} chunks)",
+                self.seg
+            );
+        }
         if self.seg % slices != 0 {
             bail!(
                 InvalidArgument,
@@ -386,6 +423,13 @@ impl Problem {
 
     pub fn accumulator(&self) -> DType {
         DType::accumulator(self.input, self.output)
+    }
+
+    /// Nothing to compute: the result is empty, or the contraction is (the
+    /// result is then zeros, as `jax.lax.dot` gives). Every rank has the
+    /// same shapes, so every rank skips the op alike, sending nothing.
+    pub fn is_trivial(&self) -> bool {
+        self.out_len == 0 || self.k == 0
     }
 
     /// Element counts for the workspace layout.

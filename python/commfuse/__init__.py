@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import reference
+from . import _interrupt, reference
 from ._all_gather_matmul import all_gather_matmul
 from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._explain import explain
@@ -20,6 +20,8 @@ from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms
 from ._overlap import overlap
 from ._trace import trace
+
+_interrupt.install()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -13,6 +13,7 @@ reference); d/dw is computed from the reference expression (unfused)."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -74,7 +75,7 @@ def _a2a_matmul_impl(x, w, dims, static):
     split, concat = dims
     n = static.ranks
     blocks = _fused.stack_blocks(x, split, n)                        # [N, *block]
-    stacked = blocks.reshape(n, -1, x.shape[-1])
+    stacked = blocks.reshape(n, math.prod(blocks.shape[1:-1]), x.shape[-1])
     if concat == x.ndim - 1:
         out = _fused.call_static(Kind.ALL_TO_ALL_MATMUL_CONTRACT, stacked, w, static)
         return out.reshape(blocks.shape[1:-1] + (w.shape[1],))
@@ -86,11 +87,12 @@ def _matmul_a2a_impl(x, w, dims, static):
     split, concat = dims
     n = static.ranks
     if split == x.ndim - 1:
-        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL_COLS, x.reshape(-1, x.shape[-1]), w, static)
+        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL_COLS, _fused.rows_2d(x), w, static)
         received = out.reshape((n,) + x.shape[:-1] + (w.shape[1] // n,))
     else:
         blocks = _fused.stack_blocks(x, split, n)
-        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL, blocks.reshape(n, -1, x.shape[-1]), w, static)
+        stacked = blocks.reshape(n, math.prod(blocks.shape[1:-1]), x.shape[-1])
+        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL, stacked, w, static)
         received = out.reshape(blocks.shape[:-1] + (w.shape[1],))
     return _fused.concat_blocks(received, concat)
 

@@ -88,7 +88,12 @@ def axis_group(op: str, axis_name) -> tuple[tuple[str, ...], int]:
             f"automatic; pass axis_names covering all of {mesh.axis_names}")
     if len(set(names)) != len(names):
         raise ValueError(f"commfuse.{op}: axis_name {names} repeats an axis")
-    return names, math.prod(mesh.shape[name] for name in names)
+    ranks = math.prod(mesh.shape[name] for name in names)
+    if ranks > _native.LIMITS["max_ranks"]:
+        raise ValueError(
+            f"commfuse.{op}: axis_name {names} spans {ranks} devices; the fused ops take at most "
+            f"{_native.LIMITS['max_ranks']}")
+    return names, ranks
 
 
 def normalize_dimension(op: str, arg: str, dimension, ndim: int, *, allow_last: bool = False) -> int:
@@ -113,6 +118,8 @@ def check_matmul_operands(op: str, x, w, *, x_factor: int = 1, w_factor: int = 1
         raise ValueError(f"commfuse.{op}: `x` must have rank >= 2, got shape {x.shape}")
     if w.ndim != 2:
         raise ValueError(f"commfuse.{op}: `w` must be 2-D (rank 2), got shape {w.shape}")
+    check_elements(op, "x", x.shape)
+    check_elements(op, "w", w.shape)
     xk, wk = x.shape[-1] * x_factor, w.shape[0] * w_factor
     if xk != wk:
         widened = (f" ({'N * ' if x_factor > 1 else ''}{x.shape[-1]} vs {'N * ' if w_factor > 1 else ''}{w.shape[0]}"
@@ -120,6 +127,15 @@ def check_matmul_operands(op: str, x, w, *, x_factor: int = 1, w_factor: int = 1
         raise ValueError(
             f"commfuse.{op}: `x` contracts its last dim ({xk}) with `w`'s first ({wk}){widened}; they must be "
             f"equal (x.shape={x.shape}, w.shape={w.shape})")
+
+
+def check_elements(op: str, what: str, shape) -> None:
+    """`shape` (of `what`) has few enough elements for the library (its
+    bytes, in the widest accumulator, fit one allocation)."""
+    most = _native.LIMITS["max_elements"]
+    if math.prod(shape) > most:
+        raise ValueError(
+            f"commfuse.{op}: {what} of shape {tuple(shape)} has {math.prod(shape)} elements; at most {most}")
 
 
 def prepare(op: str, x, w, *, axes, ranks: int, dimension: int, schedule_code: int, precision,
@@ -243,17 +259,18 @@ def vary_together(x, w, axes):
     if not vma_checked():
         return x, w
     target = _varying(jax.typeof(x)) | _varying(jax.typeof(w)) | frozenset(axes)
+    return make_varying(x, target), make_varying(w, target)
+
+
+def make_varying(a, axes):
+    """`a` typed as varying over `axes` too (under ``check_vma=True``)."""
     mesh_axes = jax.sharding.get_abstract_mesh().axis_names
-
-    def cast(a):
-        missing = tuple(n for n in mesh_axes if n in target - _varying(jax.typeof(a)))
-        if not missing:
-            return a
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(a, missing, to="varying")
-        return jax.lax.pvary(a, missing)  # older JAX
-
-    return cast(x), cast(w)
+    missing = tuple(n for n in mesh_axes if n in frozenset(axes) - _varying(jax.typeof(a)))
+    if not missing:
+        return a
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(a, missing, to="varying")
+    return jax.lax.pvary(a, missing)  # older JAX
 
 
 _ABSENT = object()
@@ -270,9 +287,10 @@ def check_schedule(op: str, schedule, slices=_ABSENT, tiles=_ABSENT) -> int:
                 f"commfuse.{op}: schedule={schedule!r} exists only for all_gather_matmul and matmul_reduce_scatter "
                 f"along a row dimension; use one of {[s for s in SCHEDULES if s not in CUT_SCHEDULES]}")
         return SCHEDULES[schedule]
+    most = _native.LIMITS["max_chunks"]
     for name, value in (("slices", slices), ("tiles", tiles)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"commfuse.{op}: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value <= most:
+            raise ValueError(f"commfuse.{op}: {name} must be an int in [1, {most}], got {value!r}")
     if schedule == "sliced":
         return schedule_code(schedule, int(slices))
     if schedule == "tiled":
@@ -291,8 +309,16 @@ def _check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> 
     if kind == Kind.MATMUL_REDUCE_SCATTER:
         rows //= ranks
     chunks, unit = chunks_of(code), CUT_SCHEDULES[schedule]
+    op = "all_gather_matmul" if kind == Kind.ALL_GATHER_MATMUL else "matmul_reduce_scatter"
+    if rows and chunks > rows:
+        raise ValueError(
+            f"commfuse.{op}: {unit}={chunks} is more than the {rows} rows of each rank's block (all dims of x but "
+            f"the last, x.shape={tuple(x_shape)}); schedule={schedule!r} cuts those rows into {unit} chunks")
+    if chunks * ranks > _native.LIMITS["max_cut_blocks"]:
+        raise ValueError(
+            f"commfuse.{op}: {unit}={chunks} over an axis of {ranks} devices makes {chunks * ranks} blocks; "
+            f"schedule={schedule!r} takes at most {_native.LIMITS['max_cut_blocks']} ({unit} x axis size)")
     if rows % chunks:
-        op = "all_gather_matmul" if kind == Kind.ALL_GATHER_MATMUL else "matmul_reduce_scatter"
         raise ValueError(
             f"commfuse.{op}: schedule={schedule!r} cuts each rank's block of {rows} rows (all dims of x but the "
             f"last, x.shape={tuple(x_shape)}) into {unit}={chunks} equal chunks; {unit} must divide {rows}")
@@ -342,8 +368,9 @@ class Static(NamedTuple):
 # Layout helpers: the Rust kinds take canonical 2-D/3-D operands.
 
 def rows_2d(a, dimension: int = 0):
-    """`a` as a matrix whose rows run over `dimension` first (so its blocks along that dim are row blocks)."""
-    return jnp.moveaxis(a, dimension, 0).reshape(-1, a.shape[-1])
+    """`a` as a matrix whose rows run over `dimension` first (so its blocks along that dim are row blocks).
+    Sizes spelled out: a reshape to -1 divides by the others, 0 for empty operands."""
+    return jnp.moveaxis(a, dimension, 0).reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 def unrows_2d(a, shape, dimension: int = 0):
@@ -457,6 +484,23 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
     GEMMs may use TF32 on GPUs. Under ``"unfused"``, or where ``"auto"``'s
     cost model predicts no gain, it is jax.lax's own collective and dot."""
     out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
+    check_elements(kind.name.lower(), "the result", out_shape)
+    if cut_schedule(schedule):
+        _check_cut(kind, x.shape, dimension, ranks, schedule)
+    if 0 in x.shape or 0 in w.shape or 0 in out_shape:
+        # Nothing to multiply or nothing to move: the result is zeros, as
+        # jax.lax's dot gives for an empty contraction. jax.lax's all_to_all
+        # takes empty blocks (and its gradient keeps the operands JAX needs
+        # to lower it), so those kinds run it; its all_gather and psum_scatter
+        # lower no empty gathered or scattered dim, so the others are zeros
+        # here, with no communication (every rank has the same shapes).
+        why = "an operand or the result has no elements"
+        if kind in _ALL_TO_ALL_KINDS:
+            record_decision(kind.name.lower(), "unfused", why)
+            return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
+                           fast_f32=fast_f32)
+        record_decision(kind.name.lower(), "none", why)
+        return empty_result(x, w, out_shape, out_dtype, axes)
     why = "as asked"
     if schedule == SCHEDULES["auto"] and not scales:  # fp8: the library's own rule
         schedule, why = _explain.auto_decision(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
@@ -466,7 +510,6 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
         return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
                        fast_f32=fast_f32)
     if cut_schedule(schedule):
-        _check_cut(kind, x.shape, dimension, ranks, schedule)
         if x.ndim != 2 or dimension != 0:
             # Slices are chunks of contiguous rows: run on x with the row dim
             # leading (its blocks stay row blocks), then put the dims back.
@@ -484,6 +527,8 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
 
 
 _CODES = {**DTYPE_CODES, **FP8_CODES}
+_ALL_TO_ALL_KINDS = (Kind.ALL_TO_ALL_MATMUL, Kind.ALL_TO_ALL_MATMUL_CONTRACT, Kind.MATMUL_ALL_TO_ALL,
+                     Kind.MATMUL_ALL_TO_ALL_COLS)
 
 
 def _abstract_eval(x, w, *scales, out_shape, out_dtype, workspace_bytes, axes, **_):
@@ -494,6 +539,14 @@ def _abstract_eval(x, w, *scales, out_shape, out_dtype, workspace_bytes, axes, *
     workspace_shape = (1,) * (x.ndim - 1) + (workspace_bytes,)
     return (_typed_like(x, out_shape, out_dtype, varying),
             _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
+
+
+def empty_result(x, w, shape, dtype, axes):
+    """Zeros of `shape`, typed as varying like a fused op's result."""
+    zeros = jnp.zeros(shape, dtype)
+    if not vma_checked():
+        return zeros
+    return make_varying(zeros, _varying(jax.typeof(x)) | _varying(jax.typeof(w)) | frozenset(axes))
 
 
 def schedule_name(code: int) -> str:
@@ -539,12 +592,12 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
         return dot(a2a(x), w)
     if kind == K.ALL_TO_ALL_MATMUL_CONTRACT:  # x [N, m, kb]: received blocks side by side along k
         moved = a2a(x)
-        return dot(jnp.moveaxis(moved, 0, 1).reshape(moved.shape[1], -1), w)
+        return dot(jnp.moveaxis(moved, 0, 1).reshape(moved.shape[1], moved.shape[0] * moved.shape[2]), w)
     if kind == K.MATMUL_ALL_TO_ALL:
         return a2a(dot(x, w))
     # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
     y = dot(x, w)
-    return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, -1), 1, 0))
+    return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))
 
 
 def _lower_cpu(ctx, x, w, *scales, kind, **params):

@@ -31,7 +31,7 @@ def matmul_all_gather(x, w, axis_name, *, gather_dimension=1, schedule="auto", p
     code = _fused.check_schedule(OP, schedule)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
-    rows = x.reshape(-1, x.shape[-1])
+    rows = _fused.rows_2d(x)
     out = _gather_cols(w, rows, static) if dimension == 1 else _gather_contraction(w, rows, static)
     return out.reshape(x.shape[:-1] + (out.shape[-1],))
 

@@ -62,7 +62,12 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
         raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
     fast = _fused.fast_f32(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    if tiles is None or rows % (tiles * ranks):
+    if 0 in x.shape or 0 in w.shape:
+        # Nothing to cut into a ring's blocks (and jax.lax all-gathers no
+        # empty chunk): jax.lax's own psum of the product, empty or zeros.
+        code = _fused.UNFUSED
+        _fused.record_decision(OP, "unfused", "an operand has no elements")
+    elif tiles is None or rows % (tiles * ranks):
         if code not in (_fused.SCHEDULES["auto"], _fused.UNFUSED):
             raise ValueError(
                 f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={x.shape}) must divide into "
@@ -107,7 +112,7 @@ def _all_reduce(x, w, static):
         return _unfused(x, w, static)
     schedule = _fused.schedule_name(static.schedule)
     tiles = static.tiles
-    flat = x.reshape(-1, x.shape[-1])
+    flat = _fused.rows_2d(x)
     chunk = flat.shape[0] // tiles
     outs = []
     for c in range(tiles):
@@ -130,7 +135,7 @@ def _bwd(static, residuals, dy):
         dy = jax.lax.psum(dy, static.axes)
     dy_x, w_x = _fused.vary_together(dy, w, ())
     dx = jnp.matmul(dy_x, w_x.T, precision=precision).astype(x.dtype)
-    x2, dy2 = _fused.vary_together(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), ())
+    x2, dy2 = _fused.vary_together(_fused.rows_2d(x), _fused.rows_2d(dy), ())
     dw = jnp.matmul(x2.T, dy2, precision=precision).astype(w.dtype)
     return _match(dx, x), _match(dw, w)
 

@@ -61,7 +61,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
     if dimension == x.ndim - 1:
-        out = _scatter_cols(x.reshape(-1, x.shape[-1]), w, static)
+        out = _scatter_cols(_fused.rows_2d(x), w, static)
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
     return _scatter_rows(x, w, static)
 

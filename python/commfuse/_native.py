@@ -45,6 +45,10 @@ lib.commfuse_set_timeout_ms.restype = None
 lib.commfuse_set_timeout_ms.argtypes = [ctypes.c_uint64]
 lib.commfuse_timeout_ms.restype = ctypes.c_uint64
 lib.commfuse_timeout_ms.argtypes = []
+lib.commfuse_limits.restype = ctypes.c_size_t
+lib.commfuse_limits.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+lib.commfuse_interrupt.restype = None
+lib.commfuse_interrupt.argtypes = []
 lib.commfuse_cuda_built.restype = ctypes.c_int32
 lib.commfuse_cuda_built.argtypes = []
 lib.commfuse_nccl_unique_id.restype = ctypes.c_int32
@@ -57,6 +61,20 @@ lib.commfuse_cuda_loads_during_execute.restype = ctypes.c_int64
 lib.commfuse_cuda_loads_during_execute.argtypes = []
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
+
+
+def _limits() -> dict:
+    names = ("max_ranks", "max_chunks", "max_cut_blocks", "max_elements")
+    values = (ctypes.c_uint64 * len(names))()
+    count = lib.commfuse_limits(values, len(names))
+    if count != len(names):
+        raise ImportError(f"commfuse: {LIBRARY_PATH} reports {count} limits, this package knows {len(names)}")
+    return dict(zip(names, (int(v) for v in values)))
+
+
+# The library's limits on axis sizes, chunk counts and element counts
+# (`plan::MAX_*`, `problem::MAX_ELEMENTS`), checked again at trace time.
+LIMITS = _limits()
 CPU_TARGET = "commfuse_collective_matmul_cpu"
 CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
@@ -202,6 +220,11 @@ def nccl_unique_id() -> bytes:
 
 def set_timeout_ms(ms: int) -> None:
     lib.commfuse_set_timeout_ms(ms)
+
+
+def interrupt() -> None:
+    """Ends every wait across devices under way now (see ``_interrupt``)."""
+    lib.commfuse_interrupt()
 
 
 def timeout_ms() -> int:

@@ -27,11 +27,13 @@ impl Group {
             .map(|&d| usize::try_from(d).ok().filter(|&d| d > 0))
             .collect::<Option<_>>()
             .ok_or_else(|| invalid(format!("mesh_shape must be positive sizes, got {mesh_shape:?}")))?;
-        if shape.iter().product::<usize>() != mesh_devices.len() {
+        // Checked: a hostile frame's sizes may overflow the product.
+        let needed = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        if needed != Some(mesh_devices.len()) {
+            let needed = needed.map_or("more than 2^64".to_string(), |n| n.to_string());
             return Err(invalid(format!(
-                "mesh_devices has {} ids but mesh_shape {mesh_shape:?} needs {}",
-                mesh_devices.len(),
-                shape.iter().product::<usize>()
+                "mesh_devices has {} ids but mesh_shape {mesh_shape:?} needs {needed}",
+                mesh_devices.len()
             )));
         }
         let axes: Vec<usize> = axes
@@ -122,6 +124,12 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_mesh_shape_whose_product_overflows_is_rejected() {
+        let e = Group::from_mesh(&[0, 1], &[1 << 32, 1 << 32, 4], &[0], 0).unwrap_err();
+        assert!(e.to_string().contains("needs more than 2^64"), "{e}");
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! The executor: runs a plan's lanes against a backend, each step after its
-//! dependencies, with every wait bounded by the call's deadline.
+//! dependencies. Waits for local lanes are not bounded here: every step
+//! ends (a matmul or sum finishes, an exchange is bounded by the backend's
+//! transport), and a failing lane cancels the others.
 //!
 //! Lanes run on their own threads here (the compute lane on the caller's); a
 //! backend only has to do one action at a time. A GPU backend gets the same
@@ -12,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::plan::{Action, Buf, Lane, Plan, Step, StepId, Transfer};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The work a backend does for one step. Called from one lane at a time per
 /// buffer: the plan guarantees no two running steps write the same buffer.
@@ -29,10 +31,8 @@ pub trait Backend: Sync {
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant>;
 }
 
-/// How long a step may wait, whether another lane has already failed, and
-/// when the step became ready.
+/// Whether another lane has already failed, and when the step became ready.
 pub struct Wait<'a> {
-    pub deadline: Instant,
     cancelled: &'a AtomicBool,
     /// When the step's dependencies (and its lane's previous step) had
     /// finished, with exchanges finishing when their messages arrived in the
@@ -62,14 +62,9 @@ struct Progress {
     first_error: Mutex<Option<Error>>,
 }
 
-/// Waits on local lanes get a little longer than the deadline, so that the
-/// transport, which knows which peer is missing, reports the timeout.
-const LOCAL_GRACE: Duration = Duration::from_secs(1);
-
 impl Progress {
     /// Returns whether the step had to wait, and when its dependencies finished.
-    fn wait_for(&self, deps: &[StepId], step: StepId, deadline: Instant) -> Result<(bool, Option<Instant>)> {
-        let deadline = deadline + LOCAL_GRACE;
+    fn wait_for(&self, deps: &[StepId]) -> Result<(bool, Option<Instant>)> {
         let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
         let mut waited = false;
         loop {
@@ -79,13 +74,8 @@ impl Progress {
             if deps.iter().all(|&d| done[d].is_some()) {
                 return Ok((waited, deps.iter().filter_map(|&d| done[d]).max()));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing: Vec<_> = deps.iter().filter(|&&d| done[d].is_none()).collect();
-                return Err(Error::DeadlineExceeded(format!("step {step} still waits for local steps {missing:?}")));
-            }
             waited = true;
-            done = self.changed.wait_timeout(done, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            done = self.changed.wait(done).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -108,7 +98,7 @@ impl Progress {
 }
 
 /// Runs `plan` to the end, or returns the first error of any lane.
-pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> {
+pub fn run(plan: &Plan, backend: &dyn Backend) -> Result<()> {
     let progress = Progress {
         done: Mutex::new(vec![None; plan.steps.len()]),
         changed: Condvar::new(),
@@ -124,12 +114,9 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
         let mut previous = start;
         for step in steps {
             let since = log.as_ref().map(|_| crate::trace::now_ns());
-            let result = progress.wait_for(&step.deps, step.id, deadline).and_then(|(waited, deps_done)| {
-                let wait = Wait {
-                    deadline,
-                    cancelled: &progress.cancelled,
-                    ready: deps_done.map_or(previous, |d| d.max(previous)),
-                };
+            let result = progress.wait_for(&step.deps).and_then(|(waited, deps_done)| {
+                let wait =
+                    Wait { cancelled: &progress.cancelled, ready: deps_done.map_or(previous, |d| d.max(previous)) };
                 match (&mut log, since) {
                     (Some(log), Some(since)) => {
                         if waited {
@@ -153,7 +140,7 @@ pub fn run(plan: &Plan, backend: &dyn Backend, deadline: Instant) -> Result<()> 
         }
     };
     // A lane that panics fails the call at once, instead of leaving its peers
-    // to wait for the deadline.
+    // to wait for their timeout.
     let run_lane = |lane: Lane, steps: &[&Step]| {
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_steps(lane, steps)));
         if ran.is_err() {
@@ -239,8 +226,7 @@ mod lane_threads {
     }
 }
 
-/// Runs `job` (one deferred call: it may wait for peers for as long as its
-/// deadline) on a thread of its own: a parked pool thread while one is
+/// Runs `job` (one deferred call: it may wait for its peers) on a thread of its own: a parked pool thread while one is
 /// free, else a fresh thread, so that any number of calls can wait at once.
 pub fn spawn_call(job: impl FnOnce() + Send + 'static) {
     call_threads::spawn(Box::new(job));
@@ -322,8 +308,8 @@ fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instan
 
 impl<'a> Wait<'a> {
     /// A wait outside an executor run, for tests of backends.
-    pub fn for_test(deadline: Instant, cancelled: &'a AtomicBool) -> Wait<'a> {
-        Wait { deadline, cancelled, ready: Instant::now() }
+    pub fn for_test(cancelled: &'a AtomicBool) -> Wait<'a> {
+        Wait { cancelled, ready: Instant::now() }
     }
 }
 
@@ -331,6 +317,7 @@ impl<'a> Wait<'a> {
 mod tests {
     use super::*;
     use crate::plan::{plan, Pattern, Schedule};
+    use std::time::Duration;
 
     /// Multiplies instantly; its exchanges panic.
     struct PanickingComm;
@@ -351,7 +338,7 @@ mod tests {
     fn a_panicking_lane_fails_the_call_at_once_instead_of_at_the_deadline() {
         let p = plan(Pattern::Gather { accumulate: false }, Schedule::Ring, 4, 0);
         let start = Instant::now();
-        let e = run(&p, &PanickingComm, start + Duration::from_secs(30)).unwrap_err();
+        let e = run(&p, &PanickingComm).unwrap_err();
         assert!(e.to_string().contains("Comm lane panicked"), "{e}");
         assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }

@@ -7,7 +7,7 @@ use super::*;
 pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan {
     assert!(n >= 1 && rank < n, "rank {rank} out of range for {n} ranks");
     let schedule = schedule.resolve(n, pattern);
-    let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None };
+    let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None, products: 0 };
     let sequential = schedule == Schedule::Sequential;
     if schedule.cuts_blocks() {
         let k = schedule.chunks();
@@ -63,6 +63,8 @@ struct Builder {
     rank: usize,
     /// The accumulator slot of accumulating patterns.
     result: Option<usize>,
+    /// Products pushed so far (the first into the accumulator overwrites it).
+    products: usize,
 }
 
 impl Builder {
@@ -98,12 +100,10 @@ impl Builder {
     /// added to the accumulator (the first product overwrites it).
     fn product(&mut self, block: usize, src: Buf, deps: Vec<StepId>) -> StepId {
         let action = match self.result {
-            Some(result) => {
-                let first = !self.steps.iter().any(|s| matches!(s.action, Action::Matmul { .. }));
-                Action::Matmul { block, src, dst: Buf::Slot(result), accumulate: !first }
-            }
+            Some(result) => Action::Matmul { block, src, dst: Buf::Slot(result), accumulate: self.products > 0 },
             None => Action::Matmul { block, src, dst: Buf::OutBlock(block), accumulate: false },
         };
+        self.products += 1;
         self.push(Lane::Compute, action, deps)
     }
 

@@ -16,6 +16,38 @@ pub mod workspace;
 pub use build::plan;
 pub use workspace::{Sizes, Workspace};
 
+use crate::error::{Error, Result};
+
+/// The most ranks a plan is made for (its steps grow with the ranks).
+pub const MAX_RANKS: usize = 1 << 16;
+/// The most chunks ("sliced", "tiled") a block is cut into.
+pub const MAX_CHUNKS: usize = 1 << 10;
+/// The most blocks of a cut plan: ranks x chunks (its steps grow with both).
+pub const MAX_CUT_BLOCKS: usize = 1 << 18;
+
+/// Whether a plan for `n` ranks under `schedule` stays within the limits
+/// above: checked before `plan` allocates steps in proportion to counts a
+/// caller chose. `op` names the op in the error.
+pub fn check_size(op: &str, schedule: Schedule, n: usize) -> Result<()> {
+    let invalid = |m: String| Err(Error::InvalidArgument(format!("{op}: {m}")));
+    if n == 0 || n > MAX_RANKS {
+        return invalid(format!("the axis size must be in [1, {MAX_RANKS}], got {n}"));
+    }
+    if let Schedule::Sliced { slices: chunks } | Schedule::Tiled { tiles: chunks } = schedule {
+        let unit = if matches!(schedule, Schedule::Sliced { .. }) { "slices" } else { "tiles" };
+        if chunks == 0 || chunks > MAX_CHUNKS {
+            return invalid(format!("{unit} must be in [1, {MAX_CHUNKS}], got {chunks}"));
+        }
+        if chunks * n > MAX_CUT_BLOCKS {
+            return invalid(format!(
+                "{unit}={chunks} over an axis of {n} makes {} blocks; at most {MAX_CUT_BLOCKS} ({unit} x axis size)",
+                chunks * n
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The shape of a plan's loop; every fused op is one of these (see
 /// `crate::problem::OpKind`), and only the GEMM geometry differs between ops
 /// of one pattern.

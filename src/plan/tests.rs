@@ -397,7 +397,7 @@ fn workspace_regions_do_not_overlap() {
         for pattern in PATTERNS {
             for schedule in SCHEDULES {
                 let p = plan(pattern, schedule, 5, 2);
-                let ws = Workspace::layout(&p, &sizes);
+                let ws = Workspace::layout(&p, &sizes).unwrap();
                 let mut regions: Vec<_> = ws.slots.clone();
                 regions.extend([&ws.x, &ws.w, &ws.travel, &ws.results].into_iter().flatten().cloned());
                 regions.sort_by_key(|r| r.start);
@@ -542,4 +542,34 @@ fn tiles_start_transfers_after_one_tile_and_leave_one_tile_at_the_end() {
             }
         }
     }
+}
+
+#[test]
+fn plans_are_sized_before_they_are_made() {
+    use super::{check_size, MAX_CHUNKS, MAX_CUT_BLOCKS, MAX_RANKS};
+    assert!(check_size("op", Schedule::Ring, MAX_RANKS).is_ok());
+    let e = check_size("op", Schedule::Ring, MAX_RANKS + 1).unwrap_err();
+    assert!(e.message().contains("axis size must be in [1, 65536]"), "{e}");
+    assert!(check_size("op", Schedule::Tiled { tiles: MAX_CHUNKS }, 4).is_ok());
+    let e = check_size("op", Schedule::Tiled { tiles: MAX_CHUNKS + 1 }, 4).unwrap_err();
+    assert!(e.message().contains("tiles must be in [1, 1024], got 1025"), "{e}");
+    let e = check_size("op", Schedule::Sliced { slices: 1024 }, MAX_CUT_BLOCKS / 512).unwrap_err();
+    assert!(e.message().contains("slices=1024 over an axis of 512 makes 524288 blocks"), "{e}");
+}
+
+#[test]
+fn a_workspace_too_large_to_address_is_an_error() {
+    let p = plan(Pattern::Gather { accumulate: false }, Schedule::Sequential, 4, 0);
+    let sizes = Sizes {
+        x: 1,
+        w: 1,
+        travel: usize::MAX / 4,
+        partial: 0,
+        result: 1,
+        out_view: 1,
+        input: crate::dtype::DType::F32,
+        output: crate::dtype::DType::F32,
+    };
+    let e = Workspace::layout(&p, &sizes).unwrap_err();
+    assert!(e.message().contains("the workspace would exceed"), "{e}");
 }

@@ -5,6 +5,7 @@
 
 use super::{Plan, SlotKind};
 use crate::dtype::DType;
+use crate::error::{Error, Result};
 use std::ops::Range;
 
 /// Element counts of what a plan moves and computes, and the dtypes.
@@ -50,28 +51,35 @@ pub struct Workspace {
 const ALIGN: usize = 64;
 
 impl Workspace {
-    pub fn layout(plan: &Plan, sizes: &Sizes) -> Workspace {
+    /// The layout, or INVALID_ARGUMENT when its bytes would not fit one
+    /// allocation (sizes from a hostile call frame; every product checked).
+    pub fn layout(plan: &Plan, sizes: &Sizes) -> Result<Workspace> {
         let acc = sizes.accumulator().size();
-        let mut cursor = 0;
-        let mut region = |bytes: usize| {
+        let mut cursor = 0usize;
+        let mut region = |elements: usize, size: usize| -> Result<Range<usize>> {
             let start = cursor;
-            cursor = (start + bytes).div_ceil(ALIGN) * ALIGN;
-            start..start + bytes
+            let end = elements.checked_mul(size).and_then(|bytes| start.checked_add(bytes));
+            let aligned = end.and_then(|e| e.checked_next_multiple_of(ALIGN)).filter(|&a| a <= isize::MAX as usize);
+            let (end, aligned) = end
+                .zip(aligned)
+                .ok_or_else(|| Error::InvalidArgument(format!("the workspace would exceed {} bytes", isize::MAX)))?;
+            cursor = aligned;
+            Ok(start..end)
         };
         let slots = plan
             .slots
             .iter()
             .map(|kind| match kind {
-                SlotKind::Input => region(sizes.travel * sizes.input.size()),
-                SlotKind::Partial => region(sizes.partial * acc),
-                SlotKind::Result => region(sizes.result * acc),
+                SlotKind::Input => region(sizes.travel, sizes.input.size()),
+                SlotKind::Partial => region(sizes.partial, acc),
+                SlotKind::Result => region(sizes.result, acc),
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let convert = sizes.input != sizes.accumulator();
-        let x = convert.then(|| region(sizes.x * acc));
-        let w = convert.then(|| region(sizes.w * acc));
-        let travel = convert.then(|| region(sizes.travel * acc));
-        let results = (sizes.output != sizes.accumulator()).then(|| region(sizes.out_view * acc));
-        Workspace { slots, x, w, travel, results, total: cursor }
+        let x = convert.then(|| region(sizes.x, acc)).transpose()?;
+        let w = convert.then(|| region(sizes.w, acc)).transpose()?;
+        let travel = convert.then(|| region(sizes.travel, acc)).transpose()?;
+        let results = (sizes.output != sizes.accumulator()).then(|| region(sizes.out_view, acc)).transpose()?;
+        Ok(Workspace { slots, x, w, travel, results, total: cursor })
     }
 }

@@ -179,3 +179,57 @@ fn slicing_needs_leading_rows_that_divide() {
     let cols = Problem::new(OpKind::MatmulReduceScatterCols, op(&[6, 5]), op(&[5, 8]), op(&[6, 2]), 0, 4).unwrap();
     assert!(cols.sliced(2).unwrap_err().to_string().contains("row gather or scatter"));
 }
+
+#[test]
+fn sizes_that_overflow_are_invalid_arguments_naming_what_overflowed() {
+    use OpKind::*;
+    let huge = 1i64 << 62;
+    let expect = |kind, x: &[i64], w: &[i64], out: &[i64], ranks, part: &str| match Problem::new(
+        kind,
+        op(x),
+        op(w),
+        op(out),
+        0,
+        ranks,
+    ) {
+        Err(crate::error::Error::InvalidArgument(m)) => assert!(m.contains(part), "{part:?} not in {m:?}"),
+        other => panic!("{kind:?} {x:?} {w:?} {out:?}: expected INVALID_ARGUMENT, got {other:?}"),
+    };
+    // kb * N overflows (a release build used to wrap and allocate 8.8 TB).
+    expect(AllGatherMatmulContract, &[2, huge], &[8, 3], &[2, 3], 8, "the columns of `x` times the axis size");
+    expect(MatmulAllGatherContract, &[huge, 3], &[2, 8], &[2, 3], 8, "the rows of the gathered operand");
+    expect(MatmulAllGather, &[4, huge], &[2, 4], &[2, 4], 8, "the columns of the gathered operand");
+    // The gathered dim times N, and elements past what one allocation holds.
+    expect(AllGatherMatmul, &[1 << 58, 2], &[2, 3], &[1 << 61, 3], 8, "gathered dim 0 of `x` times the axis size");
+    expect(AllGatherMatmul, &[1 << 40, 1 << 30], &[1 << 30, 1], &[1 << 40, 1], 1, "`x` of shape");
+    // A zero dim does not hide an overflowing product of the others.
+    expect(MatmulReduceScatter, &[0, huge, huge, 2], &[2, 3], &[0, huge, huge, 3], 1, "`x` of shape");
+    // N x rows past i64: a clear message, not "a negative dim".
+    expect(AllGatherMatmul, &[1 << 57, 2], &[2, 3], &[1 << 59, 3], 4, "`out` of shape");
+}
+
+#[test]
+fn a_tile_count_is_bounded_by_the_rows_before_anything_is_planned() {
+    let (x, w, out) = ([0i64, 8], [8i64, 6], [0i64, 6]);
+    let p = Problem::new(OpKind::AllGatherMatmul, op(&x), op(&w), op(&out), 0, 4).unwrap();
+    // 0 rows: one tile at most (it used to plan 2^40 tiles and abort).
+    assert!(p.tiled(1).is_ok());
+    let e = p.tiled(1 << 40).unwrap_err();
+    assert!(e.message().contains("tiles=1099511627776 is more than the 0 rows of each block"), "{e}");
+    let (x, out) = ([6i64, 8], [24i64, 6]);
+    let p = Problem::new(OpKind::AllGatherMatmul, op(&x), op(&w), op(&out), 0, 4).unwrap();
+    assert!(p.tiled(6).is_ok() && p.tiled(3).is_ok());
+    assert!(p.tiled(7).unwrap_err().message().contains("more than the 6 rows"));
+}
+
+#[test]
+fn problems_with_nothing_to_compute_are_trivial() {
+    use OpKind::*;
+    let trivial =
+        |kind, x: &[i64], w: &[i64], out: &[i64]| Problem::new(kind, op(x), op(w), op(out), 0, 4).unwrap().is_trivial();
+    assert!(trivial(AllGatherMatmul, &[0, 8], &[8, 6], &[0, 6]));
+    assert!(trivial(AllGatherMatmul, &[3, 0], &[0, 6], &[12, 6]), "k = 0: zeros");
+    assert!(trivial(MatmulAllGather, &[0, 2], &[3, 0], &[3, 8]), "k = 0: zeros");
+    assert!(trivial(MatmulReduceScatterCols, &[3, 0], &[0, 8], &[3, 2]));
+    assert!(!trivial(AllGatherMatmul, &[1, 8], &[8, 6], &[4, 6]));
+}

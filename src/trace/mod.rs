@@ -213,9 +213,18 @@ pub fn enter(device: i64, site: i64, op: &'static str, plan: &Plan, problem: &Pr
     if !enabled() {
         return CallGuard(false);
     }
-    let slot_bytes = Workspace::layout(plan, &problem.sizes()).slots.iter().map(|r| r.len()).collect();
+    // The call's own layout was checked before it got here.
+    let slot_bytes = Workspace::layout(plan, &problem.sizes()).map(|l| l.slots.iter().map(|r| r.len()).collect());
     let x_block_bytes = (0..).map_while(|j| problem.x_block(j)).map(|part| part.len() * problem.input.size()).collect();
-    let info = CallInfo { device, rank: plan.rank, op, site, slot_bytes, x_bytes, x_block_bytes };
+    let info = CallInfo {
+        device,
+        rank: plan.rank,
+        op,
+        site,
+        slot_bytes: slot_bytes.unwrap_or_default(),
+        x_bytes,
+        x_block_bytes,
+    };
     CURRENT.with(|c| *c.borrow_mut() = Some(info));
     CallGuard(true)
 }

@@ -102,10 +102,10 @@ enum Preflight {
 /// # Safety
 /// As [`handle_named`].
 unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame, stages: Stages) -> Preflight {
-    // A call frame that cannot even carry an error back means XLA and this
-    // library disagree about the ABI: carrying on could corrupt memory.
+    // A call frame that cannot even carry an error back: no error can be
+    // returned, so it is said on stderr and by the next call (`unreportable`).
     if cf.is_null() {
-        fatal(name, "null call frame");
+        return Preflight::Done(unreportable(name, "null call frame"));
     }
     // SAFETY: `cf` is XLA's call frame; each field is read through the raw
     // pointer only after `struct_size` shows it is there (the struct XLA
@@ -124,7 +124,7 @@ unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame, stages: Stages)
         }
 
         if api.is_null() {
-            fatal(name, "call frame without an API table");
+            return Preflight::Done(unreportable(name, "call frame without an API table"));
         }
         let full = sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize;
         if !has(full) {
@@ -136,6 +136,9 @@ unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame, stages: Stages)
             || (stages == Stages::InitializeAndExecute && stage == sys::XLA_FFI_ExecutionStage_INITIALIZE);
         if !runs {
             return Preflight::Done(ptr::null_mut());
+        }
+        if let Some(earlier) = take_unreported() {
+            return Preflight::Done(create_error(api, &earlier, name));
         }
         Preflight::Execute(api)
     }
@@ -233,7 +236,7 @@ unsafe fn answer_probe(ext: *mut sys::XLA_FFI_Extension_Base, api: *const sys::X
 pub(super) unsafe fn create_error(api: *const sys::XLA_FFI_Api, err: &Error, name: &str) -> *mut sys::XLA_FFI_Error {
     // SAFETY: `api_fn!` checks the table has the field.
     let Some(create) = (unsafe { api_fn!(api, XLA_FFI_Error_Create) }) else {
-        fatal(name, &format!("cannot report an error (no XLA_FFI_Error_Create): {err}"));
+        return unreportable(name, &format!("cannot report an error (no XLA_FFI_Error_Create): {err}"));
     };
     // An interior NUL would cut the C string short: replace it.
     let message = CString::new(err.to_string().replace('\0', "\u{fffd}")).unwrap_or_default();
@@ -247,11 +250,27 @@ pub(super) unsafe fn create_error(api: *const sys::XLA_FFI_Api, err: &Error, nam
     unsafe { create(&mut args) }
 }
 
-/// Gives up when XLA and this library cannot talk at all: returning success
-/// would hide the failure and leave results unwritten, and unwinding into
-/// C is undefined behaviour.
-fn fatal(name: &str, msg: &str) -> ! {
+/// A call whose frame cannot carry an error back (no frame, no API table,
+/// no way to create an error): nothing at the C ABI may abort the process,
+/// and returning an error is impossible, so the call returns success with
+/// its results unwritten. Said at once on stderr, and kept for the next call
+/// that can report it (see `take_unreported`), so the failure is not lost.
+fn unreportable(name: &str, msg: &str) -> *mut sys::XLA_FFI_Error {
     // Ignore write errors: there is nowhere left to report them.
-    let _ = writeln!(std::io::stderr(), "commfuse: fatal in handler {name}: {msg}");
-    std::process::abort()
+    let _ = writeln!(std::io::stderr(), "commfuse: handler {name} cannot report an error: {msg}");
+    let mut pending = UNREPORTED.lock().unwrap_or_else(|e| e.into_inner());
+    if pending.is_none() {
+        *pending = Some(format!(
+            "an earlier call of {name} could not report its error ({msg}), so its results were not written"
+        ));
+    }
+    ptr::null_mut()
+}
+
+/// The first failure `unreportable` kept, once (the next call that can
+/// report an error returns it; tests take it to check it is there).
+static UNREPORTED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+pub fn take_unreported() -> Option<Error> {
+    UNREPORTED.lock().unwrap_or_else(|e| e.into_inner()).take().map(Error::Internal)
 }

@@ -30,12 +30,13 @@ macro_rules! api_fn {
 mod deferred;
 mod frame;
 mod guard;
+pub mod synthetic;
 #[cfg(test)]
 mod tests;
 
 pub use deferred::Deferred;
 pub use frame::{Buffer, BufferMut, DeviceBuffer, DeviceBytes, Frame, Stage};
-pub use guard::{handle, handle_named, handle_stages, Stages};
+pub use guard::{handle, handle_named, handle_stages, take_unreported, Stages};
 pub use xla_ffi_sys as sys;
 
 use crate::error::Error;
@@ -46,6 +47,7 @@ pub fn error_code(e: &Error) -> sys::XLA_FFI_Error_Code {
         Error::InvalidArgument(_) => sys::XLA_FFI_Error_Code_INVALID_ARGUMENT,
         Error::Unimplemented(_) => sys::XLA_FFI_Error_Code_UNIMPLEMENTED,
         Error::DeadlineExceeded(_) => sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED,
+        Error::Interrupted(_) => sys::XLA_FFI_Error_Code_CANCELLED,
         Error::Internal(_) => sys::XLA_FFI_Error_Code_INTERNAL,
     }
 }

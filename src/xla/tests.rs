@@ -2,301 +2,12 @@
 //! records the errors handlers create, and every pointer a frame holds points
 //! into an arena the test owns.
 
-use std::ffi::{CStr, CString};
 use std::ptr;
 
-use super::{error_code, handle, sys, Frame};
+use super::synthetic::*;
+use super::{error_code, handle, sys};
 use crate::dtype::DType;
 use crate::error::Error;
-
-// ---- a fake XLA ----------------------------------------------------------
-
-/// What `XLA_FFI_Error_Create` of the fake API hands out.
-struct FakeError {
-    code: sys::XLA_FFI_Error_Code,
-    message: CString,
-}
-
-unsafe extern "C" fn fake_error_create(args: *mut sys::XLA_FFI_Error_Create_Args) -> *mut sys::XLA_FFI_Error {
-    let (code, message) = unsafe { ((*args).errc, CStr::from_ptr((*args).message).to_owned()) };
-    Box::into_raw(Box::new(FakeError { code, message })) as *mut sys::XLA_FFI_Error
-}
-
-unsafe extern "C" fn fake_error_get_message(args: *mut sys::XLA_FFI_Error_GetMessage_Args) {
-    unsafe {
-        let err = (*args).error as *const FakeError;
-        (*args).message = (*err).message.as_ptr();
-    }
-}
-
-unsafe extern "C" fn fake_error_destroy(args: *mut sys::XLA_FFI_Error_Destroy_Args) {
-    drop(unsafe { Box::from_raw((*args).error as *mut FakeError) });
-}
-
-const DEVICE_ORDINAL: i32 = 2049;
-const RUN_ID: i64 = 0x5eed;
-
-unsafe extern "C" fn fake_device_ordinal(args: *mut sys::XLA_FFI_DeviceOrdinal_Get_Args) -> *mut sys::XLA_FFI_Error {
-    unsafe { (*args).device_ordinal = DEVICE_ORDINAL };
-    ptr::null_mut()
-}
-
-unsafe extern "C" fn fake_run_id(args: *mut sys::XLA_FFI_RunId_Get_Args) -> *mut sys::XLA_FFI_Error {
-    unsafe { (*args).run_id = RUN_ID };
-    ptr::null_mut()
-}
-
-unsafe extern "C" fn failing_run_id(_: *mut sys::XLA_FFI_RunId_Get_Args) -> *mut sys::XLA_FFI_Error {
-    let msg = c"no run id here";
-    let mut args = sys::XLA_FFI_Error_Create_Args {
-        struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
-        message: msg.as_ptr(),
-        errc: sys::XLA_FFI_Error_Code_UNAVAILABLE,
-        ..Default::default()
-    };
-    unsafe { fake_error_create(&mut args) }
-}
-
-/// What the fake GPU runtime hands out as XLA's stream.
-const STREAM: usize = 0x5712_ea40;
-
-unsafe extern "C" fn fake_stream(args: *mut sys::XLA_FFI_Stream_Get_Args) -> *mut sys::XLA_FFI_Error {
-    unsafe { (*args).stream = STREAM as *mut std::ffi::c_void };
-    ptr::null_mut()
-}
-
-unsafe extern "C" fn null_stream(args: *mut sys::XLA_FFI_Stream_Get_Args) -> *mut sys::XLA_FFI_Error {
-    unsafe { (*args).stream = ptr::null_mut() };
-    ptr::null_mut()
-}
-
-/// What XLA's CPU runtime does: `Stream_Get` is not supported there.
-unsafe extern "C" fn cpu_stream(_: *mut sys::XLA_FFI_Stream_Get_Args) -> *mut sys::XLA_FFI_Error {
-    let msg = c"XLA FFI GPU context is not available";
-    let mut args = sys::XLA_FFI_Error_Create_Args {
-        struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
-        message: msg.as_ptr(),
-        errc: sys::XLA_FFI_Error_Code_UNIMPLEMENTED,
-        ..Default::default()
-    };
-    unsafe { fake_error_create(&mut args) }
-}
-
-fn fake_api() -> sys::XLA_FFI_Api {
-    sys::XLA_FFI_Api {
-        struct_size: sys::XLA_FFI_Api_STRUCT_SIZE as usize,
-        XLA_FFI_Error_Create: Some(fake_error_create),
-        XLA_FFI_Error_GetMessage: Some(fake_error_get_message),
-        XLA_FFI_Error_Destroy: Some(fake_error_destroy),
-        XLA_FFI_DeviceOrdinal_Get: Some(fake_device_ordinal),
-        XLA_FFI_RunId_Get: Some(fake_run_id),
-        ..Default::default()
-    }
-}
-
-/// Code and message of an error a handler returned (and frees it); `None` for success.
-fn take_error(e: *mut sys::XLA_FFI_Error) -> Option<(sys::XLA_FFI_Error_Code, String)> {
-    if e.is_null() {
-        return None;
-    }
-    let err = unsafe { Box::from_raw(e as *mut FakeError) };
-    Some((err.code, err.message.to_string_lossy().into_owned()))
-}
-
-// ---- synthetic call frames -------------------------------------------------
-
-/// Owns heap allocations by raw pointer, so the pointers stored in a call
-/// frame stay valid (and unaliased by any `Box`) until the arena is dropped.
-#[derive(Default)]
-struct Arena {
-    drops: Vec<Box<dyn FnOnce()>>,
-}
-
-impl Arena {
-    fn alloc<T: 'static>(&mut self, value: T) -> *mut T {
-        let p = Box::into_raw(Box::new(value));
-        self.drops.push(Box::new(move || drop(unsafe { Box::from_raw(p) })));
-        p
-    }
-
-    /// A vector's elements, owned by the arena: (pointer, length).
-    fn slice<T: 'static>(&mut self, v: Vec<T>) -> (*mut T, usize) {
-        let len = v.len();
-        let v = self.alloc(v);
-        (unsafe { (*v).as_mut_ptr() }, len)
-    }
-
-    /// A byte span naming `s` (arena-owned copy, not NUL-terminated).
-    fn span(&mut self, s: &str) -> *mut sys::XLA_FFI_ByteSpan {
-        let (ptr, len) = self.slice(s.as_bytes().to_vec());
-        self.alloc(sys::XLA_FFI_ByteSpan { ptr: ptr as *const _, len })
-    }
-}
-
-impl Drop for Arena {
-    fn drop(&mut self) {
-        while let Some(d) = self.drops.pop() {
-            d();
-        }
-    }
-}
-
-enum Attr {
-    I64(i64),
-    I32(i32),
-    F32(f32),
-    I64s(Vec<i64>),
-    Str(&'static str),
-}
-
-fn elem_size(dtype: u32) -> usize {
-    match dtype {
-        sys::XLA_FFI_DataType_F64 | sys::XLA_FFI_DataType_S64 => 8,
-        sys::XLA_FFI_DataType_F32 | sys::XLA_FFI_DataType_S32 => 4,
-        sys::XLA_FFI_DataType_F16 | sys::XLA_FFI_DataType_BF16 => 2,
-        _ => 1,
-    }
-}
-
-/// A call to build: operands and results as (XLA dtype, dims), attributes.
-struct Call {
-    args: Vec<(u32, Vec<i64>)>,
-    rets: Vec<(u32, Vec<i64>)>,
-    attrs: Vec<(&'static str, Attr)>,
-    stage: sys::XLA_FFI_ExecutionStage,
-}
-
-impl Default for Call {
-    fn default() -> Self {
-        Call { args: vec![], rets: vec![], attrs: vec![], stage: sys::XLA_FFI_ExecutionStage_EXECUTE }
-    }
-}
-
-struct Built {
-    frame: *mut sys::XLA_FFI_CallFrame,
-    api: *mut sys::XLA_FFI_Api,
-    arg_bufs: Vec<*mut sys::XLA_FFI_Buffer>,
-    ret_bufs: Vec<*mut sys::XLA_FFI_Buffer>,
-    _arena: Arena,
-}
-
-impl Call {
-    fn build(mut self) -> Built {
-        let mut arena = Arena::default();
-        let api = arena.alloc(fake_api());
-
-        let mut buffers = |list: &[(u32, Vec<i64>)]| {
-            let mut bufs = vec![];
-            for (n, (dtype, dims)) in list.iter().enumerate() {
-                let elems: i64 = dims.iter().product();
-                let len = elems.max(0) as usize * elem_size(*dtype);
-                // A recognisable pattern, different for every buffer.
-                let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + n * 13) as u8).collect();
-                let (data, _) = arena.slice(bytes);
-                let (dims, rank) = arena.slice(dims.clone());
-                bufs.push(arena.alloc(sys::XLA_FFI_Buffer {
-                    struct_size: sys::XLA_FFI_Buffer_STRUCT_SIZE as usize,
-                    extension_start: ptr::null_mut(),
-                    dtype: *dtype,
-                    data: data as *mut _,
-                    rank: rank as i64,
-                    dims,
-                }));
-            }
-            bufs
-        };
-        let arg_bufs = buffers(&self.args);
-        let ret_bufs = buffers(&self.rets);
-
-        let args = {
-            let (types, n) = arena.slice(vec![sys::XLA_FFI_ArgType_BUFFER; arg_bufs.len()]);
-            let ptrs = arg_bufs.iter().map(|&b| b as *mut std::ffi::c_void).collect();
-            let (ptrs, _) = arena.slice::<*mut std::ffi::c_void>(ptrs);
-            let struct_size = sys::XLA_FFI_Args_STRUCT_SIZE as usize;
-            sys::XLA_FFI_Args { struct_size, size: n as i64, types, args: ptrs, ..Default::default() }
-        };
-        let rets = {
-            let (types, n) = arena.slice(vec![sys::XLA_FFI_RetType_BUFFER; ret_bufs.len()]);
-            let ptrs = ret_bufs.iter().map(|&b| b as *mut std::ffi::c_void).collect();
-            let (ptrs, _) = arena.slice::<*mut std::ffi::c_void>(ptrs);
-            let struct_size = sys::XLA_FFI_Rets_STRUCT_SIZE as usize;
-            sys::XLA_FFI_Rets { struct_size, size: n as i64, types, rets: ptrs, ..Default::default() }
-        };
-
-        // XLA sorts attributes by name.
-        self.attrs.sort_by_key(|(name, _)| *name);
-        let (mut types, mut names, mut values) = (vec![], vec![], vec![]);
-        for (name, attr) in self.attrs {
-            names.push(arena.span(name));
-            let scalar = |arena: &mut Arena, dtype, value: *mut std::ffi::c_void| {
-                arena.alloc(sys::XLA_FFI_Scalar { dtype, value }) as *mut std::ffi::c_void
-            };
-            let (ty, value) = match attr {
-                Attr::I64(v) => {
-                    let v = arena.alloc(v) as *mut _;
-                    (sys::XLA_FFI_AttrType_SCALAR, scalar(&mut arena, sys::XLA_FFI_DataType_S64, v))
-                }
-                Attr::I32(v) => {
-                    let v = arena.alloc(v) as *mut _;
-                    (sys::XLA_FFI_AttrType_SCALAR, scalar(&mut arena, sys::XLA_FFI_DataType_S32, v))
-                }
-                Attr::F32(v) => {
-                    let v = arena.alloc(v) as *mut _;
-                    (sys::XLA_FFI_AttrType_SCALAR, scalar(&mut arena, sys::XLA_FFI_DataType_F32, v))
-                }
-                Attr::I64s(v) => {
-                    let (data, size) = arena.slice(v);
-                    let dtype = sys::XLA_FFI_DataType_S64;
-                    let array = arena.alloc(sys::XLA_FFI_Array { dtype, size, data: data as *mut _ });
-                    (sys::XLA_FFI_AttrType_ARRAY, array as *mut _)
-                }
-                Attr::Str(s) => (sys::XLA_FFI_AttrType_STRING, arena.span(s) as *mut _),
-            };
-            types.push(ty);
-            values.push(value);
-        }
-        let (types, n) = arena.slice(types);
-        let (names, _) = arena.slice(names);
-        let (values, _) = arena.slice(values);
-        let attrs = sys::XLA_FFI_Attrs {
-            struct_size: sys::XLA_FFI_Attrs_STRUCT_SIZE as usize,
-            size: n as i64,
-            types,
-            names,
-            attrs: values,
-            ..Default::default()
-        };
-
-        let frame = arena.alloc(sys::XLA_FFI_CallFrame {
-            // What XLA 0.10.2 passes: the struct up to `attrs`, without `future`.
-            struct_size: sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize,
-            extension_start: ptr::null_mut(),
-            api,
-            ctx: ptr::null_mut(),
-            stage: self.stage,
-            args,
-            rets,
-            attrs,
-            future: ptr::null_mut(),
-        });
-        Built { frame, api, arg_bufs, ret_bufs, _arena: arena }
-    }
-}
-
-impl Built {
-    fn frame(&self) -> Frame<'_> {
-        unsafe { Frame::from_raw(self.frame) }.expect("valid synthetic frame")
-    }
-
-    /// Runs `body` through `handle`, as an `extern "C"` handler would.
-    fn handle(&self, body: impl FnOnce(&mut Frame<'_>) -> crate::error::Result<()>) -> Option<(u32, String)> {
-        take_error(unsafe { handle(self.frame, body) })
-    }
-}
-
-fn f32_arg(dims: &[i64]) -> (u32, Vec<i64>) {
-    (sys::XLA_FFI_DataType_F32, dims.to_vec())
-}
 
 // ---- buffers ---------------------------------------------------------------
 
@@ -654,6 +365,7 @@ fn body_errors_are_reported_with_their_code() {
         (Error::Unimplemented("no cuda".into()), sys::XLA_FFI_Error_Code_UNIMPLEMENTED),
         (Error::DeadlineExceeded("rank 3 never arrived".into()), sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED),
         (Error::Internal("oops".into()), sys::XLA_FFI_Error_Code_INTERNAL),
+        (Error::Interrupted("ctrl-c".into()), sys::XLA_FFI_Error_Code_CANCELLED),
     ];
     for (e, code) in cases {
         assert_eq!(error_code(&e), code);
@@ -817,9 +529,12 @@ fn a_deferred_call_completes_xlas_future_on_another_thread() {
     assert!(written.iter().all(|&b| b == expected));
 }
 
+/// What a deferred call runs on its buffers.
+type DeferredWork = Box<dyn FnOnce(&[&[u8]], &mut [&mut [u8]]) -> crate::error::Result<()>>;
+
 #[test]
 fn a_deferred_calls_error_panic_or_drop_completes_its_future_with_an_error() {
-    let run = |work: Box<dyn FnOnce(&[&[u8]], &mut [&mut [u8]]) -> crate::error::Result<()>>, finish: bool| {
+    let run = |work: DeferredWork, finish: bool| {
         let built = deferrable_call();
         let mut deferred = None;
         assert_eq!(

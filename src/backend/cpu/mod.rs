@@ -28,15 +28,16 @@ pub struct Buffers<'a> {
 }
 
 /// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes ask.
-pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endpoint, deadline: Instant) -> Result<()> {
+pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endpoint) -> Result<()> {
     // Python refuses fp8 on CPU at trace time; this is the backstop for a
     // call that bypasses it (every rank fails the same way, before any wait).
     if let Some(fp8) = [problem.input, problem.output].into_iter().find(|d| d.is_fp8()) {
         return Err(fp8_on_cpu(fp8));
     }
+    // Converting the operands is a step of its own: it may take a while.
     match problem.accumulator() {
-        DType::F64 => exec::run(plan, &CpuBackend::<f64>::new(problem, plan, buffers, endpoint)?, deadline),
-        _ => exec::run(plan, &CpuBackend::<f32>::new(problem, plan, buffers, endpoint)?, deadline),
+        DType::F64 => exec::run(plan, &endpoint.compute(|| CpuBackend::<f64>::new(problem, plan, buffers, endpoint))?),
+        _ => exec::run(plan, &endpoint.compute(|| CpuBackend::<f32>::new(problem, plan, buffers, endpoint))?),
     }
 }
 
@@ -106,7 +107,7 @@ fn split<'a>(mut rest: &'a mut [u8], regions: &[Range<usize>]) -> Result<Vec<&'a
 
 impl<'a, A: Accum> CpuBackend<'a, A> {
     fn new(problem: &Problem, plan: &Plan, buffers: Buffers<'a>, endpoint: &'a Endpoint) -> Result<Self> {
-        let layout = Workspace::layout(plan, &problem.sizes());
+        let layout = Workspace::layout(plan, &problem.sizes())?;
         if buffers.workspace.len() < layout.total {
             return Err(Error::InvalidArgument(format!(
                 "workspace has {} bytes, the plan needs {}",
@@ -185,6 +186,31 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
 
 impl<A: Accum> Backend for CpuBackend<'_, A> {
     fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
+        self.endpoint.compute(|| self.multiply(block, src, dst, accumulate))
+    }
+
+    fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()> {
+        self.endpoint.compute(|| self.add(terms, dst))
+    }
+
+    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
+        for t in sends {
+            match t.buf {
+                Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?, wait.ready),
+                _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?, wait.ready),
+            }
+        }
+        // Posting is instant in the model; the exchange ends when its messages arrived.
+        let mut ended = wait.ready;
+        for t in recvs {
+            ended = ended.max(self.endpoint.recv(t.peer, t.tag, &mut self.write_slot(t.buf)?, wait)?);
+        }
+        Ok(ended)
+    }
+}
+
+impl<A: Accum> CpuBackend<'_, A> {
+    fn multiply(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
         let input = self.problem.input;
         let mut scratch = claim(&self.scratch, "the conversion scratch")?;
         let Scratch { travel, results } = &mut *scratch;
@@ -244,7 +270,7 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
         Ok(())
     }
 
-    fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()> {
+    fn add(&self, terms: &[Buf], dst: Buf) -> Result<()> {
         let (first, rest) = terms.split_first().ok_or_else(|| Error::Internal("sum of nothing".into()))?;
         if dst == *first {
             // In place: dst += Σ rest.
@@ -282,21 +308,6 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
             store(c, output, &mut out[(base + start) * size..(base + end) * size])?;
         }
         Ok(())
-    }
-
-    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
-        for t in sends {
-            match t.buf {
-                Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?, wait.ready),
-                _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?, wait.ready),
-            }
-        }
-        // Posting is instant in the model; the exchange ends when its messages arrived.
-        let mut ended = wait.ready;
-        for t in recvs {
-            ended = ended.max(self.endpoint.recv(t.peer, t.tag, &mut self.write_slot(t.buf)?, wait)?);
-        }
-        Ok(ended)
     }
 }
 

@@ -54,11 +54,19 @@ impl Accum for f64 {
 }
 
 /// Views bytes as elements; buffers from XLA and workspace regions are aligned.
+/// `bytes` as `T`s. An empty buffer is an empty slice whatever its address
+/// (XLA and `split_at` give empty buffers unaligned dangling pointers).
 pub fn view<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T]> {
+    if bytes.is_empty() {
+        return Ok(&[]);
+    }
     bytemuck::try_cast_slice(bytes).map_err(|e| Error::Internal(format!("misaligned buffer: {e}")))
 }
 
 pub fn view_mut<T: bytemuck::Pod>(bytes: &mut [u8]) -> Result<&mut [T]> {
+    if bytes.is_empty() {
+        return Ok(&mut []);
+    }
     bytemuck::try_cast_slice_mut(bytes).map_err(|e| Error::Internal(format!("misaligned buffer: {e}")))
 }
 

@@ -33,7 +33,10 @@ pub struct SessionKey {
 pub struct CallInfo {
     pub op: &'static str,
     pub rank: usize,
+    /// How long a wait lasts with no rank of the session moving.
     pub timeout: Duration,
+    /// `config::interrupts()` when the call began: a later interrupt ends its waits.
+    pub interrupts: u64,
 }
 
 type MailboxKey = (usize, usize, Tag); // (to, from, tag)
@@ -48,9 +51,25 @@ struct State {
     arrived: Vec<bool>,
     active: usize,
     left: usize,
-    /// A rank gave up waiting: the op failed, late ranks will not be served.
-    failed: bool,
+    /// The first rank that failed and its error: waiting peers end at once
+    /// with it, and late ranks will not be served.
+    failure: Option<(usize, Error)>,
+    /// Backend steps under way on any rank (matmuls, sums, conversions):
+    /// while one runs the op is moving, however long it takes.
+    computing: usize,
+    /// When each rank last moved (joined, sent, received, finished a step);
+    /// `None` for a rank that never arrived.
+    moved: Vec<Option<Instant>>,
+    /// When any rank last moved.
+    last_moved: Instant,
     mailbox: HashMap<MailboxKey, Message>,
+}
+
+impl State {
+    fn mark(&mut self, rank: usize, now: Instant) {
+        self.moved[rank] = Some(now);
+        self.last_moved = self.last_moved.max(now);
+    }
 }
 
 struct Session {
@@ -97,6 +116,7 @@ pub fn next_sequence(device: i64, site: i64, run: i64) -> u64 {
 impl Endpoint {
     pub fn join(key: SessionKey, info: CallInfo) -> Endpoint {
         let n = key.group.len();
+        let now = Instant::now();
         let session = lock(registry())
             .entry(key.clone())
             .or_insert_with(|| {
@@ -105,7 +125,10 @@ impl Endpoint {
                         arrived: vec![false; n],
                         active: 0,
                         left: 0,
-                        failed: false,
+                        failure: None,
+                        computing: 0,
+                        moved: vec![None; n],
+                        last_moved: now,
                         mailbox: HashMap::new(),
                     }),
                     delivered: Condvar::new(),
@@ -116,6 +139,7 @@ impl Endpoint {
             let mut state = lock(&session.state);
             state.arrived[info.rank] = true;
             state.active += 1;
+            state.mark(info.rank, now);
         }
         session.delivered.notify_all();
         Endpoint { key, session, info, link: None }
@@ -127,15 +151,40 @@ impl Endpoint {
         self
     }
 
+    /// Runs one local step (a matmul, a sum, a conversion): while it runs
+    /// the session counts as moving, so peers waiting for this rank's next
+    /// message do not time out however long the step computes.
+    pub fn compute<T>(&self, step: impl FnOnce() -> T) -> T {
+        /// Ends the step even if it panics, so the count cannot stay raised.
+        struct Computing<'a>(&'a Endpoint);
+        impl Drop for Computing<'_> {
+            fn drop(&mut self) {
+                let mut state = lock(&self.0.session.state);
+                state.computing -= 1;
+                state.mark(self.0.info.rank, Instant::now());
+                drop(state);
+                // A waiter sleeping until the session would expire re-reads it.
+                self.0.session.delivered.notify_all();
+            }
+        }
+        lock(&self.session.state).computing += 1;
+        let _computing = Computing(self);
+        step()
+    }
+
     /// Under the link model the transfer starts at `ready` (see
     /// `exec::Wait::ready`), at most now; the copy is part of it.
     pub fn send(&self, to: usize, tag: Tag, data: &[u8], ready: Instant) {
-        let posted = ready.min(Instant::now());
+        let now = Instant::now();
+        let posted = ready.min(now);
         let mut message = pool::take(data.len());
         bytemuck::cast_slice_mut::<u64, u8>(&mut message)[..data.len()].copy_from_slice(data);
         let arrival = self.link.map(|l| l.arrival(posted, &self.key.group, self.info.rank, to, data.len()));
         let message = Message { data: message, arrival };
-        let previous = lock(&self.session.state).mailbox.insert((to, self.info.rank, tag), message);
+        let mut state = lock(&self.session.state);
+        state.mark(self.info.rank, now);
+        let previous = state.mailbox.insert((to, self.info.rank, tag), message);
+        drop(state);
         if let Some(stale) = previous {
             pool::give_back(stale.data);
         }
@@ -144,8 +193,13 @@ impl Endpoint {
 
     /// Waits for the message and copies it into `dst`; returns when it
     /// arrived (under the link model, when the model says, else now).
+    ///
+    /// The wait fails when no rank of the session has moved for the
+    /// timeout and none is computing, not when the op as a whole runs
+    /// long; at once when another rank failed or `wait` is cancelled.
     pub fn recv(&self, from: usize, tag: Tag, dst: &mut [u8], wait: &Wait) -> Result<Instant> {
         let key = (self.info.rank, from, tag);
+        let started = Instant::now();
         let mut state = lock(&self.session.state);
         let (message, arrived) = loop {
             let now = Instant::now();
@@ -153,18 +207,34 @@ impl Endpoint {
             let arrival = state.mailbox.get(&key).map(|m| m.arrival.filter(|&a| a > now));
             if let Some(None) = arrival {
                 let message = state.mailbox.remove(&key).expect("present");
+                state.mark(self.info.rank, now);
                 break (message.data, message.arrival.unwrap_or(now));
             }
             if wait.cancelled() {
                 return Err(Error::Internal("cancelled because another lane failed".into()));
             }
-            if now >= wait.deadline {
-                state.failed = true;
-                return Err(self.timeout(&state, from, tag));
+            if let Some((rank, error)) = &state.failure {
+                return Err(self.peer_failed(*rank, error));
             }
-            // Sleep until the message arrives, or wake up now and then to
-            // notice a cancellation by another lane.
-            let mut slice = (wait.deadline - now).min(Duration::from_millis(50));
+            if crate::config::interrupts() != self.info.interrupts {
+                let error = self.interrupted();
+                state.failure = Some((self.info.rank, error.clone()));
+                self.session.delivered.notify_all();
+                return Err(error);
+            }
+            let expires = state.last_moved + self.info.timeout;
+            if state.computing == 0 && now >= expires {
+                let error = self.timeout(&state, from, tag, now - started);
+                state.failure = Some((self.info.rank, error.clone()));
+                self.session.delivered.notify_all();
+                return Err(error);
+            }
+            // Sleep until the message arrives or the session would expire,
+            // waking now and then to notice a cancellation or an interrupt.
+            let mut slice = Duration::from_millis(50);
+            if state.computing == 0 {
+                slice = slice.min(expires - now);
+            }
             if let Some(Some(at)) = arrival {
                 slice = slice.min(at - now);
             }
@@ -182,30 +252,75 @@ impl Endpoint {
         result
     }
 
-    /// The op failed on this rank: late peers will not be served, so the
-    /// session is dropped once those who came have left.
-    pub fn fail(&self) {
-        lock(&self.session.state).failed = true;
+    /// The op failed on this rank with `error`: peers waiting for it end at
+    /// once with it, late peers will not be served, so the session is
+    /// dropped once those who came have left.
+    pub fn fail(&self, error: &Error) {
+        let mut state = lock(&self.session.state);
+        if state.failure.is_none() {
+            state.failure = Some((self.info.rank, error.clone()));
+        }
+        drop(state);
+        self.session.delivered.notify_all();
     }
 
-    fn timeout(&self, state: &State, from: usize, tag: Tag) -> Error {
-        let CallInfo { op, rank, timeout } = &self.info;
+    /// "op (call site s, run r): rank i of n (device d)".
+    fn who(&self) -> String {
         let SessionKey { group, site, run, .. } = &self.key;
+        let rank = self.info.rank;
+        format!(
+            "{} (call site {site}, run {run}): rank {rank} of {} (device {})",
+            self.info.op,
+            group.len(),
+            group[rank]
+        )
+    }
+
+    /// This rank ends because `rank` failed first: the same kind of error,
+    /// with that rank's message.
+    fn peer_failed(&self, rank: usize, error: &Error) -> Error {
+        let message = format!(
+            "{} stopped: rank {rank} (device {}) failed first: {}",
+            self.who(),
+            self.key.group[rank],
+            error.message()
+        );
+        match error {
+            Error::InvalidArgument(_) => Error::InvalidArgument(message),
+            Error::Unimplemented(_) => Error::Unimplemented(message),
+            Error::DeadlineExceeded(_) => Error::DeadlineExceeded(message),
+            Error::Internal(_) => Error::Internal(message),
+            Error::Interrupted(_) => Error::Interrupted(message),
+        }
+    }
+
+    fn interrupted(&self) -> Error {
+        Error::Interrupted(format!("{} stopped waiting: the process was interrupted (SIGINT)", self.who()))
+    }
+
+    fn timeout(&self, state: &State, from: usize, tag: Tag, waited: Duration) -> Error {
+        let group = &self.key.group;
+        let now = Instant::now();
         let missing: Vec<usize> = (0..group.len()).filter(|&r| !state.arrived[r]).collect();
         let devices: Vec<i64> = missing.iter().map(|&r| group[r]).collect();
+        let idle = |r: usize| state.moved[r].map_or(0.0, |t| (now - t).as_secs_f64());
         let why = if missing.is_empty() {
-            format!("every rank arrived, so rank {from} failed or stalled before step {}", tag.step)
+            format!(
+                "every rank arrived, so rank {from} failed or stalled before step {} (it last moved {:.1} s ago)",
+                tag.step,
+                idle(from)
+            )
         } else {
             format!("ranks {missing:?} (devices {devices:?}) never arrived")
         };
         Error::DeadlineExceeded(format!(
-            "{op} (call site {site}, run {run}): rank {rank} of {} (device {}) waited {:.1} s for rank {from} \
-             (device {}); {why}. Every rank of the axis must reach the op (check lax.cond/while branches), or \
-             raise the deadline with COMMFUSE_TIMEOUT_S / commfuse.configure(timeout_s=...)",
-            group.len(),
-            group[*rank],
-            timeout.as_secs_f64(),
+            "{} waited {:.1} s for rank {from} (device {}), and no rank of the group moved for {:.1} s; {why}. \
+             Every rank of the axis must reach the op (check lax.cond/while branches), or raise the deadline \
+             with COMMFUSE_TIMEOUT_S / commfuse.configure(timeout_s=...)",
+            self.who(),
+            waited.as_secs_f64(),
             group[from],
+            self.info.timeout.as_secs_f64(),
         ))
     }
 }
@@ -220,7 +335,7 @@ impl Drop for Endpoint {
         // who came have gone (a late rank then meets a new session and times
         // out on its own). A rank that only sends may leave before its peers
         // arrive: its messages must wait for them.
-        if state.left == self.key.group.len() || (state.failed && state.active == 0) {
+        if state.left == self.key.group.len() || (state.failure.is_some() && state.active == 0) {
             // Unread messages remain only after a failure.
             for (_, message) in state.mailbox.drain() {
                 pool::give_back(message.data);
@@ -233,34 +348,80 @@ impl Drop for Endpoint {
 }
 
 /// Message buffers, reused across calls so the hot path does not allocate
-/// once the pool holds enough of them. Words keep them 8-byte aligned.
+/// once the pool holds enough of them. Words keep them 8-byte aligned. The
+/// pool keeps at most 256 buffers and 1 GiB in all: a process that once
+/// moved huge blocks does not hold on to them for ever.
 mod pool {
     use super::lock;
     use std::sync::{Mutex, OnceLock};
 
-    const KEEP: usize = 256;
+    struct Pool {
+        buffers: Vec<Vec<u64>>,
+        bytes: usize,
+        keep: usize,
+        keep_bytes: usize,
+    }
 
-    fn buffers() -> &'static Mutex<Vec<Vec<u64>>> {
-        static POOL: OnceLock<Mutex<Vec<Vec<u64>>>> = OnceLock::new();
-        POOL.get_or_init(Default::default)
+    impl Pool {
+        fn new(keep: usize, keep_bytes: usize) -> Pool {
+            Pool { buffers: Vec::new(), bytes: 0, keep, keep_bytes }
+        }
+
+        /// A buffer with room for `words` (reused when one is held).
+        fn take(&mut self, words: usize) -> Vec<u64> {
+            let found = match self.buffers.iter().position(|b| b.capacity() >= words) {
+                Some(i) => Some(self.buffers.swap_remove(i)),
+                None => self.buffers.pop(),
+            };
+            if let Some(b) = &found {
+                self.bytes -= b.capacity() * 8;
+            }
+            found.unwrap_or_default()
+        }
+
+        fn give_back(&mut self, buffer: Vec<u64>) {
+            let bytes = buffer.capacity() * 8;
+            if self.buffers.len() < self.keep && self.bytes + bytes <= self.keep_bytes {
+                self.bytes += bytes;
+                self.buffers.push(buffer);
+            }
+        }
+    }
+
+    fn pool() -> &'static Mutex<Pool> {
+        static POOL: OnceLock<Mutex<Pool>> = OnceLock::new();
+        POOL.get_or_init(|| Mutex::new(Pool::new(256, 1 << 30)))
     }
 
     pub fn take(bytes: usize) -> Vec<u64> {
         let words = bytes.div_ceil(8);
-        let mut pool = lock(buffers());
-        let mut buffer = match pool.iter().position(|b| b.capacity() >= words) {
-            Some(i) => pool.swap_remove(i),
-            None => pool.pop().unwrap_or_default(),
-        };
-        drop(pool);
+        let mut buffer = lock(pool()).take(words);
         buffer.resize(words, 0);
         buffer
     }
 
     pub fn give_back(buffer: Vec<u64>) {
-        let mut pool = lock(buffers());
-        if pool.len() < KEEP {
-            pool.push(buffer);
+        lock(pool()).give_back(buffer);
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::Pool;
+
+        #[test]
+        fn the_pool_holds_at_most_its_count_and_byte_budget() {
+            let mut pool = Pool::new(3, 1000);
+            for words in [50, 60, 20, 10] {
+                pool.give_back(Vec::with_capacity(words));
+            }
+            // 50 + 60 words are 880 bytes: 20 more (160 bytes) would pass the
+            // budget, 10 more (80 bytes) do not.
+            assert_eq!((pool.buffers.len(), pool.bytes), (3, 960));
+            let reused = pool.take(55);
+            assert_eq!((reused.capacity(), pool.bytes), (60, 480));
+            pool.give_back(Vec::with_capacity(10));
+            pool.give_back(Vec::with_capacity(10));
+            assert_eq!(pool.buffers.len(), 3, "at most three buffers");
         }
     }
 }
@@ -276,7 +437,7 @@ mod tests {
     }
 
     fn info(rank: usize) -> CallInfo {
-        CallInfo { op: "test_op", rank, timeout: Duration::from_millis(200) }
+        CallInfo { op: "test_op", rank, timeout: Duration::from_millis(200), interrupts: crate::config::interrupts() }
     }
 
     fn tag(step: usize) -> Tag {
@@ -292,7 +453,7 @@ mod tests {
                 a.send(1, tag(0), &[1, 2, 3, 4, 5], Instant::now());
             });
             let b = Endpoint::join(key(1), info(1));
-            let wait = Wait::for_test(Instant::now() + Duration::from_secs(5), &cancelled);
+            let wait = Wait::for_test(&cancelled);
             let mut dst = [0u8; 5];
             b.recv(0, tag(0), &mut dst, &wait).unwrap();
             assert_eq!(dst, [1, 2, 3, 4, 5]);
@@ -303,12 +464,100 @@ mod tests {
     fn a_missing_rank_gives_a_deadline_error_naming_it() {
         let cancelled = AtomicBool::new(false);
         let a = Endpoint::join(key(2), info(0));
-        let wait = Wait::for_test(Instant::now() + Duration::from_millis(100), &cancelled);
+        let wait = Wait::for_test(&cancelled);
         let start = Instant::now();
         let e = a.recv(2, tag(0), &mut [0u8; 4], &wait).unwrap_err();
         assert!(start.elapsed() < Duration::from_secs(2));
         let Error::DeadlineExceeded(message) = e else { panic!("{e:?}") };
         assert!(message.contains("ranks [1, 2] (devices [11, 12]) never arrived"), "{message}");
+    }
+
+    #[test]
+    fn a_peer_that_computes_longer_than_the_timeout_is_waited_for() {
+        // The timeout is 200 ms; rank 0 computes for 600 ms before it sends,
+        // and rank 2 waits for rank 1, which waits for rank 0.
+        let cancelled = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let a = Endpoint::join(key(5), info(0));
+                a.compute(|| std::thread::sleep(Duration::from_millis(600)));
+                a.send(1, tag(0), &[1, 2], Instant::now());
+            });
+            s.spawn(|| {
+                let b = Endpoint::join(key(5), info(1));
+                let mut got = [0u8; 2];
+                b.recv(0, tag(0), &mut got, &Wait::for_test(&cancelled)).unwrap();
+                b.send(2, tag(1), &got, Instant::now());
+            });
+            let c = Endpoint::join(key(5), info(2));
+            let start = Instant::now();
+            let mut got = [0u8; 2];
+            c.recv(1, tag(1), &mut got, &Wait::for_test(&cancelled)).unwrap();
+            assert_eq!(got, [1, 2]);
+            assert!(start.elapsed() >= Duration::from_millis(550), "{:?}", start.elapsed());
+        });
+    }
+
+    #[test]
+    fn the_timeout_counts_from_the_last_progress_of_any_rank() {
+        // Rank 1 computes for 300 ms, then stops moving without sending:
+        // rank 0 fails 200 ms after that, not 200 ms after it began waiting.
+        let cancelled = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let start = Instant::now();
+            s.spawn(|| {
+                let b = Endpoint::join(key(6), info(1));
+                b.compute(|| std::thread::sleep(Duration::from_millis(300)));
+                std::thread::sleep(Duration::from_millis(700));
+            });
+            let a = Endpoint::join(key(6), info(0));
+            let e = a.recv(1, tag(3), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+            let waited = start.elapsed();
+            // Counted from the op's start it would end at 200 ms.
+            assert!(waited >= Duration::from_millis(480) && waited < Duration::from_secs(5), "{waited:?}");
+            let Error::DeadlineExceeded(message) = e else { panic!("{e:?}") };
+            for part in [
+                "no rank of the group moved for 0.2 s",
+                "ranks [2] (devices [12]) never arrived",
+                "rank 0 of 3 (device 10) waited ",
+                "for rank 1 (device 11)",
+            ] {
+                assert!(message.contains(part), "{part:?} not in {message}");
+            }
+        });
+    }
+
+    #[test]
+    fn a_stalled_rank_is_named_once_every_rank_arrived() {
+        let cancelled = AtomicBool::new(false);
+        let (a, _b, _c) =
+            (Endpoint::join(key(7), info(0)), Endpoint::join(key(7), info(1)), Endpoint::join(key(7), info(2)));
+        let e = a.recv(2, tag(4), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+        assert!(
+            e.message()
+                .contains("every rank arrived, so rank 2 failed or stalled before step 4 (it last moved 0.2 s ago)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_rank_that_fails_ends_its_peers_waits_at_once_with_its_error() {
+        let cancelled = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let b = Endpoint::join(key(8), info(1));
+                std::thread::sleep(Duration::from_millis(30));
+                b.fail(&Error::InvalidArgument("workspace has 0 bytes, the plan needs 64".into()));
+            });
+            let mut long = info(0);
+            long.timeout = Duration::from_secs(30);
+            let a = Endpoint::join(key(8), long);
+            let start = Instant::now();
+            let e = a.recv(1, tag(0), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+            assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+            let Error::InvalidArgument(message) = e else { panic!("{e:?}") };
+            assert!(message.contains("rank 1 (device 11) failed first: workspace has 0 bytes"), "{message}");
+        });
     }
 
     #[test]
@@ -327,7 +576,7 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         {
             let a = Endpoint::join(key(4), info(0));
-            let wait = Wait::for_test(Instant::now() + Duration::from_millis(20), &cancelled);
+            let wait = Wait::for_test(&cancelled);
             assert!(a.recv(1, tag(0), &mut [0u8; 4], &wait).is_err());
         }
         assert!(!lock(registry()).contains_key(&key(4)));
@@ -340,7 +589,12 @@ mod tests {
         let key = SessionKey { group: group.clone(), site: 77, run: 1, sequence: 0 };
         let ends: Vec<Endpoint> = (0..group.len())
             .map(|r| {
-                let info = CallInfo { op: "test_op", rank: r, timeout: Duration::from_secs(10) };
+                let info = CallInfo {
+                    op: "test_op",
+                    rank: r,
+                    timeout: Duration::from_secs(10),
+                    interrupts: crate::config::interrupts(),
+                };
                 Endpoint::join(key.clone(), info).with_link(model)
             })
             .collect();
@@ -353,7 +607,7 @@ mod tests {
         let mut dst = vec![0u8; bytes];
         let mut times = vec![];
         for (i, &(from, to)) in sends.iter().enumerate() {
-            let wait = Wait::for_test(Instant::now() + Duration::from_secs(10), &cancelled);
+            let wait = Wait::for_test(&cancelled);
             ends[to].recv(from, tag(i), &mut dst, &wait).unwrap();
             times.push(start.elapsed());
             assert!(dst.iter().all(|&b| b == 7));
@@ -405,14 +659,19 @@ mod tests {
         let model = link::LinkModel::parse(LINK).unwrap();
         let key = SessionKey { group: vec![3500, 3501], site: 78, run: 1, sequence: 0 };
         let end = |rank| {
-            let info = CallInfo { op: "test_op", rank, timeout: Duration::from_secs(10) };
+            let info = CallInfo {
+                op: "test_op",
+                rank,
+                timeout: Duration::from_secs(10),
+                interrupts: crate::config::interrupts(),
+            };
             Endpoint::join(key.clone(), info).with_link(model)
         };
         let (a, b) = (end(0), end(1));
         let ready = Instant::now() - Duration::from_millis(40);
         a.send(1, tag(0), &vec![7u8; BYTES], ready);
         let cancelled = AtomicBool::new(false);
-        let wait = Wait::for_test(Instant::now() + Duration::from_secs(10), &cancelled);
+        let wait = Wait::for_test(&cancelled);
         let arrived = b.recv(0, tag(0), &mut vec![0u8; BYTES], &wait).unwrap();
         within(arrived - ready, 90.0, "arrival after ready");
         within(Instant::now() - ready, 90.0, "receive after ready");

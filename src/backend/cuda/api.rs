@@ -69,6 +69,7 @@ functions! {
         mem_free = "cuMemFree_v2": fn(cu::CUdeviceptr) -> cu::CUresult;
         memcpy_htod = "cuMemcpyHtoD_v2": fn(cu::CUdeviceptr, *const c_void, usize) -> cu::CUresult;
         memcpy_dtoh = "cuMemcpyDtoH_v2": fn(*mut c_void, cu::CUdeviceptr, usize) -> cu::CUresult;
+        memset_d8_async = "cuMemsetD8Async": fn(cu::CUdeviceptr, u8, usize, cu::CUstream) -> cu::CUresult;
     }
 }
 
@@ -387,6 +388,19 @@ pub fn event_create(what: &str) -> Result<cu::CUevent> {
 pub unsafe fn event_record(event: cu::CUevent, stream: cu::CUstream, what: &str) -> Result<()> {
     // SAFETY: the caller's contract.
     check_cu(unsafe { (driver()?.event_record)(event, stream) }, what)
+}
+
+/// Enqueues zeroing `bytes` bytes at `addr` on `stream`.
+///
+/// # Safety
+/// `addr..addr + bytes` is device memory alive until the stream passes the
+/// memset, and `stream` is live in the current context.
+pub unsafe fn zero_async(addr: u64, bytes: usize, stream: cu::CUstream) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    check_cu(unsafe { (driver()?.memset_d8_async)(addr, 0, bytes, stream) }, "cuMemsetD8Async")
 }
 
 /// # Safety

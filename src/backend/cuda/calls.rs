@@ -371,10 +371,12 @@ pub enum Poll {
     Pending,
 }
 
-/// Calls `probe` until it is done, fails, or `deadline` passes; then
-/// `DeadlineExceeded` naming `what`. Between probes the thread yields, then
-/// sleeps briefly (the probes are host-side queries, never device syncs).
+/// Calls `probe` until it is done, fails, or `deadline` passes (then
+/// `DeadlineExceeded` naming `what`), or the process is interrupted (then
+/// `Interrupted`). Between probes the thread yields, then sleeps briefly
+/// (the probes are host-side queries, never device syncs).
 pub fn poll_until(deadline: Instant, what: &str, mut probe: impl FnMut() -> Result<Poll>) -> Result<()> {
+    let interrupts = crate::config::interrupts();
     let mut spins = 0u32;
     loop {
         if probe()? == Poll::Done {
@@ -382,6 +384,9 @@ pub fn poll_until(deadline: Instant, what: &str, mut probe: impl FnMut() -> Resu
         }
         if Instant::now() >= deadline {
             return Err(Error::DeadlineExceeded(format!("{what} did not complete before the deadline")));
+        }
+        if crate::config::interrupts() != interrupts {
+            return Err(Error::Interrupted(format!("{what} was stopped by an interrupt (SIGINT)")));
         }
         spins += 1;
         if spins < 64 {
@@ -467,7 +472,7 @@ mod tests {
                 for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {
                     for rank in 0..4 {
                         let plan = plan(kind.pattern(), schedule, 4, rank);
-                        let layout = Workspace::layout(&plan, &p.sizes());
+                        let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
                         let b = buffers(&p, &layout);
                         let r = Resolver::new(&p, &layout, &plan.slots, b).unwrap();
                         let inside = |addr: u64, bytes: usize| {
@@ -553,7 +558,7 @@ mod tests {
                     let p = p.for_schedule(schedule).unwrap();
                     for rank in 0..ranks {
                         let plan = plan(kind.pattern(), schedule, ranks, rank);
-                        let layout = Workspace::layout(&plan, &p.sizes());
+                        let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
                         let b = DeviceBuffers { scales: Some((xs, ws)), ..buffers(&p, &layout) };
                         let r = Resolver::new(&p, &layout, &plan.slots, b).unwrap();
                         let within = |addr: u64, bytes: usize, (base, len): (u64, usize)| {
@@ -596,7 +601,8 @@ mod tests {
 
     #[test]
     fn fp8_calls_outside_the_supported_set_are_refused() {
-        let layout_of = |p: &Problem| Workspace::layout(&plan(p.kind.pattern(), Schedule::Ring, 4, 0), &p.sizes());
+        let layout_of =
+            |p: &Problem| Workspace::layout(&plan(p.kind.pattern(), Schedule::Ring, 4, 0), &p.sizes()).unwrap();
         let check = |kind: OpKind, x: &[i64], w: &[i64], out: &[i64], input, output, scales| {
             let p = problem(kind, x, w, out, input, output);
             let layout = layout_of(&p);
@@ -622,7 +628,7 @@ mod tests {
     fn bad_calls_are_refused() {
         let p = problem(OpKind::MatmulReduceScatter, &[12, 8], &[8, 6], &[3, 6], DType::F32, DType::F32);
         let plan = plan(Pattern::Scatter, Schedule::Ring, 4, 1);
-        let layout = Workspace::layout(&plan, &p.sizes());
+        let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
         let mut b = buffers(&p, &layout);
         b.workspace.1 -= 1;
         assert!(matches!(Resolver::new(&p, &layout, &plan.slots, b), Err(Error::InvalidArgument(_))));
@@ -637,13 +643,13 @@ mod tests {
 
         for (input, output) in [(DType::F32, DType::BF16), (DType::BF16, DType::F16), (DType::F16, DType::BF16)] {
             let p = problem(OpKind::MatmulReduceScatter, &[12, 8], &[8, 6], &[3, 6], input, output);
-            let layout = Workspace::layout(&plan, &p.sizes());
+            let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
             let b = buffers(&p, &layout);
             let e = Resolver::new(&p, &layout, &plan.slots, b).err().unwrap();
             assert!(matches!(&e, Error::Unimplemented(m) if m.contains("cublasGemmEx")), "{e}");
         }
         let p64 = problem(OpKind::MatmulReduceScatter, &[12, 8], &[8, 6], &[3, 6], DType::F64, DType::F64);
-        let layout = Workspace::layout(&plan, &p64.sizes());
+        let layout = Workspace::layout(&plan, &p64.sizes()).unwrap();
         let b = buffers(&p64, &layout);
         assert!(matches!(Resolver::new(&p64, &layout, &plan.slots, b), Err(Error::Unimplemented(_))));
     }

@@ -28,7 +28,7 @@ use super::comms::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::issue::StreamOps;
 use super::kernels::{self, ImageCache, Target, SOURCES};
 use super::nccl::P2p;
-use super::watchdog::{Abort, CallInfo, EventSource, Query, Watch, Watchdog, WatchedGroup};
+use super::watchdog::{Abort, CallInfo, EventSource, Query, Watch, Watchdog, WatchedGroup, MAX_MARKS};
 use super::{gemm, lt, nccl};
 use crate::error::{Error, Result};
 use crate::plan::Step;
@@ -601,29 +601,50 @@ pub fn check_device_timeouts(ordinal: i32) -> Result<()> {
     }
 }
 
-/// One call watched for a device-side timeout: two events of the pool, the
+/// One call watched for a device-side timeout: events of the pool, the
 /// first recorded on XLA's stream before the call's work, the second after
-/// its join ([`CallWatch::submit`]).
+/// its join ([`CallWatch::submit`]), and up to `MAX_MARKS` progress marks
+/// recorded on its lanes in between ([`CallWatch::mark`]).
 pub struct CallWatch {
     ordinal: i32,
     start: WatchEvent,
     end: WatchEvent,
+    marks: [Option<WatchEvent>; MAX_MARKS],
     group: Arc<GroupComms>,
+    /// `config::interrupts()` when the call began.
+    interrupts: u64,
 }
 
 impl CallWatch {
-    /// Takes two events (created while the pool has too few: only while a
-    /// device has more calls in flight than ever before) and records the
-    /// first on `xla`. `device`'s context is current.
-    pub fn begin(device: &Device, xla: *mut c_void, group: &Arc<GroupComms>) -> Result<CallWatch> {
+    /// Takes `2 + marks` events (created while the pool has too few: only
+    /// while a device has more calls in flight than ever before) and records
+    /// the first on `xla`. `device`'s context is current.
+    pub fn begin(device: &Device, xla: *mut c_void, group: &Arc<GroupComms>, marks: usize) -> Result<CallWatch> {
         let dog = watchdog()?;
+        let interrupts = crate::config::interrupts();
         let take = || match dog.take_event(device.ordinal) {
             Some(e) => Ok(e),
             None => api::event_create("cuEventCreate (watchdog)").map(|event| WatchEvent { ctx: device.ctx, event }),
         };
         let start = take()?;
         let end = take().inspect_err(|_| dog.give_back(device.ordinal, &[start]))?;
-        let watch = CallWatch { ordinal: device.ordinal, start, end, group: Arc::clone(group) };
+        let mut watch = CallWatch {
+            ordinal: device.ordinal,
+            start,
+            end,
+            marks: [None; MAX_MARKS],
+            group: Arc::clone(group),
+            interrupts,
+        };
+        for i in 0..marks.min(MAX_MARKS) {
+            match take() {
+                Ok(e) => watch.marks[i] = Some(e),
+                Err(e) => {
+                    watch.cancel();
+                    return Err(e);
+                }
+            }
+        }
         match record_on(start, xla) {
             Ok(()) => Ok(watch),
             Err(e) => {
@@ -633,9 +654,17 @@ impl CallWatch {
         }
     }
 
+    /// Records progress mark `mark` on `stream` (a lane of the call).
+    pub fn mark(&self, mark: usize, stream: dsys::CUstream) -> Result<()> {
+        match self.marks.get(mark).copied().flatten() {
+            Some(e) => record_on(e, stream as *mut c_void),
+            None => Err(Error::Internal(format!("no progress mark {mark} was taken for this call"))),
+        }
+    }
+
     /// Records the second event on `xla` (after the join) and hands the call
-    /// to the watchdog, which expires it `timeout` after its work started on
-    /// the device.
+    /// to the watchdog, which expires it once it makes no progress on the
+    /// device for `timeout`.
     pub fn submit(self, xla: *mut c_void, op: &'static str, site: i64, rank: usize, timeout: Duration) -> Result<()> {
         if let Err(e) = record_on(self.end, xla) {
             self.cancel();
@@ -646,7 +675,9 @@ impl CallWatch {
             device: self.ordinal,
             start: self.start,
             end: self.end,
+            marks: self.marks,
             timeout,
+            interrupts: self.interrupts,
             group: self.group,
             call: CallInfo { op, site, rank, seq },
         });
@@ -657,8 +688,20 @@ impl CallWatch {
     pub fn cancel(self) {
         if let Ok(dog) = watchdog() {
             dog.give_back(self.ordinal, &[self.start, self.end]);
+            for e in self.marks.into_iter().flatten() {
+                dog.give_back(self.ordinal, &[e]);
+            }
         }
     }
+}
+
+/// Enqueues zeroing a call's result on XLA's stream `xla` (a call with
+/// nothing to compute, see `Problem::is_trivial`).
+pub fn zero_result(device: &Device, out: &crate::xla::DeviceBuffer<'_>, xla: *mut c_void) -> Result<()> {
+    device.make_current()?;
+    // SAFETY: `out` is XLA's result buffer of this call on this device,
+    // alive until XLA's stream passes the call; the stream is live.
+    unsafe { api::zero_async(out.addr, out.bytes, xla as dsys::CUstream) }
 }
 
 fn record_on(e: WatchEvent, xla: *mut c_void) -> Result<()> {
@@ -685,6 +728,8 @@ pub struct CallOps<'a> {
     pub tf32: bool,
     /// An fp8 call's GEMM workspace in XLA's workspace (`ops::workspace_bytes`).
     pub fp8_workspace: Option<(u64, usize)>,
+    /// The call's device-timeout watch, whose progress marks the lanes record.
+    pub watch: Option<&'a CallWatch>,
 }
 
 impl CallOps<'_> {
@@ -773,6 +818,13 @@ impl StreamOps for CallOps<'_> {
         let (s, e) = (self.stream(stream)?, self.event(event)?);
         // SAFETY: as in `record`.
         unsafe { api::stream_wait_event(s, e) }
+    }
+
+    fn mark(&mut self, lane: usize, mark: usize) -> Result<()> {
+        match self.watch {
+            Some(watch) => watch.mark(mark, self.stream(Some(lane))?),
+            None => Ok(()),
+        }
     }
 
     fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
@@ -886,7 +938,7 @@ mod tests {
         let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
         let sizes = problem.sizes();
         let p = plan(kind.pattern(), schedule, n, rank);
-        let layout = Workspace::layout(&p, &sizes);
+        let layout = Workspace::layout(&p, &sizes).unwrap();
         let (xd, wd) = (DeviceMem::with(&fill(sizes.x, rank)), DeviceMem::with(&fill(sizes.w, 100 + rank)));
         let outd = DeviceMem::with(&vec![0xff; sizes.result * 4]);
         let wsd = DeviceMem::with(&vec![0; layout.total]);
@@ -920,8 +972,9 @@ mod tests {
             comm_failed: false,
             tf32: false,
             fp8_workspace: None,
+            watch: None,
         };
-        issue(&p, &sched, &mut ops).unwrap();
+        issue(&p, &sched, &mut ops, 0).unwrap();
         drop(d);
         // SAFETY: `stream` is live; the test (not the hot path) waits for it.
         unsafe { api::stream_synchronize(stream) }.unwrap();

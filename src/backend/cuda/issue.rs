@@ -6,6 +6,9 @@
 //! `exec::stream::StreamSchedule` in issue order. `join`: an event recorded
 //! on every lane stream, waited on by XLA's stream, so XLA's later work sees
 //! the output and the workspace is not reused while a lane still runs.
+//! `mark`: up to `marks` progress marks, each recorded on a lane after one
+//! of its steps, spread evenly over the steps in issue order (the device
+//! watchdog's sign that a long call is still moving).
 #![forbid(unsafe_code)]
 
 use crate::error::Result;
@@ -21,6 +24,8 @@ pub trait StreamOps {
     fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()>;
     /// Enqueues a step on its lane's stream.
     fn run(&mut self, lane: usize, step: &Step) -> Result<()>;
+    /// Records progress mark `mark` on a lane's stream.
+    fn mark(&mut self, lane: usize, mark: usize) -> Result<()>;
 }
 
 /// Events a call needs: the schedule's, one fork event, one join event per lane.
@@ -28,20 +33,39 @@ pub fn events_needed(schedule: &StreamSchedule) -> usize {
     schedule.events + 1 + schedule.lanes.len()
 }
 
-/// Enqueues all of `plan` (whose schedule is `schedule`) on `ops`' streams.
+/// Progress marks a call with `schedule` records when it may record up to `most`.
+pub fn marks_needed(schedule: &StreamSchedule, most: usize) -> usize {
+    runs(schedule).min(most)
+}
+
+fn runs(schedule: &StreamSchedule) -> usize {
+    schedule.issue.iter().filter(|(_, c)| matches!(c, Command::Run(_))).count()
+}
+
+/// Enqueues all of `plan` (whose schedule is `schedule`) on `ops`' streams,
+/// with `marks` progress marks (at most one per step).
 /// On error, what was enqueued stays enqueued; the caller's stream is joined
 /// only on success (the caller reports the error and XLA fails the run).
-pub fn issue(plan: &Plan, schedule: &StreamSchedule, ops: &mut impl StreamOps) -> Result<()> {
+pub fn issue(plan: &Plan, schedule: &StreamSchedule, ops: &mut impl StreamOps, marks: usize) -> Result<()> {
     let fork = schedule.events;
     let join = |lane: usize| schedule.events + 1 + lane;
     ops.record(None, fork)?;
     for lane in 0..schedule.lanes.len() {
         ops.wait(Some(lane), fork)?;
     }
+    let runs = runs(schedule);
+    let mut ran = 0;
     for &(lane, command) in &schedule.issue {
         match command {
             Command::Wait(e) => ops.wait(Some(lane), e)?,
-            Command::Run(s) => ops.run(lane, &plan.steps[s])?,
+            Command::Run(s) => {
+                ops.run(lane, &plan.steps[s])?;
+                ran += 1;
+                // Mark k follows the step where ran * marks / runs first reaches k + 1.
+                if ran * marks / runs > (ran - 1) * marks / runs {
+                    ops.mark(lane, ran * marks / runs - 1)?;
+                }
+            }
             Command::Record(e) => ops.record(Some(lane), e)?,
         }
     }
@@ -76,6 +100,35 @@ mod tests {
             self.ops.push((Some(lane), format!("run {}", step.id)));
             Ok(())
         }
+        fn mark(&mut self, lane: usize, mark: usize) -> Result<()> {
+            self.ops.push((Some(lane), format!("mark {mark}")));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn marks_are_spread_over_the_steps_each_after_a_step_of_its_lane() {
+        for n in [1, 2, 4, 8] {
+            let p = plan(Pattern::Scatter, Schedule::Ring, n, 0);
+            let s = StreamSchedule::new(&p);
+            for most in [0, 1, 3, 8] {
+                let marks = marks_needed(&s, most);
+                assert_eq!(marks, p.steps.len().min(most));
+                let mut log = Log::default();
+                issue(&p, &s, &mut log, marks).unwrap();
+                let recorded: Vec<usize> =
+                    log.ops.iter().filter_map(|(_, o)| o.strip_prefix("mark ")?.parse().ok()).collect();
+                assert_eq!(recorded, (0..marks).collect::<Vec<_>>(), "n={n} most={most}");
+                for (i, op) in log.ops.iter().enumerate().filter(|(_, (_, o))| o.starts_with("mark")) {
+                    assert!(log.ops[i - 1].1.starts_with("run") && log.ops[i - 1].0 == op.0, "{:?}", log.ops);
+                }
+                // The last mark follows the last step.
+                if marks > 0 {
+                    let last_run = log.ops.iter().rposition(|(_, o)| o.starts_with("run")).unwrap();
+                    assert_eq!(log.ops[last_run + 1].1, format!("mark {}", marks - 1));
+                }
+            }
+        }
     }
 
     #[test]
@@ -85,7 +138,7 @@ mod tests {
                 let p = plan(pattern, Schedule::Auto, n, n - 1);
                 let s = StreamSchedule::new(&p);
                 let mut log = Log::default();
-                issue(&p, &s, &mut log).unwrap();
+                issue(&p, &s, &mut log, 0).unwrap();
                 let fork = s.events;
                 let caller: Vec<&String> = log.ops.iter().filter(|(st, _)| st.is_none()).map(|(_, o)| o).collect();
                 assert_eq!(caller.first().map(|s| s.as_str()), Some(format!("record {fork}").as_str()));

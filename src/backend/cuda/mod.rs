@@ -193,7 +193,14 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let workspace = frame.device_ret_bytes(1, "workspace")?;
     let operands = [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)];
     let (problem, plan) = crate::ops::problem_and_plan(kind, schedule, operands, frame.attr_i64("dimension")?, &group)?;
-    let layout = Workspace::layout(&plan, &problem.sizes());
+    if problem.is_trivial() {
+        // Nothing to multiply or move (every rank skips alike): zeros, as
+        // jax.lax gives for an empty contraction.
+        let stream = frame.stream()?;
+        let dev = device::bind_for_execute(stream)?;
+        return device::zero_result(&dev.lock().unwrap_or_else(|e| e.into_inner()), &out, stream);
+    }
+    let layout = Workspace::layout(&plan, &problem.sizes())?;
     let fp8_workspace =
         x.dtype.is_fp8().then(|| fp8_workspace(&layout, workspace.addr, workspace.bytes)).transpose()?;
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
@@ -224,7 +231,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     CallOps::prepare(&mut d, issue::events_needed(&streams))?;
     // Calls that communicate are watched until their work finishes on the
     // device: a peer that never arrives would leave the stream stalled.
-    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c)).transpose()?;
+    let marks = issue::marks_needed(&streams, watchdog::MAX_MARKS);
+    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c, marks)).transpose()?;
     let mut ops = CallOps {
         device: &mut d,
         xla: xla_stream,
@@ -235,8 +243,12 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         comm_failed: false,
         tf32: frame.has_attr("tf32") && frame.attr_i64("tf32")? != 0,
         fp8_workspace,
+        watch: watch.as_ref(),
     };
-    let result = issue::issue(&plan, &streams, &mut ops);
+    let marked = if watch.is_some() { marks } else { 0 };
+    let result = issue::issue(&plan, &streams, &mut ops, marked);
+    let comm_failed = ops.comm_failed;
+    drop(ops);
     let result = match (result, watch) {
         (Ok(()), Some(w)) => w.submit(xla_stream, kind.name(), site, group.rank, timeout),
         (Err(e), Some(w)) => {
@@ -245,7 +257,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         }
         (result, None) => result,
     };
-    if let Some(c) = comms.as_ref().filter(|_| ops.comm_failed) {
+    if let Some(c) = comms.as_ref().filter(|_| comm_failed) {
         c.abort_rank(group.rank);
         device::evict(&key, c);
     }

@@ -7,21 +7,27 @@
 //! the handler records two events of a pool on XLA's stream, one before the
 //! call's work and one after its join, and hands them to the watchdog (no
 //! host synchronisation; no allocation once the pool and queues have grown
-//! to the largest number of calls in flight).
+//! to the largest number of calls in flight). Up to [`MAX_MARKS`] more
+//! events, recorded on the call's lanes after some of its steps, show that
+//! the call is moving.
 //!
 //! One thread per process (started at the first watched call) polls the
 //! events every [`POLL_INTERVAL`] while any call is pending, and sleeps on a
-//! condition variable otherwise. The timeout counts from when the call's
-//! work *started on the device* (its first event completed), not from when
-//! the host enqueued it: XLA's host thread runs ahead of the device, so a call
-//! may sit in the stream's queue long before it starts. When a call's work
-//! does not finish within the timeout, its group is expired as a whole: the
+//! condition variable otherwise. The timeout counts time *without progress
+//! on the device*: from when the call's work started there (its first event
+//! completed; XLA's host thread runs ahead of the device, so a call may sit
+//! in the stream's queue long before it starts) or, later, from when one of
+//! its marks last completed. A long call whose steps keep completing is not
+//! expired. When a call makes no progress for the timeout, or the process
+//! was interrupted (`config::interrupt`) after the call was submitted, its
+//! group is expired as a whole: the
 //! group's communicators in this process are aborted (`ncclCommAbort`, which
 //! makes the spinning kernels return, so the streams move on), the group is
 //! evicted from the communicator cache, and each device with work of that
 //! group pending gets a failure record: its next call returns
-//! DEADLINE_EXCEEDED naming the timed-out call, its rank, and which ranks'
-//! parts never completed as far as this process knows. The failure is also
+//! DEADLINE_EXCEEDED (CANCELLED after an interrupt) naming the stopped call,
+//! its rank, and which ranks' parts never completed as far as this process
+//! knows. The failure is also
 //! logged to stderr once, when it is detected.
 //!
 //! This module is the bookkeeping only, generic over an [`EventSource`] (the
@@ -41,6 +47,9 @@ use std::time::{Duration, Instant};
 /// are seconds, so a few milliseconds of lateness is nothing, and one query
 /// per pending call every 5 ms costs next to nothing on the host.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(5);
+
+/// Events a call may record between its start and its end to show progress.
+pub const MAX_MARKS: usize = 8;
 
 /// The state of one recorded event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,21 +108,40 @@ pub struct Watch<S: EventSource> {
     /// Recorded on XLA's stream before the call's work, and after its join.
     pub start: S::Event,
     pub end: S::Event,
+    /// Recorded on the call's lanes after some of its steps (see `MAX_MARKS`).
+    pub marks: [Option<S::Event>; MAX_MARKS],
+    /// How long the call may go without progress on the device.
     pub timeout: Duration,
+    /// `config::interrupts()` when the call was enqueued.
+    pub interrupts: u64,
     pub group: Arc<S::Group>,
     pub call: CallInfo,
+}
+
+impl<S: EventSource> Watch<S> {
+    /// Every event of the call, to give back to its device's pool.
+    fn events(&self) -> impl Iterator<Item = (i32, S::Event)> + '_ {
+        let all = [self.start, self.end].into_iter().chain(self.marks.iter().flatten().copied());
+        all.map(|e| (self.device, e))
+    }
 }
 
 struct Entry<S: EventSource> {
     watch: Watch<S>,
     /// When the watchdog first saw `start` completed.
     started: Option<Instant>,
+    /// When it last saw `start` or a mark complete.
+    moved: Option<Instant>,
+    /// Which marks it saw completed (bit i: `marks[i]`).
+    marks_done: u32,
 }
 
 /// A timed-out call, reported by its device's next call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Failure {
     device: i32,
+    /// Expired by an interrupt, not by a timeout.
+    interrupted: bool,
     message: String,
     /// Later calls of the same device that were aborted with it.
     more: usize,
@@ -125,6 +153,13 @@ impl Failure {
             0 => String::new(),
             n => format!(" ({n} later call(s) on this device were aborted too)"),
         };
+        if self.interrupted {
+            return Error::Interrupted(format!(
+                "an earlier commfuse call on CUDA device {} was stopped by an interrupt, so this call was not run: \
+                 {}{more}",
+                self.device, self.message
+            ));
+        }
         Error::DeadlineExceeded(format!(
             "an earlier commfuse call on CUDA device {} timed out on the device, so this call was not run: {}{more}",
             self.device, self.message
@@ -159,7 +194,8 @@ pub struct Work<S: EventSource> {
     entries: Vec<Entry<S>>,
     /// Expired groups whose abort answered `Busy`.
     aborting: Vec<Arc<S::Group>>,
-    expired: Vec<Arc<S::Group>>,
+    /// Groups to expire at this poll, and whether by an interrupt.
+    expired: Vec<(Arc<S::Group>, bool)>,
     returned: Vec<(i32, S::Event)>,
 }
 
@@ -221,7 +257,7 @@ impl<S: EventSource> Core<S> {
     /// Watches a call until its `end` event completes or its group expires.
     pub fn submit(&self, watch: Watch<S>) {
         let mut state = lock(&self.state);
-        state.pending.push(Entry { watch, started: None });
+        state.pending.push(Entry { watch, started: None, moved: None, marks_done: 0 });
         if state.parked {
             self.wake.notify_one();
         }
@@ -249,11 +285,13 @@ impl<S: EventSource> Core<S> {
     }
 
     /// One poll at time `now`: takes the newly submitted calls, drops the
-    /// finished ones, expires the groups of calls past their timeout, retries
-    /// the aborts that were busy. Returns whether anything is still pending.
+    /// finished ones, expires the groups of calls that made no progress for
+    /// their timeout or were interrupted, retries the aborts that were busy.
+    /// Returns whether anything is still pending.
     pub fn tick(&self, work: &mut Work<S>, now: Instant) -> bool {
         work.entries.append(&mut lock(&self.state).pending);
         self.polls.fetch_add(1, Ordering::Relaxed);
+        let interrupts = crate::config::interrupts();
         let Work { entries, aborting, expired, returned } = work;
         let source = &self.source;
         entries.retain_mut(|e| {
@@ -262,28 +300,42 @@ impl<S: EventSource> Core<S> {
                     return true;
                 }
                 e.started = Some(now);
+                e.moved = Some(now);
             }
             if source.query(e.watch.end) == Query::Done {
-                returned.extend([(e.watch.device, e.watch.start), (e.watch.device, e.watch.end)]);
+                returned.extend(e.watch.events());
                 return false;
             }
-            let late = e.started.is_some_and(|t| now.duration_since(t) >= e.watch.timeout);
+            if e.started.is_some() {
+                for (i, mark) in e.watch.marks.iter().enumerate() {
+                    let seen = e.marks_done & (1 << i) != 0;
+                    if let Some(mark) = mark.filter(|_| !seen) {
+                        if source.query(mark) == Query::Done {
+                            e.marks_done |= 1 << i;
+                            e.moved = Some(now);
+                        }
+                    }
+                }
+            }
+            let interrupted = e.watch.interrupts != interrupts;
+            let late = e.moved.is_some_and(|t| now.duration_since(t) >= e.watch.timeout);
             // A group already being aborted is not expired again: its late
             // calls (ones that took it from the cache before its eviction)
             // wait until that abort is done.
-            if late && !expired.iter().chain(aborting.iter()).any(|g| Arc::ptr_eq(g, &e.watch.group)) {
-                expired.push(Arc::clone(&e.watch.group));
+            let known = expired.iter().map(|(g, _)| g).chain(aborting.iter()).any(|g| Arc::ptr_eq(g, &e.watch.group));
+            if (late || interrupted) && !known {
+                expired.push((Arc::clone(&e.watch.group), interrupted && !late));
             }
             true
         });
 
         let mut failures = Vec::new();
-        for group in expired.drain(..) {
-            failures.extend(describe(&group, entries));
+        for (group, interrupted) in expired.drain(..) {
+            failures.extend(describe(&group, entries, interrupted, now));
             entries.retain(|e| {
                 let keep = !Arc::ptr_eq(&e.watch.group, &group);
                 if !keep {
-                    returned.extend([(e.watch.device, e.watch.start), (e.watch.device, e.watch.end)]);
+                    returned.extend(e.watch.events());
                 }
                 keep
             });
@@ -309,7 +361,8 @@ impl<S: EventSource> Core<S> {
             }
         }
         for f in &failures {
-            eprintln!("commfuse: device-side timeout on CUDA device {}: {}", f.device, f.message);
+            let what = if f.interrupted { "interrupt" } else { "timeout" };
+            eprintln!("commfuse: device-side {what} on CUDA device {}: {}", f.device, f.message);
         }
         !work.is_idle()
     }
@@ -325,7 +378,12 @@ fn free_event<E>(free: &mut Vec<(i32, Vec<E>)>, device: i32, event: E) {
 /// The failure of each device with pending work of the expired `group`: its
 /// earliest call of the group, and which ranks' parts of that call never
 /// completed.
-fn describe<S: EventSource>(group: &Arc<S::Group>, entries: &[Entry<S>]) -> Vec<Failure> {
+fn describe<S: EventSource>(
+    group: &Arc<S::Group>,
+    entries: &[Entry<S>],
+    interrupted: bool,
+    now: Instant,
+) -> Vec<Failure> {
     let mine = || entries.iter().filter(|e| Arc::ptr_eq(&e.watch.group, group));
     let mut failures: Vec<Failure> = Vec::new();
     for e in mine() {
@@ -335,7 +393,8 @@ fn describe<S: EventSource>(group: &Arc<S::Group>, entries: &[Entry<S>]) -> Vec<
         }
         let first = mine().filter(|x| x.watch.device == device).min_by_key(|x| x.watch.call.seq).unwrap_or(e);
         let more = mine().filter(|x| x.watch.device == device).count() - 1;
-        failures.push(Failure { device, message: message(group.as_ref(), first, mine()), more });
+        let message = message(group.as_ref(), first, mine(), interrupted, now);
+        failures.push(Failure { device, interrupted, message, more });
     }
     failures
 }
@@ -344,17 +403,27 @@ fn message<'a, S: EventSource>(
     group: &S::Group,
     e: &Entry<S>,
     group_entries: impl Iterator<Item = &'a Entry<S>> + Clone,
+    interrupted: bool,
+    now: Instant,
 ) -> String {
     let CallInfo { op, site, rank, seq } = e.watch.call;
     let devices = group.devices();
+    let since = |t: Option<Instant>| t.map_or(0.0, |t| now.duration_since(t).as_secs_f64());
+    let why = if interrupted {
+        "the process was interrupted (SIGINT) while it had not completed".to_string()
+    } else {
+        format!(
+            "it made no progress on the device for {:.1} s (it started there {:.1} s ago; COMMFUSE_TIMEOUT_S / \
+             commfuse.configure(timeout_s=))",
+            e.watch.timeout.as_secs_f64(),
+            since(e.started)
+        )
+    };
     let mut text = format!(
         "{op} (call site {site}), rank {rank} of the group {devices:?} (mesh device ids), call {} on this group: \
-         it did not complete on the device within {:.1} s of starting there (COMMFUSE_TIMEOUT_S / \
-         commfuse.configure(timeout_s=)); the group's communicators in this process were aborted, so the outputs \
-         of that call and of the later calls on its stream that used the group are invalid. Ranks whose part of \
-         the call never completed:",
+         {why}; the group's communicators in this process were aborted, so the outputs of that call and of the \
+         later calls on its stream that used the group are invalid. Ranks whose part of the call never completed:",
         seq + 1,
-        e.watch.timeout.as_secs_f64()
     );
     let mut listed = 0;
     for (q, device) in devices.iter().enumerate() {
@@ -531,7 +600,9 @@ mod tests {
             device,
             start: 2 * id,
             end: 2 * id + 1,
+            marks: [None; MAX_MARKS],
             timeout: TIMEOUT,
+            interrupts: crate::config::interrupts(),
             group: Arc::clone(group),
             call: CallInfo { op: "all_gather_matmul", site: 7, rank, seq },
         }
@@ -610,7 +681,7 @@ mod tests {
             "earlier commfuse call on CUDA device 0 timed out on the device",
             "all_gather_matmul (call site 7), rank 0 of the group [0, 1]",
             "call 4 on this group",
-            "within 10.0 s",
+            "made no progress on the device for 10.0 s",
             "rank 0 (mesh device 0, this call): still running on its device",
             "rank 1 (mesh device 1): had not issued it (it issued 3 call(s) on this group)",
         ] {
@@ -716,6 +787,53 @@ mod tests {
         // that one, the earliest, with the queued call of `group` after it.
         let m1 = message_of(&core, 1);
         assert!(m1.contains("of the group [1, 2]") && m1.contains("1 later call(s)"), "{m1}");
+    }
+
+    #[test]
+    fn a_call_whose_marks_keep_completing_is_not_expired_however_long_it_runs() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let group = FakeGroup::new(&[0, 1], &[Some(1), Some(1)]);
+        let mut w = watch(0, 0, &group, 0, 0);
+        w.marks[..3].copy_from_slice(&[Some(100), Some(101), Some(102)]);
+        core.submit(w);
+        core.source().complete(0);
+        assert!(core.tick(&mut work, t0));
+        // Each mark completes a little before the timeout since the last one.
+        let step = TIMEOUT - Duration::from_secs(1);
+        for (i, mark) in [100, 101, 102].into_iter().enumerate() {
+            core.source().complete(mark);
+            assert!(core.tick(&mut work, t0 + step * (i as u32 + 1)));
+        }
+        assert!(core.tick(&mut work, t0 + step * 3 + TIMEOUT - Duration::from_millis(1)));
+        assert!(core.source().aborts().is_empty(), "moving for 3.6 timeouts, never expired");
+        assert_eq!(core.check(0), Ok(()));
+        // Then no progress for the timeout: expired, and all five events return to the pool.
+        assert!(!core.tick(&mut work, t0 + step * 3 + TIMEOUT));
+        let m = message_of(&core, 0);
+        assert!(m.contains("made no progress on the device for 10.0 s (it started there 37.0 s ago"), "{m}");
+        let pooled: HashSet<u32> = std::iter::from_fn(|| core.take_event(0)).collect();
+        assert_eq!(pooled, HashSet::from([0, 1, 100, 101, 102]));
+    }
+
+    #[test]
+    fn an_interrupt_expires_the_calls_enqueued_before_it_at_the_next_poll() {
+        let core = Core::new(Fake::default());
+        let mut work = Work::default();
+        let t0 = Instant::now();
+        let group = FakeGroup::new(&[0, 1], &[Some(1), Some(0)]);
+        let mut w = watch(0, 0, &group, 0, 0);
+        // As if the process was interrupted after the call was enqueued.
+        w.interrupts = crate::config::interrupts().wrapping_sub(1);
+        core.submit(w);
+        core.source().complete(0);
+        assert!(!core.tick(&mut work, t0 + Duration::from_millis(5)), "expired long before the timeout");
+        assert_eq!(core.source().aborts(), vec![(vec![0, 1], Abort::Done)]);
+        match core.check(0) {
+            Err(Error::Interrupted(m)) => assert!(m.contains("stopped by an interrupt") && m.contains("SIGINT"), "{m}"),
+            other => panic!("expected an interrupt error, got {other:?}"),
+        }
     }
 
     /// The thread: no polls while nothing is pending, modest polling while a

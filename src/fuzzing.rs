@@ -1,0 +1,578 @@
+//! The fuzzers' cases, made from arbitrary bytes: call frames for the
+//! exported CPU handler, and problems and plans for the planner. libFuzzer
+//! feeds them bytes in `fuzz/`, a seeded generator in `tests/frame_fuzz.rs`,
+//! and `tests/fuzz_corpus.rs` replays the corpus checked in under
+//! `fuzz/corpus/`. Each `check_*` returns `Err` saying what broke: a panic,
+//! an error code a case of its kind must not get, a wrong result.
+//!
+//! A frame case starts as a valid call of a random op (shapes, dtypes,
+//! schedule, mesh, workspace as Python would lower it), then may get value
+//! mutations (dims, including 0, negative and overflowing ones; dtype codes;
+//! attribute values and types; operand counts) and structural corruptions
+//! (`synthetic::Corruption`). What it must get:
+//! - never a panic (a caught one is an INTERNAL "panic in ..."), never an
+//!   abort, only the library's error codes;
+//! - a well-formed frame (no corruption, every buffer allocated): no INTERNAL;
+//! - a valid call on one rank: success, and the product `jax.lax` gives;
+//! - a valid call on several ranks (whose peers never come): DEADLINE_EXCEEDED
+//!   after the short test timeout, or success at once when it has nothing to
+//!   compute (an empty result or contraction).
+#![forbid(unsafe_code)]
+
+use crate::backend::cpu::numeric::{load, store};
+use crate::comm::Group;
+use crate::dtype::DType;
+use crate::ops::{self, CallShapes};
+use crate::plan::{Action, Buf, SlotKind, Workspace};
+use crate::problem::{Side, View};
+use crate::xla::synthetic::{self, Attr, Built, Call, Corruption, Handler};
+use crate::xla::sys;
+use arbitrary::{Result, Unstructured};
+
+const F32: u32 = sys::XLA_FFI_DataType_F32;
+const F64: u32 = sys::XLA_FFI_DataType_F64;
+const BF16: u32 = sys::XLA_FFI_DataType_BF16;
+const F16: u32 = sys::XLA_FFI_DataType_F16;
+const U8: u32 = sys::XLA_FFI_DataType_U8;
+const DTYPES: [u32; 4] = [F32, F64, BF16, F16];
+
+/// Dims, counts and codes at the edges: empty, one, negative, and products
+/// that overflow i64, usize or the library's limits.
+const INTERESTING: [i64; 16] = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    -1,
+    -2,
+    i64::MIN,
+    i64::MAX,
+    1 << 31,
+    1 << 32,
+    (1 << 32) + 1,
+    1 << 40,
+    1 << 55,
+    1 << 62,
+    (1 << 62) + 1,
+];
+
+/// The canonical product of a valid call on one rank: `out = lhs @ rhs`,
+/// `lhs` (operand `lhs`) as `rows x k`, the other operand `k x n`.
+#[derive(Debug, Clone, Copy)]
+struct Product {
+    lhs: usize,
+    rows: usize,
+    k: usize,
+    n: usize,
+}
+
+/// One generated call of the CPU handler and what it must get.
+pub struct FrameCase {
+    pub call: Call,
+    pub corruptions: Vec<Corruption>,
+    /// Values were changed from the valid call (any outcome but a panic or
+    /// an unknown code is then fine, and INTERNAL only if not well formed).
+    pub mutated: bool,
+    pub ranks: usize,
+    /// Nothing to compute: an empty result or contraction.
+    pub trivial: bool,
+    product: Product,
+    /// Seeds the operands' values.
+    seed: u64,
+}
+
+/// What a checked case got, for the fuzzers' statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    /// An error with this XLA code.
+    Error(u32),
+}
+
+fn dim(u: &mut Unstructured) -> Result<i64> {
+    // Small, and 0 one time in six: every op meets empty operands.
+    Ok(i64::from(u.int_in_range(0u8..=5)?))
+}
+
+/// A valid call of a random op on a random group (as Python lowers it).
+fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
+    let kind = u.int_in_range(0u8..=9)?;
+    let r = *u.choose(&[1usize, 1, 1, 1, 2, 3, 4])?;
+    let ri = r as i64;
+    let (m, k, n) = (dim(u)?, dim(u)?, dim(u)?);
+    let input = *u.choose(&DTYPES)?;
+    let output = *u.choose(&DTYPES)?;
+    // (x dims, w dims, out dims, dimension attr, lhs operand)
+    let (x, w, out, dimension, lhs): (Vec<i64>, Vec<i64>, Vec<i64>, i64, usize) = match kind {
+        0 | 4 => {
+            let rank3 = u.arbitrary::<bool>()?;
+            let a = dim(u)?;
+            let d = if rank3 { i64::from(u.int_in_range(0u8..=1)?) } else { 0 };
+            let mut x = if rank3 { vec![a, m, k] } else { vec![m, k] };
+            let mut out = x.clone();
+            *out.last_mut().expect("rank >= 2") = n;
+            if kind == 0 {
+                out[d as usize] *= ri;
+            } else {
+                x[d as usize] *= ri;
+            }
+            (x, vec![k, n], out, d, 0)
+        }
+        1 => (vec![m, k], vec![ri * k, n], vec![m, n], 0, 0),
+        2 => (vec![k, n], vec![m, k], vec![m, ri * n], 0, 1),
+        3 => (vec![k, n], vec![m, ri * k], vec![m, n], 0, 1),
+        5 => (vec![m, k], vec![k, ri * n], vec![m, n], 0, 0),
+        6 | 8 => (vec![ri, m, k], vec![k, n], vec![ri, m, n], 0, 0),
+        7 => (vec![ri, m, k], vec![ri * k, n], vec![m, n], 0, 0),
+        _ => (vec![m, k], vec![k, ri * n], vec![ri, m, n], 0, 0),
+    };
+    let rows = usize::try_from(x_rows(&x, &w, lhs)).unwrap_or(0);
+    let trivial = out.contains(&0) || k == 0;
+
+    // Schedules: the four plain ones, or a cut one where it exists (a row
+    // gather or scatter along the leading dim), its chunks dividing a block's rows.
+    let mut schedule = i64::from(u.int_in_range(0u8..=3)?);
+    if matches!(kind, 0 | 4) && dimension == 0 && u.arbitrary::<bool>()? {
+        let block_rows = if kind == 0 { rows } else { rows / r };
+        let divisors: Vec<usize> = (1..=block_rows.max(1)).filter(|c| block_rows % c == 0).collect();
+        let chunks = *u.choose(&divisors)? as i64;
+        let code = if u.arbitrary::<bool>()? { ops::SLICED } else { ops::TILED };
+        schedule = code | (chunks << 8);
+    }
+
+    // The mesh: this device (the fake API's ordinal) at a random rank of a
+    // 1-D group, sometimes inside a 2-D mesh whose other axis is left out.
+    let me = i64::from(synthetic::DEVICE_ORDINAL);
+    let at = u.int_in_range(0..=r - 1)?;
+    let group: Vec<i64> = (0..r).map(|q| if q == at { me } else { 3000 + q as i64 }).collect();
+    let (mesh_devices, mesh_shape, axes) = if u.arbitrary::<bool>()? {
+        let mut devices = group.clone();
+        devices.extend(group.iter().map(|d| d + 100_000));
+        (devices, vec![2, ri], vec![1])
+    } else {
+        (group, vec![ri], vec![0])
+    };
+
+    let shapes =
+        CallShapes { kind: i64::from(kind), schedule, ranks: ri, dimension, x: &x, w: &w, out: &out, input, output };
+    let workspace = ops::workspace_bytes(&shapes).unwrap_or(0) as i64;
+    let call = Call {
+        args: vec![(input, x), (input, w)],
+        rets: vec![(output, out), (U8, vec![workspace])],
+        attrs: vec![
+            ("kind", Attr::I64(i64::from(kind))),
+            ("schedule", Attr::I64(schedule)),
+            ("site", Attr::I64(u.int_in_range(1..=1 << 20)?)),
+            ("dimension", Attr::I64(dimension)),
+            ("mesh_devices", Attr::I64s(mesh_devices)),
+            ("mesh_shape", Attr::I64s(mesh_shape)),
+            ("axes", Attr::I64s(axes)),
+        ],
+        ..Default::default()
+    };
+    let product = Product { lhs, rows, k: k as usize, n: n as usize };
+    Ok(FrameCase { call, corruptions: vec![], mutated: false, ranks: r, trivial, product, seed: u.arbitrary()? })
+}
+
+/// Rows of the `lhs` operand as a matrix (all dims but the last).
+fn x_rows(x: &[i64], w: &[i64], lhs: usize) -> i64 {
+    let a = if lhs == 0 { x } else { w };
+    a[..a.len() - 1].iter().product()
+}
+
+fn interesting(u: &mut Unstructured) -> Result<i64> {
+    Ok(if u.ratio(3u8, 4)? { *u.choose(&INTERESTING)? } else { u.arbitrary()? })
+}
+
+fn any_attr(u: &mut Unstructured) -> Result<Attr> {
+    Ok(match u.int_in_range(0u8..=4)? {
+        0 => Attr::I64(interesting(u)?),
+        1 => Attr::I32(u.arbitrary()?),
+        2 => Attr::F32(u.arbitrary()?),
+        3 => {
+            let len = u.int_in_range(0usize..=4)?;
+            Attr::I64s((0..len).map(|_| interesting(u)).collect::<Result<_>>()?)
+        }
+        _ => Attr::Str("not a number"),
+    })
+}
+
+/// One change of a value a caller controls.
+fn mutate(u: &mut Unstructured, call: &mut Call) -> Result<()> {
+    const NAMES: [&str; 8] = ["kind", "schedule", "site", "dimension", "mesh_devices", "mesh_shape", "axes", "zzz"];
+    match u.int_in_range(0u8..=9)? {
+        // A dim of an operand or result.
+        0 | 1 => {
+            let on_args = u.arbitrary::<bool>()?;
+            let list = if on_args { &mut call.args } else { &mut call.rets };
+            if let Some(i) = (!list.is_empty()).then(|| u.int_in_range(0..=list.len() - 1)).transpose()? {
+                let dims = &mut list[i].1;
+                if !dims.is_empty() {
+                    let j = u.int_in_range(0..=dims.len() - 1)?;
+                    dims[j] = interesting(u)?;
+                }
+            }
+        }
+        // A dim more or less.
+        2 => {
+            let list = if u.arbitrary::<bool>()? { &mut call.args } else { &mut call.rets };
+            if let Some(i) = (!list.is_empty()).then(|| u.int_in_range(0..=list.len() - 1)).transpose()? {
+                if u.arbitrary::<bool>()? {
+                    list[i].1.pop();
+                } else {
+                    let d = dim(u)?;
+                    list[i].1.insert(0, d);
+                }
+            }
+        }
+        // A dtype code.
+        3 => {
+            let list = if u.arbitrary::<bool>()? { &mut call.args } else { &mut call.rets };
+            if let Some(i) = (!list.is_empty()).then(|| u.int_in_range(0..=list.len() - 1)).transpose()? {
+                list[i].0 =
+                    *u.choose(&[F32, F64, BF16, F16, 19, 20, U8, sys::XLA_FFI_DataType_S32, 0, 99, u32::MAX])?;
+            }
+        }
+        // An operand or result more or less.
+        4 => {
+            let list = if u.arbitrary::<bool>()? { &mut call.args } else { &mut call.rets };
+            if u.arbitrary::<bool>()? {
+                list.pop();
+            } else {
+                list.push((F32, vec![2, 2]));
+            }
+        }
+        // An attribute's value (of any type), gone, or a stray one.
+        5 | 6 => {
+            let name = *u.choose(&NAMES)?;
+            let attr = any_attr(u)?;
+            call.attrs.retain(|(n, _)| *n != name);
+            call.attrs.push((name, attr));
+        }
+        7 => {
+            let name = *u.choose(&NAMES)?;
+            call.attrs.retain(|(n, _)| *n != name);
+        }
+        // Schedule codes at the edges of the cut encoding.
+        8 => {
+            let chunks = interesting(u)?;
+            let code = *u.choose(&[ops::SLICED, ops::TILED, 0, 6, 255])?;
+            call.attrs.retain(|(n, _)| *n != "schedule");
+            call.attrs.push(("schedule", Attr::I64(code | chunks.wrapping_shl(8))));
+        }
+        // The workspace's size.
+        _ => {
+            if let Some(ws) = call.rets.get_mut(1) {
+                ws.1 = vec![interesting(u)?.rem_euclid(1 << 16)];
+            }
+        }
+    }
+    Ok(())
+}
+
+fn corruption(u: &mut Unstructured) -> Result<Corruption> {
+    let size = *u.choose(&[0usize, 1, 8, 16, 24, 1 << 20, usize::MAX])?;
+    let index = u.int_in_range(0usize..=7)?;
+    let result = u.arbitrary()?;
+    Ok(match u.int_in_range(0u8..=16)? {
+        0 => Corruption::FrameStructSize(size),
+        1 => Corruption::ApiStructSize(size),
+        2 => Corruption::ArgsStructSize(size),
+        3 => Corruption::RetsStructSize(size),
+        4 => Corruption::AttrsStructSize(size),
+        5 => Corruption::BufferStructSize { result, index, size },
+        6 => Corruption::NegativeCount { list: index },
+        7 => Corruption::NullArray { list: index, which: u.arbitrary()? },
+        8 => Corruption::ArgType { index, code: u.arbitrary()? },
+        9 => Corruption::RetType { index, code: u.arbitrary()? },
+        10 => Corruption::NegativeRank { result, index },
+        11 => Corruption::NullDims { result, index },
+        12 => Corruption::AttrType { index, code: u.arbitrary()? },
+        13 => Corruption::NullAttrValue { index },
+        14 => Corruption::NullAttrName { index },
+        15 => Corruption::NullApi,
+        _ => Corruption::Stage(u.arbitrary()?),
+    })
+}
+
+/// A frame case from `u`: a valid call, then (sometimes) mutations and corruptions.
+pub fn frame_case(u: &mut Unstructured) -> Result<FrameCase> {
+    let mut case = valid_call(u)?;
+    if u.ratio(1u8, 2)? {
+        for _ in 0..u.int_in_range(1u8..=3)? {
+            mutate(u, &mut case.call)?;
+        }
+        case.mutated = true;
+    }
+    if u.ratio(1u8, 8)? {
+        for _ in 0..u.int_in_range(1u8..=2)? {
+            case.corruptions.push(corruption(u)?);
+        }
+    }
+    Ok(case)
+}
+
+/// Values in [-1, 1], never all zero, from a seed (splitmix64).
+fn values(seed: u64, len: usize) -> Vec<f64> {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+        })
+        .collect()
+}
+
+/// Fills operand `i` of `dtype` with values (when it is allocated and of a
+/// float dtype); returns them as the operand holds them (rounded to its dtype).
+fn fill(built: &mut Built, dtype: Option<u32>, i: usize, seed: u64) -> Option<Vec<f64>> {
+    let dtype = DType::from_xla(dtype?).filter(|d| !d.is_fp8())?;
+    let data = built.arg_data_mut(i)?;
+    let values = values(seed ^ i as u64, data.len() / dtype.size());
+    store(&values, dtype, data).ok()?;
+    let mut held = vec![0f64; values.len()];
+    load(data, dtype, &mut held).ok()?;
+    Some(held)
+}
+
+const ALLOWED: [u32; 5] = [
+    sys::XLA_FFI_Error_Code_INVALID_ARGUMENT,
+    sys::XLA_FFI_Error_Code_UNIMPLEMENTED,
+    sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED,
+    sys::XLA_FFI_Error_Code_INTERNAL,
+    sys::XLA_FFI_Error_Code_CANCELLED,
+];
+
+/// Runs `case` through `handler` and checks what it got (see the module's doc).
+pub fn check_frame_case(case: FrameCase, handler: Handler) -> std::result::Result<Outcome, String> {
+    let FrameCase { call, corruptions, mutated, ranks, trivial, product, seed } = case;
+    let valid = !mutated && corruptions.is_empty();
+    let out_dtype = call.rets.first().and_then(|r| DType::from_xla(r.0));
+    let input = call.args.first().and_then(|a| DType::from_xla(a.0));
+    let arg_dtype = |i: usize| call.args.get(i).map(|a| a.0);
+    let what = || format!("{call:?}, corruptions {corruptions:?}, mutated {mutated}, ranks {ranks}");
+    let mut frame = call.clone().build();
+    let lhs = fill(&mut frame, arg_dtype(product.lhs), product.lhs, seed);
+    let rhs = fill(&mut frame, arg_dtype(1 - product.lhs), 1 - product.lhs, seed);
+    // Not `any`: every corruption is applied.
+    let corrupted = corruptions.iter().filter(|&&c| frame.corrupt(c)).count() > 0;
+    let well_formed = !corrupted && frame.allocated();
+
+    let result = frame.call(handler);
+    // A frame that cannot carry an error back leaves it for the next call:
+    // taken here, so the next case does not get it.
+    let unreported = crate::xla::take_unreported();
+    if let (Some(e), false) = (&unreported, corrupted) {
+        return Err(format!("a frame that could carry its error left one unreported: {e} ({})", what()));
+    }
+    let outcome = match result {
+        None => Outcome::Success,
+        Some((code, message)) => {
+            if !ALLOWED.contains(&code) {
+                return Err(format!("error code {code} is not one of the library's: {message} ({})", what()));
+            }
+            if message.contains("panic") {
+                return Err(format!("a panic: {message} ({})", what()));
+            }
+            if well_formed && code == sys::XLA_FFI_Error_Code_INTERNAL {
+                return Err(format!("INTERNAL for a well-formed frame: {message} ({})", what()));
+            }
+            if valid && (ranks == 1 || trivial) {
+                return Err(format!("a valid call failed: {message} ({})", what()));
+            }
+            if valid && code != sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED {
+                return Err(format!("a valid call without its peers did not time out: {message} ({})", what()));
+            }
+            Outcome::Error(code)
+        }
+    };
+    if valid && outcome == Outcome::Success && ranks > 1 && !trivial {
+        return Err(format!("a call without its peers succeeded ({})", what()));
+    }
+    if valid && ranks == 1 {
+        let (Some(lhs), Some(rhs), Some(out_dtype)) = (lhs, rhs, out_dtype) else {
+            return Err(format!("a valid call's buffers were not filled ({})", what()));
+        };
+        let Some(got) = frame.ret_data(0) else { return Err(format!("no result buffer ({})", what())) };
+        let mut out = vec![0f64; got.len() / out_dtype.size()];
+        load(got, out_dtype, &mut out).map_err(|e| e.to_string())?;
+        let Product { rows, k, n, .. } = product;
+        let eps = |d: DType| -> f64 {
+            match d {
+                DType::F64 => 1e-15,
+                DType::F32 => 1e-7,
+                DType::F16 => 1e-3,
+                _ => 8e-3,
+            }
+        };
+        let input = input.unwrap_or(DType::F32);
+        let tolerance = 4.0 * (k as f64 + 1.0) * eps(input).max(eps(out_dtype));
+        for row in 0..rows {
+            for col in 0..n {
+                let want: f64 = (0..k).map(|j| lhs[row * k + j] * rhs[j * n + col]).sum();
+                let have = out[row * n + col];
+                if (want - have).abs() > tolerance {
+                    return Err(format!("out[{row}, {col}] = {have}, expected {want} ({})", what()));
+                }
+            }
+        }
+    }
+    Ok(outcome)
+}
+
+/// One planner case: an op's shapes and schedule over a group, checked
+/// and planned as a call would be.
+#[derive(Debug)]
+pub struct PlannerCase {
+    pub kind: i64,
+    pub schedule: i64,
+    pub ranks: i64,
+    pub dimension: i64,
+    pub x: Vec<i64>,
+    pub w: Vec<i64>,
+    pub out: Vec<i64>,
+    pub input: u32,
+    pub output: u32,
+    /// This rank's place in the group.
+    pub rank: usize,
+}
+
+impl PlannerCase {
+    fn shapes(&self) -> CallShapes<'_> {
+        CallShapes {
+            kind: self.kind,
+            schedule: self.schedule,
+            ranks: self.ranks,
+            dimension: self.dimension,
+            x: &self.x,
+            w: &self.w,
+            out: &self.out,
+            input: self.input,
+            output: self.output,
+        }
+    }
+}
+
+/// A planner case from `u`: mostly small consistent sizes, sometimes any.
+pub fn planner_case(u: &mut Unstructured) -> Result<PlannerCase> {
+    let mut case = valid_call(u)?;
+    if u.ratio(1u8, 2)? {
+        mutate(u, &mut case.call)?;
+    }
+    let attr = |name: &str| {
+        case.call.attrs.iter().find(|(n, _)| *n == name).and_then(|(_, a)| match a {
+            Attr::I64(v) => Some(*v),
+            _ => None,
+        })
+    };
+    let mut ranks = case.ranks as i64;
+    if u.ratio(1u8, 16)? {
+        ranks = interesting(u)?;
+    }
+    let dims = |list: &[(u32, Vec<i64>)], i: usize| list.get(i).map(|(_, d)| d.clone()).unwrap_or_default();
+    let dtype = |list: &[(u32, Vec<i64>)], i: usize| list.get(i).map_or(F32, |(d, _)| *d);
+    Ok(PlannerCase {
+        kind: attr("kind").unwrap_or(0),
+        schedule: attr("schedule").unwrap_or(0),
+        ranks,
+        dimension: attr("dimension").unwrap_or(0),
+        x: dims(&case.call.args, 0),
+        w: dims(&case.call.args, 1),
+        out: dims(&case.call.rets, 0),
+        input: dtype(&case.call.args, 0),
+        output: dtype(&case.call.rets, 0),
+        rank: u.int_in_range(0..=case.ranks - 1)?,
+    })
+}
+
+/// Sizes the workspace and plans `case` as the handlers do; where that
+/// succeeds, every GEMM of every step must stay inside its buffers.
+pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, String> {
+    let shapes = case.shapes();
+    let PlannerCase { kind, schedule, ranks, dimension, x, w, out, input, output, .. } = case;
+    let planned = std::panic::catch_unwind(|| {
+        let workspace = ops::workspace_bytes(&shapes);
+        let (Some(input), Some(output), Ok(ranks)) =
+            (DType::from_xla(*input), DType::from_xla(*output), usize::try_from(*ranks))
+        else {
+            return Ok(None);
+        };
+        if ranks == 0 || case.rank >= ranks || ranks > crate::plan::MAX_RANKS {
+            return Ok(None);
+        }
+        let Ok(kind) = ops::kind(*kind) else { return Ok(None) };
+        let Ok(schedule) = ops::schedule(kind, *schedule) else { return Ok(None) };
+        let group = Group { devices: (0..ranks as i64).collect(), rank: case.rank };
+        let planned =
+            ops::problem_and_plan(kind, schedule, [(x, input), (w, input), (out, output)], *dimension, &group);
+        match (planned, workspace) {
+            (Ok((problem, plan)), Ok(bytes)) => Ok(Some((problem, plan, bytes))),
+            (Ok(_), Err(e)) => Err(format!("planned, but the workspace could not be sized: {e}")),
+            _ => Ok(None),
+        }
+    });
+    let Some((problem, plan, bytes)) = planned.map_err(|_| format!("a panic planning {case:?}"))?? else {
+        return Ok(false);
+    };
+    let layout = Workspace::layout(&plan, &problem.sizes()).map_err(|e| format!("{e} for {case:?}"))?;
+    if bytes < layout.total {
+        return Err(format!("workspace_bytes {bytes} < the layout's {} for {case:?}", layout.total));
+    }
+    if problem.is_trivial() {
+        return Ok(true);
+    }
+    let sizes = problem.sizes();
+    let slot_len = |i: usize| match plan.slots.get(i) {
+        Some(SlotKind::Input) => sizes.travel,
+        Some(SlotKind::Partial) => sizes.partial,
+        Some(SlotKind::Result) => sizes.result,
+        None => 0,
+    };
+    for step in &plan.steps {
+        let Action::Matmul { block, src, dst, .. } = step.action else { continue };
+        for g in problem.gemms(block, src, dst) {
+            let side = |s: Side| match (s, src) {
+                (Side::W, _) => sizes.w,
+                (Side::Src, Buf::Slot(i)) => slot_len(i),
+                (Side::Src, _) => sizes.x,
+            };
+            let dst_len = match dst {
+                Buf::Slot(i) => slot_len(i),
+                _ => sizes.result,
+            };
+            let inside = |(len, v): (usize, View)| v.end() <= len;
+            if !inside((side(g.lhs.0), g.lhs.1)) || !inside((side(g.rhs.0), g.rhs.1)) || !inside((dst_len, g.dst)) {
+                return Err(format!("step {} reads or writes outside its buffers: {g:?} for {case:?}", step.id));
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// Deadline of the frame fuzzers' calls: a call whose peers never come
+/// ends this long after the last progress.
+pub const FUZZ_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// One frame case from `data` through the CPU handler; panics saying what
+/// broke (libFuzzer's crash, in `fuzz/fuzz_targets/frame.rs`). Sets the
+/// process's deadline to `FUZZ_TIMEOUT`.
+pub fn frame_target(data: &[u8]) {
+    crate::config::set_timeout(Some(FUZZ_TIMEOUT));
+    let Ok(case) = frame_case(&mut Unstructured::new(data)) else { return };
+    if let Err(e) = check_frame_case(case, crate::handlers::commfuse_collective_matmul_cpu) {
+        panic!("{e}");
+    }
+}
+
+/// One planner case from `data`; panics saying what broke (`fuzz/fuzz_targets/planner.rs`).
+pub fn planner_target(data: &[u8]) {
+    let Ok(case) = planner_case(&mut Unstructured::new(data)) else { return };
+    if let Err(e) = check_planner_case(&case) {
+        panic!("{e}");
+    }
+}

@@ -1,0 +1,33 @@
+//! Replays the fuzzers' corpus (`fuzz/corpus/`, grown by `cargo fuzz`) through
+//! the same cases and checks, so every `cargo test` runs it. A test binary of
+//! its own: the frame cases set a short deadline for the whole process.
+
+use std::path::Path;
+
+fn replay(target: &str, run: fn(&[u8])) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("a corpus entry").path())
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "the {target} corpus in {} is empty", dir.display());
+    for file in &files {
+        let data = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        // A panic names the file: the failing input to reproduce with.
+        if std::panic::catch_unwind(|| run(&data)).is_err() {
+            panic!("{target} corpus file {} fails its checks", file.display());
+        }
+    }
+    eprintln!("{target}: {} corpus files replayed", files.len());
+}
+
+#[test]
+fn the_frame_corpus_passes() {
+    replay("frame", commfuse::fuzzing::frame_target);
+}
+
+#[test]
+fn the_planner_corpus_passes() {
+    replay("planner", commfuse::fuzzing::planner_target);
+}

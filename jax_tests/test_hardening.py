@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import commfuse
-from commfuse import _native
+from commfuse import _abi
 from conftest import NamedSharding, P, assert_close, mesh1d, place, rand
 
 N = 4
@@ -168,7 +168,9 @@ def test_a_huge_tile_count_is_refused_at_once(tiles):
 
 def test_results_too_large_to_address_are_refused_naming_them():
     # N x rows past 2**63: once "`out` has a negative dim".
-    with pytest.raises(ValueError, match=r"all_gather_matmul: the result of shape \(1152921504606846976, 2\)"):
+    # (The result's shape comes from the library, which names the operand dim that overflows.)
+    with pytest.raises(ValueError, match=r"all_gather_matmul: the gathered dim 0 of `x` times the axis size is too "
+                                         r"large: 288230376151711744 x 4"):
         _trace(commfuse.all_gather_matmul, (N * 2**58, 2), (2, 2), schedule="ring")
     with pytest.raises(ValueError, match=r"all_gather_matmul: x of shape \(1152921504606846976, 2\)"):
         _trace(commfuse.all_gather_matmul, (N * 2**60, 2), (2, 2), schedule="ring")
@@ -176,7 +178,7 @@ def test_results_too_large_to_address_are_refused_naming_them():
 
 def test_the_limits_are_the_librarys():
     # One source of truth: Python reads them from the Rust library.
-    assert _native.LIMITS == {"max_ranks": 1 << 16, "max_chunks": 1 << 10, "max_cut_blocks": 1 << 18,
+    assert _abi.LIMITS == {"max_ranks": 1 << 16, "max_chunks": 1 << 10, "max_cut_blocks": 1 << 18,
                               "max_elements": (2**63 - 1) // 8}
     with pytest.raises(ValueError, match=r"slices must be an int in \[1, 1024\], got 1025"):
         _trace(commfuse.matmul_reduce_scatter, (N * 4096, 16), (16, 8), schedule="sliced", slices=1025)

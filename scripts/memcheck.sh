@@ -22,7 +22,7 @@ memcheck=(valgrind --quiet --error-exitcode=99 --leak-check=full --errors-for-le
 
 lib=$(test_binary --lib)
 # (The transport's link-model tests time transfers: not under valgrind.)
-"${memcheck[@]}" "$lib" --test-threads 2 xla:: ops:: problem:: backend::cpu::transport::tests \
+"${memcheck[@]}" "$lib" --test-threads 2 xla:: abi:: call:: prepare:: problem:: backend::cpu::transport::tests \
     --skip throttled --skip switch_port --skip both_neighbours --skip when_its_step_became_ready
 
 fuzz=$(test_binary --test frame_fuzz)

@@ -18,7 +18,7 @@ static TIMEOUT_OVERRIDE: Mutex<Option<Duration>> = Mutex::new(None);
 /// The deadline of every wait across devices: `configure`'s value, else
 /// `COMMFUSE_TIMEOUT_S` as it is when the program runs, else 30 s.
 pub fn timeout() -> Result<Duration> {
-    if let Some(t) = *TIMEOUT_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) {
+    if let Some(t) = *crate::sync::lock(&TIMEOUT_OVERRIDE) {
         return Ok(t);
     }
     match std::env::var(TIMEOUT_VAR) {
@@ -31,7 +31,7 @@ pub fn timeout() -> Result<Duration> {
 
 /// `None` clears the override.
 pub fn set_timeout(timeout: Option<Duration>) {
-    *TIMEOUT_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
+    *crate::sync::lock(&TIMEOUT_OVERRIDE) = timeout;
 }
 
 /// Interrupts (Ctrl-C) seen so far. A call notes the count when it begins

@@ -16,19 +16,6 @@ pub enum DType {
 }
 
 impl DType {
-    /// From XLA's PrimitiveType number (`XLA_FFI_DataType`); `None` for types the ops do not take.
-    pub fn from_xla(code: u32) -> Option<DType> {
-        match code {
-            11 => Some(DType::F32),
-            12 => Some(DType::F64),
-            16 => Some(DType::BF16),
-            10 => Some(DType::F16),
-            20 => Some(DType::F8E4M3FN),
-            19 => Some(DType::F8E5M2),
-            _ => None,
-        }
-    }
-
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -103,7 +90,7 @@ mod tests {
             (sys::XLA_FFI_DataType_F8E5M2, DType::F8E5M2, 1),
         ];
         for (code, dtype, size) in codes {
-            assert_eq!(DType::from_xla(code), Some(dtype), "code {code}");
+            assert_eq!(crate::abi::dtype(code), Some(dtype), "code {code}");
             assert_eq!(dtype.size(), size, "{dtype:?}");
             assert_eq!(xla_type_name(code), dtype.name());
             assert_eq!(dtype.is_fp8(), size == 1);
@@ -111,7 +98,7 @@ mod tests {
         }
         // Other fp8 formats are not taken (cuBLASLt's are e4m3fn and e5m2).
         for code in [sys::XLA_FFI_DataType_F8E4M3, sys::XLA_FFI_DataType_F8E4M3FNUZ, sys::XLA_FFI_DataType_F8E5M2FNUZ] {
-            assert_eq!(DType::from_xla(code), None, "code {code}");
+            assert_eq!(crate::abi::dtype(code), None, "code {code}");
         }
     }
 }

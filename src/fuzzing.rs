@@ -19,11 +19,14 @@
 //!   compute (an empty result or contraction).
 #![forbid(unsafe_code)]
 
+use crate::abi::{self, CallShapes};
 use crate::backend::cpu::numeric::{load, store};
+use crate::backend::cpu::CpuLayout;
+use crate::call;
 use crate::comm::Group;
 use crate::dtype::DType;
-use crate::ops::{self, CallShapes};
-use crate::plan::{Action, Buf, SlotKind, Workspace};
+use crate::plan::{Action, Buf, SlotKind};
+use crate::prepare;
 use crate::problem::{Side, View};
 use crate::xla::synthetic::{self, Attr, Built, Call, Corruption, Handler};
 use crate::xla::sys;
@@ -137,7 +140,7 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
         let block_rows = if kind == 0 { rows } else { rows / r };
         let divisors: Vec<usize> = (1..=block_rows.max(1)).filter(|c| block_rows % c == 0).collect();
         let chunks = *u.choose(&divisors)? as i64;
-        let code = if u.arbitrary::<bool>()? { ops::SLICED } else { ops::TILED };
+        let code = if u.arbitrary::<bool>()? { abi::SLICED } else { abi::TILED };
         schedule = code | (chunks << 8);
     }
 
@@ -155,8 +158,10 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
     };
 
     let shapes =
-        CallShapes { kind: i64::from(kind), schedule, ranks: ri, dimension, x: &x, w: &w, out: &out, input, output };
-    let workspace = ops::workspace_bytes(&shapes).unwrap_or(0) as i64;
+        CallShapes { kind: i64::from(kind), schedule, ranks: ri, dimension, x: x.clone(), w: w.clone(), input, output };
+    let request = prepare::Request { call: shapes, machine: None, gemm_gflops: None, explain: false };
+    // As Python lowers it: the CPU's workspace from the trace-time answer.
+    let workspace = prepare::prepare(&request).map_or(0, |p| p.workspace.cpu) as i64;
     let call = Call {
         args: vec![(input, x), (input, w)],
         rets: vec![(output, out), (U8, vec![workspace])],
@@ -257,7 +262,7 @@ fn mutate(u: &mut Unstructured, call: &mut Call) -> Result<()> {
         // Schedule codes at the edges of the cut encoding.
         8 => {
             let chunks = interesting(u)?;
-            let code = *u.choose(&[ops::SLICED, ops::TILED, 0, 6, 255])?;
+            let code = *u.choose(&[abi::SLICED, abi::TILED, 0, 6, 255])?;
             call.attrs.retain(|(n, _)| *n != "schedule");
             call.attrs.push(("schedule", Attr::I64(code | chunks.wrapping_shl(8))));
         }
@@ -331,7 +336,7 @@ fn values(seed: u64, len: usize) -> Vec<f64> {
 /// Fills operand `i` of `dtype` with values (when it is allocated and of a
 /// float dtype); returns them as the operand holds them (rounded to its dtype).
 fn fill(built: &mut Built, dtype: Option<u32>, i: usize, seed: u64) -> Option<Vec<f64>> {
-    let dtype = DType::from_xla(dtype?).filter(|d| !d.is_fp8())?;
+    let dtype = abi::dtype(dtype?).filter(|d| !d.is_fp8())?;
     let data = built.arg_data_mut(i)?;
     let values = values(seed ^ i as u64, data.len() / dtype.size());
     store(&values, dtype, data).ok()?;
@@ -352,8 +357,8 @@ const ALLOWED: [u32; 5] = [
 pub fn check_frame_case(case: FrameCase, handler: Handler) -> std::result::Result<Outcome, String> {
     let FrameCase { call, corruptions, mutated, ranks, trivial, product, seed } = case;
     let valid = !mutated && corruptions.is_empty();
-    let out_dtype = call.rets.first().and_then(|r| DType::from_xla(r.0));
-    let input = call.args.first().and_then(|a| DType::from_xla(a.0));
+    let out_dtype = call.rets.first().and_then(|r| abi::dtype(r.0));
+    let input = call.args.first().and_then(|a| abi::dtype(a.0));
     let arg_dtype = |i: usize| call.args.get(i).map(|a| a.0);
     let what = || format!("{call:?}, corruptions {corruptions:?}, mutated {mutated}, ranks {ranks}");
     let mut frame = call.clone().build();
@@ -443,15 +448,14 @@ pub struct PlannerCase {
 }
 
 impl PlannerCase {
-    fn shapes(&self) -> CallShapes<'_> {
+    fn shapes(&self) -> CallShapes {
         CallShapes {
             kind: self.kind,
             schedule: self.schedule,
             ranks: self.ranks,
             dimension: self.dimension,
-            x: &self.x,
-            w: &self.w,
-            out: &self.out,
+            x: self.x.clone(),
+            w: self.w.clone(),
             input: self.input,
             output: self.output,
         }
@@ -490,38 +494,50 @@ pub fn planner_case(u: &mut Unstructured) -> Result<PlannerCase> {
     })
 }
 
-/// Sizes the workspace and plans `case` as the handlers do; where that
-/// succeeds, every GEMM of every step must stay inside its buffers.
+/// Prepares `case` as Python does at trace time and plans it as the
+/// handlers do, with the result shape Python would then lower. Where the
+/// trace-time answer succeeds the handler must plan the same call, within
+/// the workspace the answer gave, and every GEMM of every step must stay
+/// inside its buffers; where the handler plans the case's own result shape
+/// the trace-time answer must have succeeded with it.
 pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, String> {
-    let shapes = case.shapes();
     let PlannerCase { kind, schedule, ranks, dimension, x, w, out, input, output, .. } = case;
+    let request = prepare::Request { call: case.shapes(), machine: None, gemm_gflops: None, explain: false };
     let planned = std::panic::catch_unwind(|| {
-        let workspace = ops::workspace_bytes(&shapes);
-        let (Some(input), Some(output), Ok(ranks)) =
-            (DType::from_xla(*input), DType::from_xla(*output), usize::try_from(*ranks))
+        let prepared = prepare::prepare(&request);
+        let (Some(input), Some(output), Ok(ranks)) = (abi::dtype(*input), abi::dtype(*output), usize::try_from(*ranks))
         else {
             return Ok(None);
         };
         if ranks == 0 || case.rank >= ranks || ranks > crate::plan::MAX_RANKS {
             return Ok(None);
         }
-        let Ok(kind) = ops::kind(*kind) else { return Ok(None) };
-        let Ok(schedule) = ops::schedule(kind, *schedule) else { return Ok(None) };
+        let (Ok(kind), Ok(schedule)) = (abi::kind(*kind), abi::kind(*kind).and_then(|k| abi::schedule(k, *schedule)))
+        else {
+            return Ok(None);
+        };
         let group = Group { devices: (0..ranks as i64).collect(), rank: case.rank };
-        let planned =
-            ops::problem_and_plan(kind, schedule, [(x, input), (w, input), (out, output)], *dimension, &group);
-        match (planned, workspace) {
-            (Ok((problem, plan)), Ok(bytes)) => Ok(Some((problem, plan, bytes))),
-            (Ok(_), Err(e)) => Err(format!("planned, but the workspace could not be sized: {e}")),
-            _ => Ok(None),
+        let plan = |out: &[i64]| {
+            call::problem_and_plan(kind, schedule, [(x, input), (w, input), (out, output)], *dimension, &group)
+        };
+        match prepared {
+            Ok(prepared) => {
+                let out: Vec<i64> = prepared.out.iter().map(|&d| d as i64).collect();
+                match plan(&out) {
+                    Ok((problem, plan)) => Ok(Some((problem, plan, prepared.workspace.cpu))),
+                    Err(e) => Err(format!("prepared at trace time, but the handler refuses it: {e}")),
+                }
+            }
+            Err(e) if plan(out).is_ok() => Err(format!("the handler plans it, but preparing it failed: {e}")),
+            Err(_) => Ok(None),
         }
     });
     let Some((problem, plan, bytes)) = planned.map_err(|_| format!("a panic planning {case:?}"))?? else {
         return Ok(false);
     };
-    let layout = Workspace::layout(&plan, &problem.sizes()).map_err(|e| format!("{e} for {case:?}"))?;
-    if bytes < layout.total {
-        return Err(format!("workspace_bytes {bytes} < the layout's {} for {case:?}", layout.total));
+    let layout = CpuLayout::new(&problem, &plan).map_err(|e| format!("{e} for {case:?}"))?;
+    if bytes < layout.total() {
+        return Err(format!("the prepared workspace {bytes} < the CPU layout's {} for {case:?}", layout.total()));
     }
     if problem.is_trivial() {
         return Ok(true);
@@ -564,7 +580,7 @@ pub const FUZZ_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(5
 pub fn frame_target(data: &[u8]) {
     crate::config::set_timeout(Some(FUZZ_TIMEOUT));
     let Ok(case) = frame_case(&mut Unstructured::new(data)) else { return };
-    if let Err(e) = check_frame_case(case, crate::handlers::commfuse_collective_matmul_cpu) {
+    if let Err(e) = check_frame_case(case, crate::exports::xla::commfuse_collective_matmul_cpu) {
         panic!("{e}");
     }
 }

@@ -1,19 +1,28 @@
 //! commfuse: fused, overlapped collective matmuls behind XLA FFI custom calls.
 //!
-//! Unsafe code lives at the edges only: `xla` (the call frame), `handlers`
-//! (the C ABI) and the CPU GEMM wrapper. Planning, execution, transport and
-//! numerics are safe code.
+//! Unsafe code is denied crate-wide and allowed only at the edges: `xla`
+//! (the call frame), `exports` (the C ABI), the CPU GEMM wrapper
+//! (`backend::cpu::gemm`) and the CUDA backend's driver layer (see
+//! `backend::cuda`). Planning, execution, transport, numerics and the cost
+//! model are safe code, most of them `#![forbid(unsafe_code)]`.
+#![deny(unsafe_code)]
+
+pub mod abi;
 pub mod backend;
+pub mod call;
 pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod exec;
+#[allow(unsafe_code)]
+pub mod exports;
 pub mod fuzzing;
-pub mod handlers;
-pub mod ops;
 pub mod plan;
+pub mod prepare;
 pub mod problem;
 pub mod sim;
+pub mod sync;
 pub mod trace;
+#[allow(unsafe_code)]
 pub mod xla;

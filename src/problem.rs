@@ -38,24 +38,6 @@ pub enum OpKind {
 }
 
 impl OpKind {
-    /// The code Python passes in the `kind` attribute.
-    pub fn from_code(code: i64) -> Option<OpKind> {
-        use OpKind::*;
-        const ALL: [OpKind; 10] = [
-            AllGatherMatmul,
-            AllGatherMatmulContract,
-            MatmulAllGather,
-            MatmulAllGatherContract,
-            MatmulReduceScatter,
-            MatmulReduceScatterCols,
-            AllToAllMatmul,
-            AllToAllMatmulContract,
-            MatmulAllToAll,
-            MatmulAllToAllCols,
-        ];
-        usize::try_from(code).ok().and_then(|i| ALL.get(i).copied())
-    }
-
     pub fn name(self) -> &'static str {
         use OpKind::*;
         match self {
@@ -184,11 +166,148 @@ fn elements(op: &str, arg: &str, dims: &[usize]) -> Result<usize> {
     Ok(if dims.contains(&0) { 0 } else { dims.iter().product() })
 }
 
+/// How one call's operands map onto GEMMs: `outer` segments of `seg` rows
+/// (row kinds; else one segment of `m` rows), the contraction `k`, the
+/// columns `n` of one product, and the result's dims.
+struct Geometry {
+    outer: usize,
+    seg: usize,
+    k: usize,
+    n: usize,
+    out: Vec<usize>,
+}
+
+/// The geometry of `kind` with operands of dims `xd` and `wd` over `nr`
+/// ranks: the one place that says what each op's result shape is.
+fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Result<Geometry> {
+    use OpKind::*;
+    let name = kind.name();
+    let xd = dims_usize(name, "x", x)?;
+    let wd = dims_usize(name, "w", w)?;
+    let (outer, seg, k, n, out): (usize, usize, usize, usize, Vec<usize>) = match kind {
+        AllGatherMatmul | MatmulReduceScatter => {
+            let rank = xd.len();
+            if rank < 2 {
+                bail!(InvalidArgument, "{name}: `x` must have rank >= 2, got shape {:?}", x);
+            }
+            if wd.len() != 2 || wd[0] != xd[rank - 1] {
+                bail!(
+                    InvalidArgument,
+                    "{name}: `w` must be 2-D [{}, n] to contract `x` {:?}, got {:?}",
+                    xd[rank - 1],
+                    x,
+                    w
+                );
+            }
+            let dim_name = if kind == AllGatherMatmul { "gather_dimension" } else { "scatter_dimension" };
+            if dimension < 0 || dimension as usize >= rank - 1 {
+                bail!(
+                    InvalidArgument,
+                    "{name}: `{dim_name}` must be in [0, {}) for `x` of rank {rank}, got {dimension}",
+                    rank - 1
+                );
+            }
+            let d = dimension as usize;
+            elements(name, "x", &xd)?;
+            let outer: usize = xd[..d].iter().product();
+            let inner: usize = xd[d + 1..rank - 1].iter().product();
+            let mut expected = xd.clone();
+            expected[rank - 1] = wd[1];
+            let seg = if kind == AllGatherMatmul {
+                expected[d] =
+                    checked_mul(name, &format!("the gathered dim {d} of `x` times the axis size"), xd[d], nr)?;
+                xd[d] * inner
+            } else {
+                if xd[d] % nr != 0 {
+                    bail!(InvalidArgument, "{name}: `x` dim {d} ({}) must be divisible by the axis size {nr}", xd[d]);
+                }
+                expected[d] /= nr;
+                xd[d] / nr * inner
+            };
+            (outer, seg, wd[0], wd[1], expected)
+        }
+        _ => {
+            let two = |arg: &str, d: &[usize]| -> Result<(usize, usize)> {
+                match d {
+                    [a, b] => Ok((*a, *b)),
+                    _ => bail!(InvalidArgument, "{name}: `{arg}` must be 2-D here, got shape {d:?}"),
+                }
+            };
+            let three = |arg: &str, d: &[usize]| -> Result<(usize, usize)> {
+                match d {
+                    [g, a, b] if *g == nr => Ok((*a, *b)),
+                    _ => bail!(InvalidArgument, "{name}: `{arg}` must be [{nr}, rows, cols] here, got shape {d:?}"),
+                }
+            };
+            let divide = |what: &str, v: usize| -> Result<usize> {
+                if v % nr != 0 {
+                    bail!(InvalidArgument, "{name}: {what} ({v}) must be divisible by the axis size {nr}");
+                }
+                Ok(v / nr)
+            };
+            let mismatch = |a: usize, b: usize| -> Result<()> {
+                if a != b {
+                    bail!(InvalidArgument, "{name}: contraction sizes differ: {a} vs {b} (x {:?}, w {:?})", x, w);
+                }
+                Ok(())
+            };
+            let times_axis = |what: &str, v: usize| checked_mul(name, &format!("{what} times the axis size"), v, nr);
+            match kind {
+                AllGatherMatmulContract => {
+                    let (m, kb) = two("x", &xd)?;
+                    let (kw, n) = two("w", &wd)?;
+                    mismatch(times_axis("the columns of `x`", kb)?, kw)?;
+                    (1, m, kb, n, vec![m, n])
+                }
+                MatmulAllGather => {
+                    let (k, c) = two("w", &xd)?;
+                    let (m, kx) = two("x", &wd)?;
+                    mismatch(kx, k)?;
+                    (1, m, k, c, vec![m, times_axis("the columns of the gathered operand", c)?])
+                }
+                MatmulAllGatherContract => {
+                    let (kb, n) = two("w", &xd)?;
+                    let (m, kx) = two("x", &wd)?;
+                    mismatch(kx, times_axis("the rows of the gathered operand", kb)?)?;
+                    (1, m, kb, n, vec![m, n])
+                }
+                MatmulReduceScatterCols | MatmulAllToAllCols => {
+                    let (m, k) = two("x", &xd)?;
+                    let (kw, nw) = two("w", &wd)?;
+                    mismatch(k, kw)?;
+                    let c = divide("the columns of `w`", nw)?;
+                    let expected = if kind == MatmulAllToAllCols { vec![nr, m, c] } else { vec![m, c] };
+                    (1, m, k, c, expected)
+                }
+                AllToAllMatmul | MatmulAllToAll => {
+                    let (rows, k) = three("x", &xd)?;
+                    let (kw, n) = two("w", &wd)?;
+                    mismatch(k, kw)?;
+                    (1, rows, k, n, vec![nr, rows, n])
+                }
+                AllToAllMatmulContract => {
+                    let (m, kb) = three("x", &xd)?;
+                    let (kw, n) = two("w", &wd)?;
+                    mismatch(times_axis("the columns of `x`", kb)?, kw)?;
+                    (1, m, kb, n, vec![m, n])
+                }
+                AllGatherMatmul | MatmulReduceScatter => unreachable!(),
+            }
+        }
+    };
+    Ok(Geometry { outer, seg, k, n, out })
+}
+
+/// The result's dims of `kind` on operands `x` and `w` over `ranks` devices
+/// (Python asks at trace time, through `prepare`).
+pub fn result_dims(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, ranks: usize) -> Result<Vec<usize>> {
+    geometry(kind, x, w, dimension, ranks).map(|g| g.out)
+}
+
 impl Problem {
     /// Checks the operands of `kind` over `ranks` devices; `dimension` is the
     /// gathered or scattered dim of `x` (row kinds; ignored otherwise).
     pub fn new(kind: OpKind, x: Operand, w: Operand, out: Operand, dimension: i64, ranks: usize) -> Result<Problem> {
-        use OpKind::*;
         let name = kind.name();
         if x.dtype != w.dtype {
             bail!(
@@ -198,132 +317,9 @@ impl Problem {
                 w.dtype.name()
             );
         }
-        let xd = dims_usize(name, "x", x.dims)?;
-        let wd = dims_usize(name, "w", w.dims)?;
+        let Geometry { outer, seg, k, n, out: expected } = geometry(kind, x.dims, w.dims, dimension, ranks)?;
         let od = dims_usize(name, "out", out.dims)?;
         let nr = ranks;
-        // (outer, seg, k, n, expected out dims)
-        let (outer, seg, k, n, expected): (usize, usize, usize, usize, Vec<usize>) = match kind {
-            AllGatherMatmul | MatmulReduceScatter => {
-                let rank = xd.len();
-                if rank < 2 {
-                    bail!(InvalidArgument, "{name}: `x` must have rank >= 2, got shape {:?}", x.dims);
-                }
-                if wd.len() != 2 || wd[0] != xd[rank - 1] {
-                    bail!(
-                        InvalidArgument,
-                        "{name}: `w` must be 2-D [{}, n] to contract `x` {:?}, got {:?}",
-                        xd[rank - 1],
-                        x.dims,
-                        w.dims
-                    );
-                }
-                let dim_name = if kind == AllGatherMatmul { "gather_dimension" } else { "scatter_dimension" };
-                if dimension < 0 || dimension as usize >= rank - 1 {
-                    bail!(
-                        InvalidArgument,
-                        "{name}: `{dim_name}` must be in [0, {}) for `x` of rank {rank}, got {dimension}",
-                        rank - 1
-                    );
-                }
-                let d = dimension as usize;
-                elements(name, "x", &xd)?;
-                let outer: usize = xd[..d].iter().product();
-                let inner: usize = xd[d + 1..rank - 1].iter().product();
-                let mut expected = xd.clone();
-                expected[rank - 1] = wd[1];
-                let seg = if kind == AllGatherMatmul {
-                    expected[d] =
-                        checked_mul(name, &format!("the gathered dim {d} of `x` times the axis size"), xd[d], nr)?;
-                    xd[d] * inner
-                } else {
-                    if xd[d] % nr != 0 {
-                        bail!(
-                            InvalidArgument,
-                            "{name}: `x` dim {d} ({}) must be divisible by the axis size {nr}",
-                            xd[d]
-                        );
-                    }
-                    expected[d] /= nr;
-                    xd[d] / nr * inner
-                };
-                (outer, seg, wd[0], wd[1], expected)
-            }
-            _ => {
-                let two = |arg: &str, d: &[usize]| -> Result<(usize, usize)> {
-                    match d {
-                        [a, b] => Ok((*a, *b)),
-                        _ => bail!(InvalidArgument, "{name}: `{arg}` must be 2-D here, got shape {d:?}"),
-                    }
-                };
-                let three = |arg: &str, d: &[usize]| -> Result<(usize, usize)> {
-                    match d {
-                        [g, a, b] if *g == nr => Ok((*a, *b)),
-                        _ => bail!(InvalidArgument, "{name}: `{arg}` must be [{nr}, rows, cols] here, got shape {d:?}"),
-                    }
-                };
-                let divide = |what: &str, v: usize| -> Result<usize> {
-                    if v % nr != 0 {
-                        bail!(InvalidArgument, "{name}: {what} ({v}) must be divisible by the axis size {nr}");
-                    }
-                    Ok(v / nr)
-                };
-                let mismatch = |a: usize, b: usize| -> Result<()> {
-                    if a != b {
-                        bail!(
-                            InvalidArgument,
-                            "{name}: contraction sizes differ: {a} vs {b} (x {:?}, w {:?})",
-                            x.dims,
-                            w.dims
-                        );
-                    }
-                    Ok(())
-                };
-                let times_axis =
-                    |what: &str, v: usize| checked_mul(name, &format!("{what} times the axis size"), v, nr);
-                match kind {
-                    AllGatherMatmulContract => {
-                        let (m, kb) = two("x", &xd)?;
-                        let (kw, n) = two("w", &wd)?;
-                        mismatch(times_axis("the columns of `x`", kb)?, kw)?;
-                        (1, m, kb, n, vec![m, n])
-                    }
-                    MatmulAllGather => {
-                        let (k, c) = two("w", &xd)?;
-                        let (m, kx) = two("x", &wd)?;
-                        mismatch(kx, k)?;
-                        (1, m, k, c, vec![m, times_axis("the columns of the gathered operand", c)?])
-                    }
-                    MatmulAllGatherContract => {
-                        let (kb, n) = two("w", &xd)?;
-                        let (m, kx) = two("x", &wd)?;
-                        mismatch(kx, times_axis("the rows of the gathered operand", kb)?)?;
-                        (1, m, kb, n, vec![m, n])
-                    }
-                    MatmulReduceScatterCols | MatmulAllToAllCols => {
-                        let (m, k) = two("x", &xd)?;
-                        let (kw, nw) = two("w", &wd)?;
-                        mismatch(k, kw)?;
-                        let c = divide("the columns of `w`", nw)?;
-                        let expected = if kind == MatmulAllToAllCols { vec![nr, m, c] } else { vec![m, c] };
-                        (1, m, k, c, expected)
-                    }
-                    AllToAllMatmul | MatmulAllToAll => {
-                        let (rows, k) = three("x", &xd)?;
-                        let (kw, n) = two("w", &wd)?;
-                        mismatch(k, kw)?;
-                        (1, rows, k, n, vec![nr, rows, n])
-                    }
-                    AllToAllMatmulContract => {
-                        let (m, kb) = three("x", &xd)?;
-                        let (kw, n) = two("w", &wd)?;
-                        mismatch(times_axis("the columns of `x`", kb)?, kw)?;
-                        (1, m, kb, n, vec![m, n])
-                    }
-                    AllGatherMatmul | MatmulReduceScatter => unreachable!(),
-                }
-            }
-        };
         if od != expected {
             bail!(
                 InvalidArgument,
@@ -342,8 +338,8 @@ impl Problem {
             n,
             input: x.dtype,
             output: out.dtype,
-            x_len: elements(name, "x", &xd)?,
-            w_len: elements(name, "w", &wd)?,
+            x_len: elements(name, "x", &dims_usize(name, "x", x.dims)?)?,
+            w_len: elements(name, "w", &dims_usize(name, "w", w.dims)?)?,
             out_len: elements(name, "out", &od)?,
         })
     }

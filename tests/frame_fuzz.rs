@@ -67,7 +67,7 @@ fn frames_of_the_cpu_handler() {
             (true, true, _) => "mutated",
             _ => "corrupted",
         };
-        let outcome = fuzzing::check_frame_case(case, commfuse::handlers::commfuse_collective_matmul_cpu)?;
+        let outcome = fuzzing::check_frame_case(case, commfuse::exports::xla::commfuse_collective_matmul_cpu)?;
         Ok(match outcome {
             Outcome::Success => format!("{label}: ok"),
             Outcome::Error(code) => format!("{label}: error {code}"),

@@ -2,7 +2,7 @@
 //! way at once and leaves later calls alone. A test binary of its own: the
 //! interrupt count is process-wide, and would end the waits of other tests.
 
-use commfuse::backend::cpu::transport::{CallInfo, Endpoint, SessionKey};
+use commfuse::backend::cpu::transport::{Endpoint, Participant, SessionKey};
 use commfuse::error::Error;
 use commfuse::exec::Wait;
 use commfuse::plan::{Direction, Tag};
@@ -15,7 +15,7 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn endpoint(site: i64, rank: usize) -> Endpoint {
     let key = SessionKey { group: vec![0, 1], site, run: 1, sequence: 0 };
-    let info = CallInfo {
+    let info = Participant {
         op: "all_gather_matmul",
         rank,
         timeout: Duration::from_secs(30),
@@ -37,7 +37,7 @@ fn an_interrupt_ends_a_wait_at_once_and_later_calls_run() {
     let start = Instant::now();
     let interrupter = std::thread::spawn(|| {
         std::thread::sleep(Duration::from_millis(100));
-        commfuse::handlers::commfuse_interrupt();
+        commfuse::exports::python::commfuse_interrupt();
     });
     let e = recv(&waiting, 1).unwrap_err();
     interrupter.join().unwrap();

@@ -8,7 +8,7 @@ use commfuse::xla::sys;
 
 #[test]
 fn a_frame_without_an_api_table_is_reported_by_the_next_call() {
-    let handler = commfuse::handlers::commfuse_collective_matmul_cpu;
+    let handler = commfuse::exports::xla::commfuse_collective_matmul_cpu;
     let mut broken = Call { args: vec![f32_arg(&[2, 2])], ..Default::default() }.build();
     assert!(broken.corrupt(Corruption::NullApi));
     assert_eq!(broken.call(handler), None, "no way to return an error: the call returns");

@@ -6,8 +6,10 @@ contraction-gather loop (x_j travels, each step accumulates). Both fused."""
 
 from __future__ import annotations
 
+import math
+
 from . import _fused
-from ._fused import Kind
+from ._abi import Kind
 
 OP = "all_gather_matmul"
 
@@ -38,16 +40,28 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", s
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
-    dimension = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)
+    _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)  # not the contraction
+    kind, dimension, _, _ = layout(x.shape, w.shape, ranks, gather_dimension)
     code = _fused.check_schedule(OP, schedule, slices, tiles)
     fp8 = _fused.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
     if fp8 is not None:
         _fused.check_precision(OP, precision)
-        return _fused.fp8_call(Kind.ALL_GATHER_MATMUL, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
+        return _fused.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
                                schedule=code)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
     return _gather_rows(x, w, static)
+
+
+def layout(x_shape, w_shape, ranks: int, gather_dimension: int = 0) -> tuple:
+    """The library call this op makes on one device's operands of these
+    shapes: (kind, its dimension, the first operand's shape, the second's).
+    Gathering x's last dim (the contraction: this op's weight gradient) is
+    the accumulating kind; `commfuse.explain` takes it too."""
+    d = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, len(x_shape), allow_last=True)
+    if d == len(x_shape) - 1:
+        return Kind.ALL_GATHER_MATMUL_CONTRACT, 0, (math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)
+    return Kind.ALL_GATHER_MATMUL, d, tuple(x_shape), tuple(w_shape)
 
 
 def _gather_rows_bwd(static, residuals, dy):

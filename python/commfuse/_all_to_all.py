@@ -19,7 +19,7 @@ from functools import partial
 import jax
 
 from . import _fused, reference
-from ._fused import Kind
+from ._abi import Kind
 
 A2A_MM = "all_to_all_matmul"
 MM_A2A = "matmul_all_to_all"
@@ -71,28 +71,49 @@ def matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, sch
     return _matmul_a2a(x, w, dims, static)
 
 
+def layout_all_to_all_matmul(x_shape, w_shape, ranks: int, split_dimension: int, concat_dimension: int) -> tuple:
+    """The library call all_to_all_matmul makes on one device's operands of
+    these shapes: (kind, its dimension, the first operand's shape, the
+    second's). x's blocks go stacked [N, rows, k]; concatenating along the
+    contraction accumulates."""
+    block = list(x_shape)
+    block[split_dimension] //= ranks
+    stacked = (ranks, math.prod(block[:-1]), x_shape[-1])
+    kind = Kind.ALL_TO_ALL_MATMUL_CONTRACT if concat_dimension == len(x_shape) - 1 else Kind.ALL_TO_ALL_MATMUL
+    return kind, 0, stacked, tuple(w_shape)
+
+
+def layout_matmul_all_to_all(x_shape, w_shape, ranks: int, split_dimension: int, concat_dimension: int) -> tuple:
+    """As `layout_all_to_all_matmul`, for matmul_all_to_all: splitting the
+    result's last dim sends column blocks of the product of x's rows."""
+    if split_dimension == len(x_shape) - 1:
+        return Kind.MATMUL_ALL_TO_ALL_COLS, 0, (math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)
+    block = list(x_shape)
+    block[split_dimension] //= ranks
+    return Kind.MATMUL_ALL_TO_ALL, 0, (ranks, math.prod(block[:-1]), x_shape[-1]), tuple(w_shape)
+
+
 def _a2a_matmul_impl(x, w, dims, static):
     split, concat = dims
     n = static.ranks
+    kind, _, stacked_shape, _ = layout_all_to_all_matmul(x.shape, w.shape, n, split, concat)
     blocks = _fused.stack_blocks(x, split, n)                        # [N, *block]
-    stacked = blocks.reshape(n, math.prod(blocks.shape[1:-1]), x.shape[-1])
-    if concat == x.ndim - 1:
-        out = _fused.call_static(Kind.ALL_TO_ALL_MATMUL_CONTRACT, stacked, w, static)
+    out = _fused.call_static(kind, blocks.reshape(stacked_shape), w, static)
+    if kind == Kind.ALL_TO_ALL_MATMUL_CONTRACT:
         return out.reshape(blocks.shape[1:-1] + (w.shape[1],))
-    out = _fused.call_static(Kind.ALL_TO_ALL_MATMUL, stacked, w, static)
     return _fused.concat_blocks(out.reshape(blocks.shape[:-1] + (w.shape[1],)), concat)
 
 
 def _matmul_a2a_impl(x, w, dims, static):
     split, concat = dims
     n = static.ranks
-    if split == x.ndim - 1:
-        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL_COLS, _fused.rows_2d(x), w, static)
+    kind, _, first_shape, _ = layout_matmul_all_to_all(x.shape, w.shape, n, split, concat)
+    if kind == Kind.MATMUL_ALL_TO_ALL_COLS:
+        out = _fused.call_static(kind, x.reshape(first_shape), w, static)
         received = out.reshape((n,) + x.shape[:-1] + (w.shape[1] // n,))
     else:
         blocks = _fused.stack_blocks(x, split, n)
-        stacked = blocks.reshape(n, math.prod(blocks.shape[1:-1]), x.shape[-1])
-        out = _fused.call_static(Kind.MATMUL_ALL_TO_ALL, stacked, w, static)
+        out = _fused.call_static(kind, blocks.reshape(first_shape), w, static)
         received = out.reshape(blocks.shape[:-1] + (w.shape[1],))
     return _fused.concat_blocks(received, concat)
 

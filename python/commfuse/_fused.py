@@ -4,7 +4,7 @@ device ids, batching). Each op's own rules live in its module."""
 
 from __future__ import annotations
 
-import enum
+import functools
 import itertools
 import math
 import threading
@@ -18,47 +18,18 @@ from jax._src import config as _jax_config  # `_check_vma`: the only private nam
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from . import _explain, _native, _nccl_id
+from . import _abi, _auto, _native, _nccl_id
 
-SCHEDULES = {"auto": 0, "ring": 1, "bidirectional": 2, "sequential": 3, "sliced": 4, "tiled": 5, "unfused": 6}
-# jax.lax's own collective and dot (`unfused`): never reaches the library.
-UNFUSED = SCHEDULES["unfused"]
-
-# Schedules that cut each block into chunks (the keyword naming how many);
-# their code carries the number above the low byte (decoded by the Rust
-# `ops::schedule`).
-CUT_SCHEDULES = {"sliced": "slices", "tiled": "tiles"}
-_CUT_CODES = {SCHEDULES[name]: name for name in CUT_SCHEDULES}
-DEFAULT_SLICES = 4
-
-
-def schedule_code(schedule: str, chunks: int = DEFAULT_SLICES) -> int:
-    """The `schedule` attribute for Rust: the schedule's code, with the chunks of "sliced" and "tiled"."""
-    code = SCHEDULES[schedule]
-    return code | (chunks << 8) if schedule in CUT_SCHEDULES else code
-
-
-def cut_schedule(code: int):
-    """"sliced" or "tiled" for the codes of those schedules, else None."""
-    return _CUT_CODES.get(code & 0xFF)
-
-
-def chunks_of(code: int) -> int:
-    return code >> 8
-
-# XLA PrimitiveType numbers of the dtypes the ops take.
-DTYPE_CODES = {
-    np.dtype(np.float32): 11,
-    np.dtype(np.float64): 12,
-    np.dtype(jnp.bfloat16): 16,
-    np.dtype(np.float16): 10,
-}
-
-# fp8 formats (CUDA only, sm_90+, with x_scale and w_scale): XLA's numbers.
-FP8_CODES = {
-    np.dtype(jnp.float8_e4m3fn): 20,
-    np.dtype(jnp.float8_e5m2): 19,
-}
+# The contract's tables live in `_abi`; the names used throughout the ops.
+Kind = _abi.Kind
+SCHEDULES = _abi.SCHEDULES
+UNFUSED = _abi.UNFUSED
+CUT_SCHEDULES = _abi.CUT_SCHEDULES
+DTYPE_CODES = _abi.DTYPE_CODES
+FP8_CODES = _abi.FP8_CODES
+cut_schedule = _abi.cut_schedule
+chunks_of = _abi.chunks_of
+schedule_name = _abi.schedule_name
 _FP8_RESULTS = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 
 _sites = itertools.count(1)
@@ -89,10 +60,10 @@ def axis_group(op: str, axis_name) -> tuple[tuple[str, ...], int]:
     if len(set(names)) != len(names):
         raise ValueError(f"commfuse.{op}: axis_name {names} repeats an axis")
     ranks = math.prod(mesh.shape[name] for name in names)
-    if ranks > _native.LIMITS["max_ranks"]:
+    if ranks > _abi.LIMITS["max_ranks"]:
         raise ValueError(
             f"commfuse.{op}: axis_name {names} spans {ranks} devices; the fused ops take at most "
-            f"{_native.LIMITS['max_ranks']}")
+            f"{_abi.LIMITS['max_ranks']}")
     return names, ranks
 
 
@@ -132,7 +103,7 @@ def check_matmul_operands(op: str, x, w, *, x_factor: int = 1, w_factor: int = 1
 def check_elements(op: str, what: str, shape) -> None:
     """`shape` (of `what`) has few enough elements for the library (its
     bytes, in the widest accumulator, fit one allocation)."""
-    most = _native.LIMITS["max_elements"]
+    most = _abi.LIMITS["max_elements"]
     if math.prod(shape) > most:
         raise ValueError(
             f"commfuse.{op}: {what} of shape {tuple(shape)} has {math.prod(shape)} elements; at most {most}")
@@ -287,14 +258,14 @@ def check_schedule(op: str, schedule, slices=_ABSENT, tiles=_ABSENT) -> int:
                 f"commfuse.{op}: schedule={schedule!r} exists only for all_gather_matmul and matmul_reduce_scatter "
                 f"along a row dimension; use one of {[s for s in SCHEDULES if s not in CUT_SCHEDULES]}")
         return SCHEDULES[schedule]
-    most = _native.LIMITS["max_chunks"]
+    most = _abi.LIMITS["max_chunks"]
     for name, value in (("slices", slices), ("tiles", tiles)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value <= most:
             raise ValueError(f"commfuse.{op}: {name} must be an int in [1, {most}], got {value!r}")
     if schedule == "sliced":
-        return schedule_code(schedule, int(slices))
+        return _abi.schedule_code(schedule, int(slices))
     if schedule == "tiled":
-        return schedule_code(schedule, int(tiles))
+        return _abi.schedule_code(schedule, int(tiles))
     return SCHEDULES[schedule]
 
 
@@ -314,10 +285,10 @@ def _check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> 
         raise ValueError(
             f"commfuse.{op}: {unit}={chunks} is more than the {rows} rows of each rank's block (all dims of x but "
             f"the last, x.shape={tuple(x_shape)}); schedule={schedule!r} cuts those rows into {unit} chunks")
-    if chunks * ranks > _native.LIMITS["max_cut_blocks"]:
+    if chunks * ranks > _abi.LIMITS["max_cut_blocks"]:
         raise ValueError(
             f"commfuse.{op}: {unit}={chunks} over an axis of {ranks} devices makes {chunks * ranks} blocks; "
-            f"schedule={schedule!r} takes at most {_native.LIMITS['max_cut_blocks']} ({unit} x axis size)")
+            f"schedule={schedule!r} takes at most {_abi.LIMITS['max_cut_blocks']} ({unit} x axis size)")
     if rows % chunks:
         raise ValueError(
             f"commfuse.{op}: schedule={schedule!r} cuts each rank's block of {rows} rows (all dims of x but the "
@@ -399,38 +370,12 @@ def common(a, b):
     return a.astype(dtype), b.astype(dtype)
 
 
-class Kind(enum.IntEnum):
-    """The Rust library's op kinds (`problem::OpKind`), with their operand layouts."""
-    ALL_GATHER_MATMUL = 0            # x [.., rows.., k] travels; w [k, n]
-    ALL_GATHER_MATMUL_CONTRACT = 1   # x [m, kb] travels; w [N*kb, n]; out [m, n]
-    MATMUL_ALL_GATHER = 2            # (w [k, c] travels, x [m, k]); out [m, N*c]
-    MATMUL_ALL_GATHER_CONTRACT = 3   # (w [kb, n] travels, x [m, N*kb]); out [m, n]
-    MATMUL_REDUCE_SCATTER = 4        # x [.., N*b.., k]; w [k, n]
-    MATMUL_REDUCE_SCATTER_COLS = 5   # x [m, k]; w [k, N*c]; out [m, c]
-    ALL_TO_ALL_MATMUL = 6            # x [N, C, k]; w [k, n]; out [N, C, n]
-    ALL_TO_ALL_MATMUL_CONTRACT = 7   # x [N, m, kb]; w [N*kb, n]; out [m, n]
-    MATMUL_ALL_TO_ALL = 8            # x [N, C, k]; w [k, n]; out [N, C, n]
-    MATMUL_ALL_TO_ALL_COLS = 9       # x [m, k]; w [k, N*c]; out [N, m, c]
-
-
-def result_shape(kind: Kind, x_shape, w_shape, dimension: int, ranks: int) -> tuple:
-    """The result's shape; mirrors the Rust checks (which also run per call)."""
-    K = Kind
-    if kind in (K.ALL_GATHER_MATMUL, K.MATMUL_REDUCE_SCATTER):
-        shape = list(x_shape[:-1]) + [w_shape[1]]
-        shape[dimension] = shape[dimension] * ranks if kind == K.ALL_GATHER_MATMUL else shape[dimension] // ranks
-        return tuple(shape)
-    if kind in (K.ALL_GATHER_MATMUL_CONTRACT, K.ALL_TO_ALL_MATMUL_CONTRACT):
-        return (x_shape[-2], w_shape[1])
-    if kind == K.MATMUL_ALL_GATHER:
-        return (w_shape[0], ranks * x_shape[1])
-    if kind == K.MATMUL_ALL_GATHER_CONTRACT:
-        return (w_shape[0], x_shape[1])
-    if kind == K.MATMUL_REDUCE_SCATTER_COLS:
-        return (x_shape[0], w_shape[1] // ranks)
-    if kind in (K.ALL_TO_ALL_MATMUL, K.MATMUL_ALL_TO_ALL):
-        return (ranks, x_shape[1], w_shape[1])
-    return (ranks, x_shape[0], w_shape[1] // ranks)
+@functools.lru_cache(maxsize=4096)
+def result_shape(kind: "Kind", x_shape, w_shape, dimension: int, ranks: int) -> tuple:
+    """The result's shape, as the library computes it (`problem::result_dims`;
+    a shapes-only `prepare`, which also checks the operands)."""
+    shapes = _abi.call(kind, UNFUSED, ranks, dimension, x_shape, w_shape, np.float32, np.float32)
+    return tuple(_abi.prepare(shapes)["out"])
 
 
 def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype=None, forward=False):
@@ -483,8 +428,9 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
     `scales`: ``(x_scale, w_scale)`` with fp8 operands; `fast_f32`: float32
     GEMMs may use TF32 on GPUs. Under ``"unfused"``, or where ``"auto"``'s
     cost model predicts no gain, it is jax.lax's own collective and dot."""
-    out_shape = result_shape(kind, x.shape, w.shape, dimension, ranks)
-    check_elements(kind.name.lower(), "the result", out_shape)
+    op = kind.name.lower()
+    out_shape = result_shape(kind, tuple(x.shape), tuple(w.shape), dimension, ranks)
+    check_elements(op, "the result", out_shape)
     if cut_schedule(schedule):
         _check_cut(kind, x.shape, dimension, ranks, schedule)
     if 0 in x.shape or 0 in w.shape or 0 in out_shape:
@@ -496,49 +442,87 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
         # here, with no communication (every rank has the same shapes).
         why = "an operand or the result has no elements"
         if kind in _ALL_TO_ALL_KINDS:
-            record_decision(kind.name.lower(), "unfused", why)
+            record_decision(op, "unfused", why)
             return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
                            fast_f32=fast_f32)
-        record_decision(kind.name.lower(), "none", why)
+        record_decision(op, "none", why)
         return empty_result(x, w, out_shape, out_dtype, axes)
-    why = "as asked"
-    if schedule == SCHEDULES["auto"] and not scales:  # fp8: the library's own rule
-        schedule, why = _explain.auto_decision(int(kind), dimension, x.shape, w.shape, out_shape, ranks,
-                                               DTYPE_CODES[np.dtype(x.dtype)], DTYPE_CODES[np.dtype(out_dtype)])
-    record_decision(kind.name.lower(), schedule_name(schedule), why)
     if schedule == UNFUSED:
+        record_decision(op, "unfused", "as asked")
         return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
                        fast_f32=fast_f32)
-    if cut_schedule(schedule):
-        if x.ndim != 2 or dimension != 0:
-            # Slices are chunks of contiguous rows: run on x with the row dim
-            # leading (its blocks stay row blocks), then put the dims back.
-            out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
-                       ranks=ranks, dimension=0, scales=scales, fast_f32=fast_f32)
-            return unrows_2d(out, out_shape, dimension)
-    workspace = _native.workspace_bytes(
-        int(kind), schedule, ranks, dimension, x.shape, w.shape, out_shape,
-        _CODES[np.dtype(x.dtype)], _CODES[np.dtype(out_dtype)])
-    out, _ = _PRIMITIVE.bind(
+    if cut_schedule(schedule) and (x.ndim != 2 or dimension != 0):
+        # Slices are chunks of contiguous rows: run on x with the row dim
+        # leading (its blocks stay row blocks), then put the dims back.
+        out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
+                   ranks=ranks, dimension=0, scales=scales, fast_f32=fast_f32)
+        return unrows_2d(out, out_shape, dimension)
+    # "auto" asks the cost model, on the machine the program runs on (fp8:
+    # the library's own rule), then weighs its pick against the call's cost.
+    shapes = _abi.call(kind, schedule, ranks, dimension, x.shape, w.shape, x.dtype, out_dtype)
+    if schedule == _abi.AUTO and not scales:
+        prepared, code, why = _auto.prepare(shapes, measure_call_overhead_s)
+    else:
+        prepared, code, why = _abi.prepare(shapes), schedule, "as asked"
+    record_decision(op, schedule_name(code), why)
+    if code == UNFUSED:
+        return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
+                       fast_f32=fast_f32)
+    workspace = (prepared["workspace"]["cpu"], prepared["workspace"]["cuda"])
+    return _PRIMITIVE.bind(
         x, w, *scales, kind=Kind(kind), out_shape=tuple(out_shape), out_dtype=np.dtype(out_dtype), dimension=dimension,
-        schedule=schedule, axes=tuple(axes), ranks=ranks, workspace_bytes=workspace, site=next(_sites),
+        schedule=code, axes=tuple(axes), ranks=ranks, workspace=workspace, site=next(_sites),
         fast_f32=bool(fast_f32))
-    return out
 
 
-_CODES = {**DTYPE_CODES, **FP8_CODES}
+def measure_call_overhead_s(n: int) -> float:
+    """A fused call's fixed cost on `n` of this host's CPU devices: a
+    reduce-scatter matmul too small for its compute or transfers to count,
+    fused and as jax.lax's collective and dot (the fastest of 7 interleaved
+    runs of 20 calls each), the difference (see `_auto.call_overhead_s`)."""
+    import time
+
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        return 0.0
+    mesh = Mesh(np.array(devices[:n]), ("i",))
+    x = np.ones((8 * n, 8 * n), np.float32)
+    w = np.ones((8 * n, 8), np.float32)
+
+    def compiled(op):
+        f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(None, "i"), P("i")), out_specs=P("i")))
+        f(x, w).block_until_ready()
+        return f
+
+    def per_call(f):
+        start = time.perf_counter()
+        for _ in range(20):
+            out = f(x, w)
+        out.block_until_ready()
+        return (time.perf_counter() - start) / 20
+
+    ring = SCHEDULES["ring"]
+    fused = compiled(lambda a, b: call(Kind.MATMUL_REDUCE_SCATTER, a, b, out_dtype=np.float32, schedule=ring,
+                                       axes=("i",), ranks=n))
+    plain = compiled(lambda a, b: jax.lax.psum_scatter(a @ b, "i", tiled=True))
+    # Interleaved, the fastest of each: the least disturbed by other work on the host.
+    times = [(per_call(fused), per_call(plain)) for _ in range(7)]
+    return min(t for t, _ in times) - min(t for _, t in times)
+
+
 _ALL_TO_ALL_KINDS = (Kind.ALL_TO_ALL_MATMUL, Kind.ALL_TO_ALL_MATMUL_CONTRACT, Kind.MATMUL_ALL_TO_ALL,
                      Kind.MATMUL_ALL_TO_ALL_COLS)
 
 
-def _abstract_eval(x, w, *scales, out_shape, out_dtype, workspace_bytes, axes, **_):
+def _abstract_eval(x, w, *scales, out_shape, out_dtype, axes, **_):
     # Typed as varying over the op's axes (and whatever x and w vary over), so
-    # a custom_vjp or out_specs see the truth (see XLA_FFI_NOTES, point 3). The
-    # workspace has x's rank, so it can share x's sharding.
+    # that a custom_vjp and out_specs see the truth (a fused op's result is
+    # not the same on every rank).
     varying = (_varying(x) | _varying(w) | frozenset(axes)) if vma_checked() else frozenset()
-    workspace_shape = (1,) * (x.ndim - 1) + (workspace_bytes,)
-    return (_typed_like(x, out_shape, out_dtype, varying),
-            _typed_like(x, workspace_shape, np.dtype(np.uint8), varying))
+    return _typed_like(x, out_shape, out_dtype, varying)
 
 
 def empty_result(x, w, shape, dtype, axes):
@@ -547,14 +531,6 @@ def empty_result(x, w, shape, dtype, axes):
     if not vma_checked():
         return zeros
     return make_varying(zeros, _varying(jax.typeof(x)) | _varying(jax.typeof(w)) | frozenset(axes))
-
-
-def schedule_name(code: int) -> str:
-    """The name of a schedule code (``"tiled(4)"`` for the cut ones)."""
-    cut = cut_schedule(code)
-    if cut:
-        return f"{cut}({chunks_of(code)})"
-    return {v: k for k, v in SCHEDULES.items()}.get(code, f"schedule code {code}")
 
 
 def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, fast_f32: bool):
@@ -600,14 +576,14 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
     return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))
 
 
-def _lower_cpu(ctx, x, w, *scales, kind, **params):
+def _lower_cpu(ctx, x, w, *scales, kind, workspace, **params):
     if scales:  # fp8 traced where a GPU exists, lowered for CPU devices
         raise TypeError(
             f"commfuse ({kind.name.lower()}): fp8 operands need CUDA devices (sm_90+); this mesh is on CPU")
-    return _lower_target(_native.CPU_TARGET, ctx, x, w, kind=kind, **params)
+    return _lower_target(_native.CPU_TARGET, ctx, x, w, kind=kind, workspace_bytes=workspace[0], **params)
 
 
-def _lower_cuda(ctx, x, w, *scales, kind, axes, fast_f32, **params):
+def _lower_cuda(ctx, x, w, *scales, kind, axes, fast_f32, workspace, **params):
     try:
         target = _native.cuda_target()
     except NotImplementedError as e:
@@ -618,18 +594,24 @@ def _lower_cuda(ctx, x, w, *scales, kind, axes, fast_f32, **params):
     # key-value store; nothing when the whole mesh is in this process.
     placement = _nccl_id.lowering_attributes(_lowering_mesh(kind, ctx), axes)
     extra = dict(placement, tf32=int(fast_f32))
-    return _lower_target(target, ctx, x, w, *scales, kind=kind, axes=axes, extra=extra, **params)
+    return _lower_target(target, ctx, x, w, *scales, kind=kind, axes=axes, extra=extra, workspace_bytes=workspace[1],
+                         **params)
 
 
-def _lower_target(target, ctx, x, w, *scales, kind, site, schedule, dimension, axes, extra=None, **_):
+def _lower_target(target, ctx, x, w, *scales, kind, site, schedule, dimension, axes, workspace_bytes, extra=None,
+                  **_):
     """The FFI call of `target`, with the same attributes on every platform.
-    fp8 calls add the two scale operands and ask for `w` K-major
-    (column-major [k, n], minor-to-major (0, 1)): cuBLASLt's fp8 GEMMs take
-    only operands contiguous along k; XLA does the transpose."""
+    The call has a second result, its workspace (`workspace_bytes` for the
+    platform being lowered): XLA allocates it with the call's buffers, and
+    nothing else sees it. fp8 calls add the two scale operands and ask for
+    `w` K-major (column-major [k, n], minor-to-major (0, 1)): cuBLASLt's fp8
+    GEMMs take only operands contiguous along k; XLA does the transpose."""
     mesh = _lowering_mesh(kind, ctx)
     layouts = dict(operand_layouts=[None, (0, 1), None, None]) if scales else {}
     lowering = jax.ffi.ffi_lowering(target, **layouts)
-    return lowering(
+    workspace = ctx.avals_out[0].update(shape=(workspace_bytes,), dtype=np.dtype(np.uint8), weak_type=False)
+    ctx = ctx.replace(avals_out=[ctx.avals_out[0], workspace])
+    out, _ = lowering(
         ctx, x, w, *scales,
         kind=int(kind),
         site=int(site),
@@ -640,6 +622,7 @@ def _lower_target(target, ctx, x, w, *scales, kind, site, schedule, dimension, a
         axes=np.asarray([mesh.axis_names.index(a) for a in axes], np.int64),
         **(extra or {}),
     )
+    return [out]
 
 
 def _lower_unsupported(platform, ctx, *args, kind, **params):
@@ -652,7 +635,7 @@ def _lower_unsupported(platform, ctx, *args, kind, **params):
 _NOT_MAPPED = getattr(batching, "not_mapped", None)
 
 
-def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, workspace_bytes, fast_f32, **_):
+def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fast_f32, **_):
     if len(args) != 2:
         raise NotImplementedError("vmap of commfuse ops with fp8 operands is not supported; fold the batch into "
                                   "x's leading dims")
@@ -666,9 +649,7 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, wor
     x = jnp.moveaxis(x, x_dim, 0)
     out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1,
                fast_f32=fast_f32)
-    # The unbatched result type wants its own workspace shape; nobody reads it.
-    workspace = jnp.zeros((1,) * (x.ndim - 2) + (workspace_bytes,), np.uint8)
-    return (out, workspace), (0, _NOT_MAPPED)
+    return out, 0
 
 
 def _apply_primitive(*args, **params):
@@ -679,7 +660,6 @@ def _apply_primitive(*args, **params):
 
 
 _PRIMITIVE = Primitive("commfuse_collective_matmul")
-_PRIMITIVE.multiple_results = True
 _PRIMITIVE.def_abstract_eval(_abstract_eval)
 _PRIMITIVE.def_impl(_apply_primitive)
 mlir.register_lowering(_PRIMITIVE, _lower_cpu, platform="cpu")

@@ -23,9 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-import numpy as np
-
-from . import _explain, _fused
+from . import _abi, _auto, _fused
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 
 OP = "matmul_all_reduce"
@@ -65,23 +63,22 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     if 0 in x.shape or 0 in w.shape:
         # Nothing to cut into a ring's blocks (and jax.lax all-gathers no
         # empty chunk): jax.lax's own psum of the product, empty or zeros.
-        code = _fused.UNFUSED
+        code = _abi.UNFUSED
         _fused.record_decision(OP, "unfused", "an operand has no elements")
     elif tiles is None or rows % (tiles * ranks):
-        if code not in (_fused.SCHEDULES["auto"], _fused.UNFUSED):
+        if code not in (_abi.AUTO, _abi.UNFUSED):
             raise ValueError(
                 f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={x.shape}) must divide into "
                 f"tiles={tiles} chunks of a multiple of the axis size {ranks} for schedule={schedule!r}")
-        code = _fused.UNFUSED  # "auto": nothing to cut into a ring's blocks
-    if code == _fused.SCHEDULES["auto"] and ranks > 1:
+        code = _abi.UNFUSED  # "auto": nothing to cut into a ring's blocks
+    if code == _abi.AUTO and ranks > 1:
         # The cost model judges one chunk's reduce-scatter; unfused, the
         # whole op is one psum rather than chunked gathers.
-        chunk = (rows // tiles, x.shape[-1])
-        codes = _fused.DTYPE_CODES[np.dtype(x.dtype)], _fused.DTYPE_CODES[np.dtype(out_dtype)]
-        decided, why = _explain.auto_decision(int(_fused.Kind.MATMUL_REDUCE_SCATTER), 0, chunk, w.shape,
-                                              (chunk[0] // ranks, w.shape[1]), ranks, *codes)
-        if decided == _fused.UNFUSED:
-            code = _fused.UNFUSED
+        shapes = _abi.call(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x.shape[-1]),
+                           w.shape, x.dtype, out_dtype)
+        _, decided, why = _auto.prepare(shapes, _fused.measure_call_overhead_s)
+        if decided == _abi.UNFUSED:
+            code = _abi.UNFUSED
             _fused.record_decision(OP, "unfused", why)
     x, w = _fused.vary_together(x, w, axes)
     return _all_reduce(x, w, _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast))
@@ -106,7 +103,7 @@ def _gather_invariant(y, axes):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_reduce(x, w, static):
-    if static.schedule == _fused.UNFUSED or static.ranks == 1:
+    if static.schedule == _abi.UNFUSED or static.ranks == 1:
         if static.ranks == 1:
             _fused.record_decision(OP, "unfused", "one rank: nothing to reduce")
         return _unfused(x, w, static)

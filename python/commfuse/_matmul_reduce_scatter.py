@@ -9,8 +9,10 @@ column gather (columns). All fused."""
 
 from __future__ import annotations
 
+import math
+
 from . import _fused
-from ._fused import Kind
+from ._abi import Kind
 
 OP = "matmul_reduce_scatter"
 
@@ -43,27 +45,37 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     """
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
-    dimension = _fused.normalize_dimension(OP, "scatter_dimension", scatter_dimension, x.ndim, allow_last=True)
-    size = w.shape[1] if dimension == x.ndim - 1 else x.shape[dimension]
-    if size % ranks:
-        raise ValueError(
-            f"commfuse.{OP}: the result's scatter_dimension {dimension} has size {size}, which is not "
-            f"divisible by the size {ranks} of axis {axis_name!r}")
+    kind, dimension, _, _ = layout(x.shape, w.shape, ranks, scatter_dimension, axis_name=axis_name)
     code = _fused.check_schedule(OP, schedule, slices, tiles)
     fp8 = _fused.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
     if fp8 is not None:
-        if dimension == x.ndim - 1:
+        if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
             raise NotImplementedError(
                 f"commfuse.{OP}: fp8 operands are supported for a row scatter_dimension only, not the last dim")
         _fused.check_precision(OP, precision)
-        return _fused.fp8_call(Kind.MATMUL_REDUCE_SCATTER, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
+        return _fused.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
                                schedule=code)
     x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
                                   precision=precision, preferred_element_type=preferred_element_type)
-    if dimension == x.ndim - 1:
+    if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
         out = _scatter_cols(_fused.rows_2d(x), w, static)
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
     return _scatter_rows(x, w, static)
+
+
+def layout(x_shape, w_shape, ranks: int, scatter_dimension: int = 0, *, axis_name="the axis") -> tuple:
+    """The library call this op makes on one device's operands of these
+    shapes: (kind, its dimension, the first operand's shape, the second's);
+    ValueError if the scattered dim does not divide over `ranks`."""
+    d = _fused.normalize_dimension(OP, "scatter_dimension", scatter_dimension, len(x_shape), allow_last=True)
+    size = w_shape[1] if d == len(x_shape) - 1 else x_shape[d]
+    if size % ranks:
+        raise ValueError(
+            f"commfuse.{OP}: the result's scatter_dimension {d} has size {size}, which is not divisible by the "
+            f"size {ranks} of {axis_name!r}")
+    if d == len(x_shape) - 1:
+        return Kind.MATMUL_REDUCE_SCATTER_COLS, 0, (math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)
+    return Kind.MATMUL_REDUCE_SCATTER, d, tuple(x_shape), tuple(w_shape)
 
 
 def _scatter_rows_bwd(static, residuals, dy):

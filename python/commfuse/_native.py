@@ -37,16 +37,10 @@ def _find_library() -> pathlib.Path:
 LIBRARY_PATH = _find_library()
 lib = ctypes.CDLL(str(LIBRARY_PATH))
 
-_I64P = ctypes.POINTER(ctypes.c_int64)
-lib.commfuse_workspace_bytes.restype = ctypes.c_int64
-lib.commfuse_workspace_bytes.argtypes = [ctypes.c_int64] * 4 + [_I64P, ctypes.c_size_t] * 3 + [
-    ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_set_timeout_ms.restype = None
 lib.commfuse_set_timeout_ms.argtypes = [ctypes.c_uint64]
 lib.commfuse_timeout_ms.restype = ctypes.c_uint64
 lib.commfuse_timeout_ms.argtypes = []
-lib.commfuse_limits.restype = ctypes.c_size_t
-lib.commfuse_limits.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
 lib.commfuse_interrupt.restype = None
 lib.commfuse_interrupt.argtypes = []
 lib.commfuse_cuda_built.restype = ctypes.c_int32
@@ -62,19 +56,6 @@ lib.commfuse_cuda_loads_during_execute.argtypes = []
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
 
-
-def _limits() -> dict:
-    names = ("max_ranks", "max_chunks", "max_cut_blocks", "max_elements")
-    values = (ctypes.c_uint64 * len(names))()
-    count = lib.commfuse_limits(values, len(names))
-    if count != len(names):
-        raise ImportError(f"commfuse: {LIBRARY_PATH} reports {count} limits, this package knows {len(names)}")
-    return dict(zip(names, (int(v) for v in values)))
-
-
-# The library's limits on axis sizes, chunk counts and element counts
-# (`plan::MAX_*`, `problem::MAX_ELEMENTS`), checked again at trace time.
-LIMITS = _limits()
 CPU_TARGET = "commfuse_collective_matmul_cpu"
 CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
@@ -159,20 +140,6 @@ def cuda_target() -> str:
             raise NotImplementedError(f"registering {CUDA_TARGET} for CUDA failed: {e}") from e
         _cuda_registered = True
         return CUDA_TARGET
-
-
-def workspace_bytes(kind: int, schedule: int, ranks: int, dimension: int, x_shape, w_shape, out_shape,
-                    input_code: int, output_code: int) -> int:
-    """Bytes of workspace the Rust plan needs for this call."""
-    def dims(shape):
-        return (ctypes.c_int64 * max(1, len(shape)))(*shape), len(shape)
-
-    error = ctypes.create_string_buffer(512)
-    size = lib.commfuse_workspace_bytes(kind, schedule, ranks, dimension, *dims(x_shape), *dims(w_shape),
-                                        *dims(out_shape), input_code, output_code, error, len(error))
-    if size < 0:
-        raise ValueError(error.value.decode(errors="replace"))
-    return size
 
 
 def cuda_libraries() -> dict:

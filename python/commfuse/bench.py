@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commfuse
-from commfuse import _explain
+from commfuse import _abi, _all_gather_matmul, _auto, _matmul_reduce_scatter
 
 LINK_VAR = "COMMFUSE_CPU_LINK"
 LATENCY_US = 20.0
@@ -118,23 +118,23 @@ def _comm_bytes(op, n, m, k, cols, dtype):
     return (n - 1) * m * cols * 4  # partial sums travel in f32 (the accumulator)
 
 
+def _shapes(op, n, m, k, cols, dtype, schedule=_abi.AUTO):
+    """One device's call of `op`, as the op's own module lays it out."""
+    layout = _all_gather_matmul.layout if op == "all_gather_matmul" else _matmul_reduce_scatter.layout
+    kind, dim, first, second = layout((m, k) if op == "all_gather_matmul" else (n * m, k), (k, cols), n, 0)
+    return _abi.call(kind, schedule, n, dim, first, second, dtype, dtype)
+
+
 def _model(op, n, m, k, cols, dtype, spec, gflops):
     """explain()'s numbers for one device's operands, without printing."""
-    x = (m, k) if op == "all_gather_matmul" else (n * m, k)
-    code = _explain._DTYPES[np.dtype(dtype).name]
-    kind, dim, first, second, out = _explain._call(op, x, (k, cols), n, 0)
-    return _explain._query(kind, dim, first, second, out, n, code, code, spec, gflops)
+    return _abi.prepare(_shapes(op, n, m, k, cols, dtype), spec, gflops, explain=True)["explain"]
 
 
 def _auto_ran(op, n, m, k, cols, dtype):
     """The schedule "auto" ran: what it resolves to at trace time, under the link in the environment now."""
-    x = (m, k) if op == "all_gather_matmul" else (n * m, k)
-    code = _explain._DTYPES[np.dtype(dtype).name]
-    kind, dim, first, second, out = _explain._call(op, x, (k, cols), n, 0)
-    picked = _explain.auto_schedule_code(kind, dim, first, second, out, n, code, code)
-    if picked & 0xFF == 5:
-        return f"tiled({picked >> 8})"
-    return {1: "ring", 2: "bidirectional"}.get(picked, "bidirectional" if n > 2 else "ring")
+    spec = _auto.default_machine()
+    prepared = _abi.prepare(_shapes(op, n, m, k, cols, dtype), spec, _auto.machine_rate(spec))
+    return prepared["plan"]["schedule"]
 
 
 def _calibrated_rate(op, n, m, k, cols, dtype, t_compute):

@@ -1,4 +1,4 @@
 //! Backends: what one step does on a device. The executor is shared.
 pub mod cpu;
-#[cfg(feature = "cuda")]
+/// Its workspace layout builds without the `cuda` feature; the rest needs it.
 pub mod cuda;

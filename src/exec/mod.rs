@@ -65,7 +65,7 @@ struct Progress {
 impl Progress {
     /// Returns whether the step had to wait, and when its dependencies finished.
     fn wait_for(&self, deps: &[StepId]) -> Result<(bool, Option<Instant>)> {
-        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = crate::sync::lock(&self.done);
         let mut waited = false;
         loop {
             if self.cancelled.load(Ordering::Acquire) {
@@ -75,24 +75,24 @@ impl Progress {
                 return Ok((waited, deps.iter().filter_map(|&d| done[d]).max()));
             }
             waited = true;
-            done = self.changed.wait(done).unwrap_or_else(|e| e.into_inner());
+            done = crate::sync::wait(&self.changed, done);
         }
     }
 
     fn finish(&self, step: StepId, at: Instant) {
-        self.done.lock().unwrap_or_else(|e| e.into_inner())[step] = Some(at);
+        crate::sync::lock(&self.done)[step] = Some(at);
         self.changed.notify_all();
     }
 
     fn fail(&self, error: Error) {
-        let mut first = self.first_error.lock().unwrap_or_else(|e| e.into_inner());
+        let mut first = crate::sync::lock(&self.first_error);
         if first.is_none() {
             *first = Some(error);
         }
         drop(first);
         self.cancelled.store(true, Ordering::Release);
         // Take the lock so no waiter misses the wake-up between its check and its wait.
-        drop(self.done.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(crate::sync::lock(&self.done));
         self.changed.notify_all();
     }
 }
@@ -164,7 +164,8 @@ pub fn run(plan: &Plan, backend: &dyn Backend) -> Result<()> {
             run_lane(local.0, &local.1);
         }),
     }
-    match progress.first_error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+    let first_error = crate::sync::lock(&progress.first_error).take();
+    match first_error {
         Some(e) => Err(e),
         None => Ok(()),
     }
@@ -265,7 +266,7 @@ mod call_threads {
 
     pub fn spawn(job: Job) {
         let shared = shared();
-        let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = crate::sync::lock(&shared.state);
         state.jobs.push_back(job);
         if state.idle >= state.jobs.len() {
             shared.work.notify_one();
@@ -278,17 +279,17 @@ mod call_threads {
     }
 
     fn work(shared: &Shared) {
-        let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = crate::sync::lock(&shared.state);
         loop {
             match state.jobs.pop_front() {
                 Some(job) => {
                     drop(state);
                     job();
-                    state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+                    state = crate::sync::lock(&shared.state);
                 }
                 None => {
                     state.idle += 1;
-                    state = shared.work.wait(state).unwrap_or_else(|e| e.into_inner());
+                    state = crate::sync::wait(&shared.work, state);
                     state.idle -= 1;
                 }
             }

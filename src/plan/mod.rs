@@ -118,18 +118,21 @@ pub enum Schedule {
     Tiled { tiles: usize },
 }
 
-impl Schedule {
-    /// The code Python passes in the `schedule` attribute.
-    pub fn from_code(code: i64) -> Option<Schedule> {
-        match code {
-            0 => Some(Schedule::Auto),
-            1 => Some(Schedule::Ring),
-            2 => Some(Schedule::Bidirectional),
-            3 => Some(Schedule::Sequential),
-            _ => None,
+/// A schedule's name as Python spells it (`"tiled(4)"` for the cut ones).
+impl std::fmt::Display for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Schedule::Auto => write!(f, "auto"),
+            Schedule::Ring => write!(f, "ring"),
+            Schedule::Bidirectional => write!(f, "bidirectional"),
+            Schedule::Sequential => write!(f, "sequential"),
+            Schedule::Sliced { slices } => write!(f, "sliced({slices})"),
+            Schedule::Tiled { tiles } => write!(f, "tiled({tiles})"),
         }
     }
+}
 
+impl Schedule {
     /// Whether sliced and tiled plans exist for `pattern`.
     pub fn sliceable(pattern: Pattern) -> bool {
         matches!(pattern, Pattern::Gather { accumulate: false } | Pattern::Scatter)

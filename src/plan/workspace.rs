@@ -1,7 +1,9 @@
-//! Workspace layout: byte offsets of a plan's slots and of the conversion
-//! scratch, once the shapes are known. Python asks for the total at trace time
-//! (through `commfuse_workspace_bytes`) and hands XLA-owned memory of that size
-//! to every call, so nothing is allocated on the hot path.
+//! Workspace layout: byte offsets of a plan's slots once the shapes are
+//! known. Each backend appends the scratch it needs of its own after them
+//! (`backend::cpu::CpuLayout`: conversion copies; `backend::cuda::workspace`:
+//! the fp8 GEMMs' workspace). Python asks for the total at trace time
+//! (`crate::prepare`) and hands XLA-owned memory of that size to every call,
+//! so nothing is allocated on the hot path.
 
 use super::{Plan, SlotKind};
 use crate::dtype::DType;
@@ -33,17 +35,10 @@ impl Sizes {
     }
 }
 
-/// Where each region lives in the workspace.
+/// Where the plan's slots live in the workspace, and its size so far.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Workspace {
     pub slots: Vec<Range<usize>>,
-    /// `x` and `w` in the accumulator type, when the input type differs from it.
-    pub x: Option<Range<usize>>,
-    pub w: Option<Range<usize>>,
-    /// A received block in the accumulator type, same condition.
-    pub travel: Option<Range<usize>>,
-    /// Products in the accumulator type, for outputs of another type.
-    pub results: Option<Range<usize>>,
     pub total: usize,
 }
 
@@ -51,35 +46,33 @@ pub struct Workspace {
 const ALIGN: usize = 64;
 
 impl Workspace {
-    /// The layout, or INVALID_ARGUMENT when its bytes would not fit one
-    /// allocation (sizes from a hostile call frame; every product checked).
+    /// The slots' layout, or INVALID_ARGUMENT when its bytes would not fit
+    /// one allocation (sizes from a hostile call frame; every product checked).
     pub fn layout(plan: &Plan, sizes: &Sizes) -> Result<Workspace> {
         let acc = sizes.accumulator().size();
-        let mut cursor = 0usize;
-        let mut region = |elements: usize, size: usize| -> Result<Range<usize>> {
-            let start = cursor;
-            let end = elements.checked_mul(size).and_then(|bytes| start.checked_add(bytes));
-            let aligned = end.and_then(|e| e.checked_next_multiple_of(ALIGN)).filter(|&a| a <= isize::MAX as usize);
-            let (end, aligned) = end
-                .zip(aligned)
-                .ok_or_else(|| Error::InvalidArgument(format!("the workspace would exceed {} bytes", isize::MAX)))?;
-            cursor = aligned;
-            Ok(start..end)
-        };
-        let slots = plan
-            .slots
-            .iter()
-            .map(|kind| match kind {
-                SlotKind::Input => region(sizes.travel, sizes.input.size()),
-                SlotKind::Partial => region(sizes.partial, acc),
-                SlotKind::Result => region(sizes.result, acc),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let convert = sizes.input != sizes.accumulator();
-        let x = convert.then(|| region(sizes.x, acc)).transpose()?;
-        let w = convert.then(|| region(sizes.w, acc)).transpose()?;
-        let travel = convert.then(|| region(sizes.travel, acc)).transpose()?;
-        let results = (sizes.output != sizes.accumulator()).then(|| region(sizes.out_view, acc)).transpose()?;
-        Ok(Workspace { slots, x, w, travel, results, total: cursor })
+        let mut workspace = Workspace { slots: Vec::with_capacity(plan.slots.len()), total: 0 };
+        for kind in &plan.slots {
+            let slot = match kind {
+                SlotKind::Input => workspace.append(sizes.travel, sizes.input.size(), ALIGN)?,
+                SlotKind::Partial => workspace.append(sizes.partial, acc, ALIGN)?,
+                SlotKind::Result => workspace.append(sizes.result, acc, ALIGN)?,
+            };
+            workspace.slots.push(slot);
+        }
+        Ok(workspace)
+    }
+
+    /// A region of `elements` of `size` bytes after everything so far,
+    /// starting on an `align`-byte boundary (a backend's own scratch).
+    pub fn append(&mut self, elements: usize, size: usize, align: usize) -> Result<Range<usize>> {
+        let start = self.total.checked_next_multiple_of(align);
+        let end = start.and_then(|s| elements.checked_mul(size).and_then(|bytes| s.checked_add(bytes)));
+        match start.zip(end.filter(|&e| e <= isize::MAX as usize)) {
+            Some((start, end)) => {
+                self.total = end;
+                Ok(start..end)
+            }
+            None => Err(Error::InvalidArgument(format!("the workspace would exceed {} bytes", isize::MAX))),
+        }
     }
 }

@@ -19,7 +19,7 @@ pub mod model;
 mod tests;
 
 pub use engine::{simulate, Timeline};
-pub use model::{auto_schedule, candidates, choose, predict, schedule_name, Choice, Mode};
+pub use model::{auto_pick, auto_schedule, candidates, choose, predict, Choice, Mode};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

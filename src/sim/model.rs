@@ -26,7 +26,7 @@ fn cut(problem: &Problem, schedule: Schedule, n: usize) -> Result<Problem> {
                 return Err(Error::InvalidArgument(format!(
                     "{}: no {} schedule for this op over {n} ranks",
                     problem.kind.name(),
-                    schedule_name(schedule)
+                    schedule
                 )));
             }
             problem.for_schedule(schedule)
@@ -202,17 +202,5 @@ pub fn auto_pick(choice: &Choice, n: usize, pattern: crate::plan::Pattern) -> Sc
         (Some((_, per_step)), Some((tiled, t))) if t < TILED_MARGIN * per_step => tiled,
         (Some((per_step, _)), _) => per_step,
         _ => Schedule::Auto.resolve(n, pattern),
-    }
-}
-
-/// A schedule's name as Python spells it.
-pub fn schedule_name(schedule: Schedule) -> String {
-    match schedule {
-        Schedule::Auto => "auto".into(),
-        Schedule::Ring => "ring".into(),
-        Schedule::Bidirectional => "bidirectional".into(),
-        Schedule::Sequential => "sequential".into(),
-        Schedule::Sliced { slices } => format!("sliced({slices})"),
-        Schedule::Tiled { tiles } => format!("tiled({tiles})"),
     }
 }

@@ -61,7 +61,7 @@ pub fn enabled() -> bool {
 /// Errors when a recording is already on.
 pub fn start() -> Result<()> {
     let _ = epoch();
-    let mut events = EVENTS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut events = crate::sync::lock(&EVENTS);
     if ENABLED.swap(true, Ordering::SeqCst) {
         return Err(Error::InvalidArgument("a commfuse trace is already being recorded".into()));
     }
@@ -77,13 +77,13 @@ pub fn stop() -> usize {
     while IN_FLIGHT.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_micros(200));
     }
-    EVENTS.lock().unwrap_or_else(|e| e.into_inner()).len()
+    crate::sync::lock(&EVENTS).len()
 }
 
 /// Stops recording and takes the buffered events.
 pub fn drain() -> Vec<Event> {
     stop();
-    std::mem::take(&mut *EVENTS.lock().unwrap_or_else(|e| e.into_inner()))
+    std::mem::take(&mut *crate::sync::lock(&EVENTS))
 }
 
 /// Stops recording and writes the buffered events to `path` as a Perfetto
@@ -404,7 +404,7 @@ impl Drop for LaneLog<'_> {
                 ("schedule", Value::S(r.schedule.clone())),
             ],
         };
-        let mut events = EVENTS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut events = crate::sync::lock(&EVENTS);
         events.push(call);
         events.append(&mut self.events);
     }

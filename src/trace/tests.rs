@@ -150,7 +150,7 @@ impl Backend for Sleepy {
 
 #[test]
 fn executor_records_every_step_in_plan_order() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = crate::sync::lock(&SERIAL);
     let n = 4;
     let plan = plan::plan(Pattern::Gather { accumulate: false }, Schedule::Ring, n, 2);
     let info = CallInfo {

@@ -660,7 +660,7 @@ impl<'a> Frame<'a> {
 
 /// The element type of a buffer, or the error naming the buffer.
 fn typed(raw: &RawBuffer<'_>, side: Side, name: &str) -> Result<DType> {
-    DType::from_xla(raw.dtype).ok_or_else(|| {
+    crate::abi::dtype(raw.dtype).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "{} `{name}` has dtype {}; expected float32, float64, bfloat16 or float16",
             side.word(),

@@ -258,7 +258,7 @@ pub(super) unsafe fn create_error(api: *const sys::XLA_FFI_Api, err: &Error, nam
 fn unreportable(name: &str, msg: &str) -> *mut sys::XLA_FFI_Error {
     // Ignore write errors: there is nowhere left to report them.
     let _ = writeln!(std::io::stderr(), "commfuse: handler {name} cannot report an error: {msg}");
-    let mut pending = UNREPORTED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pending = crate::sync::lock(&UNREPORTED);
     if pending.is_none() {
         *pending = Some(format!(
             "an earlier call of {name} could not report its error ({msg}), so its results were not written"
@@ -272,5 +272,5 @@ fn unreportable(name: &str, msg: &str) -> *mut sys::XLA_FFI_Error {
 static UNREPORTED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 
 pub fn take_unreported() -> Option<Error> {
-    UNREPORTED.lock().unwrap_or_else(|e| e.into_inner()).take().map(Error::Internal)
+    crate::sync::lock(&UNREPORTED).take().map(Error::Internal)
 }

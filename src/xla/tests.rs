@@ -405,7 +405,7 @@ fn a_short_call_frame_is_an_error() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_cuda_handler_checks_the_call_then_reports_missing_libraries() {
-    use crate::backend::cuda::{collective_matmul, libs::Lib};
+    use crate::backend::cuda::{handler::collective_matmul, libs::Lib};
     let call = |kind: i64| {
         Call {
             args: vec![f32_arg(&[2, 4]), f32_arg(&[4, 3])],

@@ -138,7 +138,7 @@ impl LinkModel {
     /// of `group` (device ids in ring order) has arrived; books the ports or links.
     pub fn arrival(&self, now: Instant, group: &[i64], from: usize, to: usize, bytes: usize) -> Instant {
         let duration = self.transfer_time(bytes);
-        let mut table = ports().lock().unwrap_or_else(|e| e.into_inner());
+        let mut table = crate::sync::lock(ports());
         match self.topology {
             Topology::Switch => {
                 // The bytes leave through the out port, and drain through the

@@ -4,6 +4,7 @@
 
 #[allow(unsafe_code)]
 mod gemm;
+pub mod handler;
 pub mod numeric;
 pub mod transport;
 
@@ -105,21 +106,55 @@ fn split<'a>(mut rest: &'a mut [u8], regions: &[Range<usize>]) -> Result<Vec<&'a
     Ok(parts)
 }
 
+/// The CPU backend's workspace: the plan's slots, then copies in the
+/// accumulator type of what needs converting (`x` and `w` and a received
+/// block when the input type is not the accumulator's, products when the
+/// output type is not).
+pub struct CpuLayout {
+    pub plan: Workspace,
+    pub x: Option<Range<usize>>,
+    pub w: Option<Range<usize>>,
+    pub travel: Option<Range<usize>>,
+    pub results: Option<Range<usize>>,
+}
+
+/// The conversion copies start on cache lines.
+const SCRATCH_ALIGN: usize = 64;
+
+impl CpuLayout {
+    pub fn new(problem: &Problem, plan: &Plan) -> Result<CpuLayout> {
+        let sizes = problem.sizes();
+        let acc = sizes.accumulator();
+        let mut ws = Workspace::layout(plan, &sizes)?;
+        let mut copy = |elements: usize| ws.append(elements, acc.size(), SCRATCH_ALIGN);
+        let convert = sizes.input != acc;
+        let x = convert.then(|| copy(sizes.x)).transpose()?;
+        let w = convert.then(|| copy(sizes.w)).transpose()?;
+        let travel = convert.then(|| copy(sizes.travel)).transpose()?;
+        let results = (sizes.output != acc).then(|| copy(sizes.out_view)).transpose()?;
+        Ok(CpuLayout { plan: ws, x, w, travel, results })
+    }
+
+    pub fn total(&self) -> usize {
+        self.plan.total
+    }
+}
+
 impl<'a, A: Accum> CpuBackend<'a, A> {
     fn new(problem: &Problem, plan: &Plan, buffers: Buffers<'a>, endpoint: &'a Endpoint) -> Result<Self> {
-        let layout = Workspace::layout(plan, &problem.sizes())?;
-        if buffers.workspace.len() < layout.total {
+        let layout = CpuLayout::new(problem, plan)?;
+        if buffers.workspace.len() < layout.total() {
             return Err(Error::InvalidArgument(format!(
                 "workspace has {} bytes, the plan needs {}",
                 buffers.workspace.len(),
-                layout.total
+                layout.total()
             )));
         }
         let optional = [&layout.x, &layout.w, &layout.travel, &layout.results];
-        let mut regions = layout.slots.clone();
+        let mut regions = layout.plan.slots.clone();
         regions.extend(optional.iter().filter_map(|r| (*r).clone()));
         let mut parts = split(buffers.workspace, &regions)?.into_iter();
-        let slots = parts.by_ref().take(layout.slots.len()).map(RwLock::new).collect();
+        let slots = parts.by_ref().take(layout.plan.slots.len()).map(RwLock::new).collect();
         let mut next = |r: &Option<Range<usize>>| r.as_ref().and_then(|_| parts.next());
         let (x_conv, w_conv, travel, results) =
             (next(&layout.x), next(&layout.w), next(&layout.travel), next(&layout.results));

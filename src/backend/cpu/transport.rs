@@ -14,8 +14,9 @@ pub mod link;
 use crate::error::{Error, Result};
 use crate::exec::Wait;
 use crate::plan::Tag;
+use crate::sync::lock;
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Identifies the N calls that make up one op execution.
@@ -28,9 +29,9 @@ pub struct SessionKey {
     pub sequence: u64,
 }
 
-/// Names for error messages.
+/// One rank's part in a session: for its waits and error messages.
 #[derive(Debug, Clone)]
-pub struct CallInfo {
+pub struct Participant {
     pub op: &'static str,
     pub rank: usize,
     /// How long a wait lasts with no rank of the session moving.
@@ -81,13 +82,8 @@ struct Session {
 pub struct Endpoint {
     key: SessionKey,
     session: Arc<Session>,
-    info: CallInfo,
+    info: Participant,
     link: Option<link::LinkModel>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic elsewhere must not poison every later call.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn registry() -> &'static Mutex<HashMap<SessionKey, Arc<Session>>> {
@@ -114,7 +110,7 @@ pub fn next_sequence(device: i64, site: i64, run: i64) -> u64 {
 }
 
 impl Endpoint {
-    pub fn join(key: SessionKey, info: CallInfo) -> Endpoint {
+    pub fn join(key: SessionKey, info: Participant) -> Endpoint {
         let n = key.group.len();
         let now = Instant::now();
         let session = lock(registry())
@@ -238,7 +234,7 @@ impl Endpoint {
             if let Some(Some(at)) = arrival {
                 slice = slice.min(at - now);
             }
-            state = self.session.delivered.wait_timeout(state, slice).unwrap_or_else(|e| e.into_inner()).0;
+            state = crate::sync::wait_timeout(&self.session.delivered, state, slice).0;
         };
         drop(state);
         let bytes = bytemuck::cast_slice::<u64, u8>(&message);
@@ -436,8 +432,13 @@ mod tests {
         SessionKey { group: vec![10, 11, 12], site, run: 1, sequence: 0 }
     }
 
-    fn info(rank: usize) -> CallInfo {
-        CallInfo { op: "test_op", rank, timeout: Duration::from_millis(200), interrupts: crate::config::interrupts() }
+    fn info(rank: usize) -> Participant {
+        Participant {
+            op: "test_op",
+            rank,
+            timeout: Duration::from_millis(200),
+            interrupts: crate::config::interrupts(),
+        }
     }
 
     fn tag(step: usize) -> Tag {
@@ -589,7 +590,7 @@ mod tests {
         let key = SessionKey { group: group.clone(), site: 77, run: 1, sequence: 0 };
         let ends: Vec<Endpoint> = (0..group.len())
             .map(|r| {
-                let info = CallInfo {
+                let info = Participant {
                     op: "test_op",
                     rank: r,
                     timeout: Duration::from_secs(10),
@@ -659,7 +660,7 @@ mod tests {
         let model = link::LinkModel::parse(LINK).unwrap();
         let key = SessionKey { group: vec![3500, 3501], site: 78, run: 1, sequence: 0 };
         let end = |rank| {
-            let info = CallInfo {
+            let info = Participant {
                 op: "test_op",
                 rank,
                 timeout: Duration::from_secs(10),

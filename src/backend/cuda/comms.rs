@@ -12,9 +12,10 @@
 
 use crate::comm::Group;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Identifies one communicator: the group's global device ids in rank order.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -68,12 +69,6 @@ impl<C> Default for CommCache<C> {
     fn default() -> Self {
         CommCache { entries: Mutex::new(HashMap::new()) }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic in another holder (caught at the FFI edge) leaves the data
-    // consistent: every update below is a single insert, remove or set.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<C> CommCache<C> {

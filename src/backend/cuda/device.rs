@@ -98,7 +98,7 @@ fn bind_or_create(stream: *mut c_void) -> Result<(Arc<Mutex<Device>>, bool)> {
     // refuses null).
     let (ctx, ordinal) = unsafe { api::bind_stream(stream as dsys::CUstream) }?;
     let devices = DEVICES.get_or_init(Default::default);
-    let mut devices = devices.lock().unwrap_or_else(|e| e.into_inner());
+    let mut devices = crate::sync::lock(devices);
     if let Some(d) = devices.get(&ordinal) {
         return Ok((Arc::clone(d), false));
     }
@@ -578,7 +578,7 @@ impl EventSource for CudaEvents {
 
 /// The cached state of CUDA device `ordinal`, if a call has bound it.
 fn bound(ordinal: i32) -> Option<Arc<Mutex<Device>>> {
-    let devices = DEVICES.get()?.lock().unwrap_or_else(|e| e.into_inner());
+    let devices = crate::sync::lock(DEVICES.get()?);
     devices.get(&ordinal).cloned()
 }
 
@@ -726,7 +726,7 @@ pub struct CallOps<'a> {
     pub comm_failed: bool,
     /// float32 GEMMs may use TF32 (the op's precision allows it).
     pub tf32: bool,
-    /// An fp8 call's GEMM workspace in XLA's workspace (`ops::workspace_bytes`).
+    /// An fp8 call's GEMM workspace in XLA's workspace (`workspace::CudaLayout`).
     pub fp8_workspace: Option<(u64, usize)>,
     /// The call's device-timeout watch, whose progress marks the lanes record.
     pub watch: Option<&'a CallWatch>,

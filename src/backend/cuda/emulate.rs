@@ -292,7 +292,7 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
                     let mut out = vec![0u8; sizes.result * 4];
                     let mut workspace = vec![0u8; layout.total];
                     let key = transport::SessionKey { group, site, run: -7, sequence: 0 };
-                    let info = transport::CallInfo {
+                    let info = transport::Participant {
                         op: kind.name(),
                         rank,
                         timeout: Duration::from_secs(20),

@@ -161,7 +161,7 @@ pub struct ImageCache {
 impl ImageCache {
     /// The image of `source` for `target`, compiled on first use.
     pub fn get(&self, target: &Target, source: Source) -> Result<Arc<Vec<u8>>> {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = crate::sync::lock(&self.entries);
         if let Some(image) = entries.get(&(target.clone(), source.name)) {
             return Ok(Arc::clone(image));
         }

@@ -136,11 +136,11 @@ static SEARCH: Mutex<Option<Search>> = Mutex::new(None);
 /// Sets the pip package directories to search (step 3) and the CUDA major of
 /// JAX's plugin (0: none or unknown), which the error messages name.
 pub fn set_search(dirs: Vec<PathBuf>, jax_cuda_major: u32) {
-    *SEARCH.lock().unwrap_or_else(|e| e.into_inner()) = Some(Search { dirs, jax_cuda_major });
+    *crate::sync::lock(&SEARCH) = Some(Search { dirs, jax_cuda_major });
 }
 
 fn search() -> Search {
-    SEARCH.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default()
+    crate::sync::lock(&SEARCH).clone().unwrap_or_default()
 }
 
 /// The CUDA major of JAX's plugin as Python reported it (0: unknown).

@@ -35,11 +35,12 @@
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use std::fmt::Write as _;
 use std::ops::Deref;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -209,13 +210,6 @@ impl<S: EventSource> Work<S> {
     fn is_idle(&self) -> bool {
         self.entries.is_empty() && self.aborting.is_empty()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock (caught at the FFI edge or in the
-    // thread's loop) leaves the state usable: each update is one push,
-    // removal or flag.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<S: EventSource> Core<S> {
@@ -494,7 +488,7 @@ fn run<S: EventSource>(core: &Core<S>) {
         }
         if state.pending.is_empty() && work.is_idle() {
             state.parked = true;
-            state = core.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+            state = crate::sync::wait(&core.wake, state);
             state.parked = false;
             continue;
         }

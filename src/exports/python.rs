@@ -1,83 +1,64 @@
-//! The C ABI: the XLA FFI handler and the few plain functions Python calls
-//! through ctypes. Every entry point catches panics; none crosses the ABI.
+//! The plain C functions Python calls through ctypes (`python/commfuse/_native.py`,
+//! `_abi.py`): the trace-time `prepare`, the contract's tables, settings,
+//! tracing, and the CUDA libraries. Each catches panics; none crosses the ABI.
 
-use crate::ops::CallShapes;
-use crate::xla::{self, sys};
 use std::panic::catch_unwind;
 
-/// # Safety
-/// Called by XLA with its call frame.
-#[no_mangle]
-pub unsafe extern "C" fn commfuse_collective_matmul_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
-    // SAFETY: XLA passes a valid call frame for the duration of the call.
-    unsafe { xla::handle_named("commfuse collective matmul", frame, crate::ops::collective_matmul_cpu) }
-}
-
-/// The CUDA handler: the same op on a GPU (see `backend::cuda`).
+/// Answers one trace-time request (`prepare::prepare_json`; `request` is a
+/// NUL-terminated JSON object): writes the JSON answer, NUL-terminated, to
+/// `out[..out_len]` when it fits and returns its length in bytes (call again
+/// with a larger buffer when that is >= `out_len`), or returns -1 with the
+/// reason written there instead.
 ///
 /// # Safety
-/// Called by XLA with its call frame.
-#[cfg(feature = "cuda")]
+/// `request` must be a NUL-terminated string and `out` a writable buffer of
+/// `out_len` bytes (or null).
 #[no_mangle]
-pub unsafe extern "C" fn commfuse_collective_matmul_cuda(
-    frame: *mut sys::XLA_FFI_CallFrame,
-) -> *mut sys::XLA_FFI_Error {
-    // SAFETY: XLA passes a valid call frame for the duration of the call.
-    unsafe {
-        xla::handle_stages(
-            "commfuse collective matmul (CUDA)",
-            frame,
-            xla::Stages::InitializeAndExecute,
-            crate::backend::cuda::handler,
-        )
-    }
-}
-
-/// Workspace bytes for one call (see `ops::CallShapes`), or -1 with the reason
-/// written, NUL-terminated and truncated, to `error[..error_len]`.
-///
-/// # Safety
-/// Each `(pointer, len)` pair must be a readable array of that many i64s (or
-/// len 0), and `error` a writable buffer of `error_len` bytes (or null).
-#[no_mangle]
-pub unsafe extern "C" fn commfuse_workspace_bytes(
-    kind: i64,
-    schedule: i64,
-    ranks: i64,
-    dimension: i64,
-    x: *const i64,
-    x_rank: usize,
-    w: *const i64,
-    w_rank: usize,
-    out: *const i64,
-    out_rank: usize,
-    input_dtype: u32,
-    output_dtype: u32,
-    error: *mut u8,
-    error_len: usize,
-) -> i64 {
-    // SAFETY: the caller guarantees the arrays; null or empty gives an empty slice.
-    let dims = |p: *const i64, len: usize| {
-        if p.is_null() || len == 0 {
-            &[][..]
-        } else {
-            unsafe { std::slice::from_raw_parts(p, len) }
+pub unsafe extern "C" fn commfuse_prepare(request: *const std::ffi::c_char, out: *mut u8, out_len: usize) -> i64 {
+    let result = catch_unwind(|| {
+        if request.is_null() {
+            return Err("null request".to_string());
         }
+        // SAFETY: the caller passes a NUL-terminated string.
+        let request = unsafe { std::ffi::CStr::from_ptr(request) }.to_str().map_err(|e| e.to_string())?;
+        crate::prepare::prepare_json(request).map_err(|e| e.to_string())
+    });
+    // SAFETY: forwarded contract.
+    unsafe { answer(result, "panic while preparing the call", out, out_len) }
+}
+
+/// The contract's tables (`abi::tables`) as JSON, written as
+/// `commfuse_prepare` writes its answer.
+///
+/// # Safety
+/// `out` must be a writable buffer of `out_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_abi_tables(out: *mut u8, out_len: usize) -> i64 {
+    let result = catch_unwind(|| Ok(crate::abi::tables().to_string()));
+    // SAFETY: forwarded contract.
+    unsafe { answer(result, "panic while writing the tables", out, out_len) }
+}
+
+/// Writes a text answer or its error to `out` (see `commfuse_prepare`).
+///
+/// # Safety
+/// `out` must be a writable buffer of `out_len` bytes (or null).
+unsafe fn answer(
+    result: std::thread::Result<Result<String, String>>,
+    panicked: &str,
+    out: *mut u8,
+    out_len: usize,
+) -> i64 {
+    let (code, text) = match result {
+        Ok(Ok(text)) => (i64::try_from(text.len()).unwrap_or(i64::MAX), text),
+        Ok(Err(e)) => (-1, e),
+        Err(_) => (-1, panicked.to_string()),
     };
-    let (x, w, out) = (dims(x, x_rank), dims(w, w_rank), dims(out, out_rank));
-    let call = CallShapes { kind, schedule, ranks, dimension, x, w, out, input: input_dtype, output: output_dtype };
-    let result = catch_unwind(|| crate::ops::workspace_bytes(&call));
-    let message = match result {
-        Ok(Ok(bytes)) => match i64::try_from(bytes) {
-            Ok(bytes) => return bytes,
-            Err(_) => format!("the workspace would be {bytes} bytes, more than an int64"),
-        },
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => "panic while sizing the workspace".to_string(),
-    };
-    // SAFETY: the caller guarantees `error_len` writable bytes at `error` (or null).
-    unsafe { write_c_string(error, error_len, &message) };
-    -1
+    if code < 0 || text.len() < out_len {
+        // SAFETY: the caller guarantees `out_len` writable bytes at `out` (or null).
+        unsafe { write_c_string(out, out_len, &text) };
+    }
+    code
 }
 
 /// Writes `text` to `buffer[..len]`, truncated and NUL-terminated; nothing
@@ -111,26 +92,6 @@ pub extern "C" fn commfuse_set_timeout_ms(ms: u64) {
 pub extern "C" fn commfuse_timeout_ms() -> u64 {
     let timeout = catch_unwind(|| crate::config::timeout().unwrap_or(crate::config::DEFAULT_TIMEOUT));
     timeout.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX))
-}
-
-/// The limits Python checks at trace time (one source of truth): writes up
-/// to `len` of [`plan::MAX_RANKS`, `plan::MAX_CHUNKS`, `plan::MAX_CUT_BLOCKS`,
-/// `problem::MAX_ELEMENTS`] to `out`; returns how many there are.
-///
-/// # Safety
-/// `out` must be null or writable for `len` u64s.
-#[no_mangle]
-pub unsafe extern "C" fn commfuse_limits(out: *mut u64, len: usize) -> usize {
-    use crate::{plan, problem};
-    let limits = [plan::MAX_RANKS, plan::MAX_CHUNKS, plan::MAX_CUT_BLOCKS, problem::MAX_ELEMENTS].map(|l| l as u64);
-    if !out.is_null() {
-        // SAFETY: the caller guarantees `len` writable u64s at `out`.
-        let out = unsafe { std::slice::from_raw_parts_mut(out, len) };
-        for (o, l) in out.iter_mut().zip(limits) {
-            *o = l;
-        }
-    }
-    limits.len()
 }
 
 /// Ends every wait across devices under way now (`config::interrupt`):
@@ -227,7 +188,7 @@ pub unsafe extern "C" fn commfuse_nccl_unique_id(
 
 #[cfg(feature = "cuda")]
 fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
-    crate::backend::cuda::nccl_unique_id()
+    crate::backend::cuda::handler::nccl_unique_id()
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -321,81 +282,6 @@ pub extern "C" fn commfuse_cuda_loads_during_execute() -> i64 {
     }
     #[cfg(not(feature = "cuda"))]
     0
-}
-
-/// The cost model's answer for one call (see `sim::explain`): writes the JSON,
-/// NUL-terminated, to `out[..out_len]` when it fits and returns its length in
-/// bytes (call again with a larger buffer when that is >= `out_len`), or
-/// returns -1 with the reason written there instead. `machine` is a preset
-/// name (NUL-terminated); `gemm_gflops` <= 0 means none measured.
-///
-/// # Safety
-/// Each `(pointer, len)` pair must be a readable array of that many i64s (or
-/// len 0), `machine` a NUL-terminated string, and `out` a writable buffer of
-/// `out_len` bytes (or null).
-#[no_mangle]
-pub unsafe extern "C" fn commfuse_explain(
-    kind: i64,
-    ranks: i64,
-    dimension: i64,
-    shapes: *const *const i64,
-    ranks_of_shapes: *const usize,
-    dtypes: *const u32,
-    machine: *const std::ffi::c_char,
-    gemm_gflops: f64,
-    out: *mut u8,
-    out_len: usize,
-) -> i64 {
-    let result = catch_unwind(|| {
-        if shapes.is_null() || ranks_of_shapes.is_null() || dtypes.is_null() || machine.is_null() {
-            return Err("null argument".to_string());
-        }
-        // SAFETY: the caller passes three shapes (x, w, out), their ranks, two
-        // dtype codes (input, output) and a NUL-terminated machine name.
-        let (shapes, lens, codes) = unsafe {
-            (
-                std::slice::from_raw_parts(shapes, 3),
-                std::slice::from_raw_parts(ranks_of_shapes, 3),
-                std::slice::from_raw_parts(dtypes, 2),
-            )
-        };
-        let dims = |i: usize| {
-            if shapes[i].is_null() || lens[i] == 0 {
-                &[][..]
-            } else {
-                unsafe { std::slice::from_raw_parts(shapes[i], lens[i]) }
-            }
-        };
-        let machine = unsafe { std::ffi::CStr::from_ptr(machine) }.to_str().map_err(|e| e.to_string())?;
-        let call = CallShapes {
-            kind,
-            schedule: 0,
-            ranks,
-            dimension,
-            x: dims(0),
-            w: dims(1),
-            out: dims(2),
-            input: codes[0],
-            output: codes[1],
-        };
-        let query = crate::sim::explain::Query {
-            call,
-            machine,
-            gemm_gflops: (gemm_gflops > 0.0).then_some(gemm_gflops),
-            cores: std::thread::available_parallelism().map_or(1, |p| p.get()),
-        };
-        crate::sim::explain::explain_json(&query).map_err(|e| e.to_string())
-    });
-    let (code, text) = match result {
-        Ok(Ok(json)) => (i64::try_from(json.len()).unwrap_or(i64::MAX), json),
-        Ok(Err(e)) => (-1, e),
-        Err(_) => (-1, "panic while explaining".to_string()),
-    };
-    if code < 0 || text.len() < out_len {
-        // SAFETY: the caller guarantees `out_len` writable bytes at `out` (or null).
-        unsafe { write_c_string(out, out_len, &text) };
-    }
-    code
 }
 
 /// This host's single-thread f32 GEMM rate in GFLOP/s (measured once per

@@ -1,0 +1,95 @@
+//! The CPU handler's body: decode the call, then run it on a thread of its
+//! own, finishing through XLA's future (`xla::Deferred`), so that a call
+//! waiting for its peers never holds a thread XLA needs for its own
+//! collectives.
+#![forbid(unsafe_code)]
+
+use super::transport::{self, link::LinkModel, Endpoint, SessionKey};
+use crate::call::Call;
+use crate::error::{Error, Result};
+use crate::xla::Frame;
+
+/// One device's call of a fused op on the CPU backend.
+pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
+    let call = CpuCall::decode(frame)?;
+    match frame.defer("commfuse collective matmul")? {
+        Some(deferred) => {
+            crate::exec::spawn_call(move || deferred.finish(|args, rets| call.run(args, rets)));
+            Ok(())
+        }
+        // An XLA without FFI futures: run here.
+        None => {
+            let args = [frame.arg_bytes(0, "x")?, frame.arg_bytes(1, "w")?];
+            let mut rets = [frame.ret_bytes(0, "out")?, frame.ret_bytes(1, "workspace")?];
+            call.run(&args, &mut rets)
+        }
+    }
+}
+
+/// A decoded call with what only the CPU backend needs, owned, so it can
+/// run on another thread.
+struct CpuCall {
+    call: Call,
+    device: i64,
+    key: SessionKey,
+    link: Option<LinkModel>,
+}
+
+impl CpuCall {
+    fn decode(frame: &Frame<'_>) -> Result<CpuCall> {
+        let x = frame.arg(0, "x")?;
+        let w = frame.arg(1, "w")?;
+        let (out_dtype, out_dims) = frame.ret_type(0, "out")?;
+        let device = i64::from(frame.device_ordinal()?);
+        let call = Call::decode(frame, [(x.dims, x.dtype), (w.dims, w.dtype), (out_dims, out_dtype)], device)?;
+        let run = frame.run_id()?;
+        // Numbered here, in the order XLA calls the handler on this device.
+        let key = SessionKey {
+            sequence: transport::next_sequence(device, call.site, run),
+            group: call.group.devices.clone(),
+            site: call.site,
+            run,
+        };
+        // The link model as it is when the program runs (read on every call).
+        Ok(CpuCall { call, device, key, link: LinkModel::from_env()? })
+    }
+
+    /// Meets the peers and runs the plan on the call's buffers: operands
+    /// `x`, `w`, results `out`, `workspace`.
+    fn run(self, args: &[&[u8]], rets: &mut [&mut [u8]]) -> Result<()> {
+        let counts = (args.len(), rets.len());
+        let ([x, w], [out, workspace]) = (args, rets) else {
+            return Err(Error::InvalidArgument(format!(
+                "the call has {} operands and {} results; expected x, w and out, workspace",
+                counts.0, counts.1
+            )));
+        };
+        let CpuCall { call, device, key, link } = self;
+        if call.problem.is_trivial() {
+            // Every rank has these shapes and skips alike: no peer to meet.
+            out.fill(0);
+            return Ok(());
+        }
+        let participant = transport::Participant {
+            op: call.kind.name(),
+            rank: call.group.rank,
+            timeout: call.timeout,
+            interrupts: call.interrupts,
+        };
+        let endpoint = Endpoint::join(key, participant).with_link(link);
+        let _trace = crate::trace::enter(device, call.site, call.kind.name(), &call.plan, &call.problem, x.len());
+        let buffers = super::Buffers { x, w, out, workspace };
+        let result = super::run(&call.problem, &call.plan, buffers, &endpoint);
+        if let Err(e) = &result {
+            endpoint.fail(e);
+            // Also said here: other devices of this program may be waiting in
+            // one of XLA's collectives for this one, and XLA aborts the
+            // process when its own rendezvous times out, before Python could
+            // show the error.
+            if matches!(e, Error::DeadlineExceeded(_)) {
+                eprintln!("{e}");
+            }
+        }
+        result
+    }
+}

@@ -1,0 +1,226 @@
+//! The CUDA handler's body for both stages it runs in. INITIALIZE runs on
+//! every device before the executable's thunks, in their program order, as
+//! XLA sets up its own collectives' communicators: it sets up the device of
+//! XLA's stream (streams; the kernels compiled to CUBIN and loaded, as
+//! `cuModuleLoadData` takes a process-wide lock that must not be taken
+//! while work may run on other devices) and, for an op that communicates,
+//! creates its group's communicators and connects them to every peer, the
+//! host waits that need the peers to be there too. EXECUTE then only
+//! enqueues work: no host wait for a peer, which could be blocked in
+//! something waiting for this device.
+#![forbid(unsafe_code)]
+
+use super::api::require;
+use super::calls::{DeviceBuffers, Region, Resolver};
+use super::comms::{CommKey, Placement};
+use super::device::{self, CallOps, CallWatch};
+use super::libs::Lib;
+use super::workspace::CudaLayout;
+use super::{calls, comms, issue, watchdog};
+use crate::call::Call;
+use crate::comm::Group;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::exec::stream::StreamSchedule;
+use crate::plan::Action;
+use crate::xla::{Frame, Stage};
+use std::time::Instant;
+
+/// The optional placement attributes of a mesh spanning processes (see
+/// `comms::Placement`); absent in a single process.
+fn placement<'a>(frame: &Frame<'a>) -> Result<Placement<'a>> {
+    let optional = |name| if frame.has_attr(name) { frame.attr_i64_array(name).map(Some) } else { Ok(None) };
+    Ok(Placement {
+        local_ordinals: optional("local_ordinals")?,
+        groups: optional("nccl_groups")?.unwrap_or(&[]),
+        ids: optional("nccl_ids")?.unwrap_or(&[]),
+    })
+}
+
+/// The device addresses of an fp8 call's `x_scale` and `w_scale` operands
+/// (2 and 3): float32 scalars, read by the GEMM on the device.
+fn scales(frame: &Frame<'_>) -> Result<(u64, u64)> {
+    let scalar = |i, name| {
+        let b = frame.device_arg(i, name)?;
+        if b.dtype != DType::F32 || !b.dims.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "operand `{name}` must be a float32 scalar (shape ()), got {} of shape {:?}",
+                b.dtype.name(),
+                b.dims
+            )));
+        }
+        Ok(b.addr)
+    };
+    Ok((scalar(2, "x_scale")?, scalar(3, "w_scale")?))
+}
+
+/// The part of an fp8 call's workspace its cuBLASLt GEMMs may use, after
+/// the plan's buffers (`workspace::CudaLayout`).
+fn fp8_workspace(layout: &CudaLayout, addr: u64, bytes: usize) -> Result<Option<(u64, usize)>> {
+    let Some(region) = layout.fp8_gemm.clone() else { return Ok(None) };
+    if bytes < region.end {
+        return Err(Error::InvalidArgument(format!(
+            "`workspace` has {bytes} bytes; an fp8 call needs {} (its plan's buffers and the GEMMs' workspace)",
+            region.end
+        )));
+    }
+    Ok(Some((addr + region.start as u64, region.len())))
+}
+
+/// A fresh NCCL unique id for the lowering of a group spanning processes
+/// (`commfuse_nccl_unique_id`); UNIMPLEMENTED when NCCL cannot be loaded.
+pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
+    require(&[Lib::Nccl])?;
+    device::unique_id()
+}
+
+/// Both stages (see the module's doc).
+pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
+    match frame.stage() {
+        Stage::Initialize => initialize(frame),
+        Stage::Execute => collective_matmul(frame),
+    }
+}
+
+/// This call's device id in the mesh (the process's devices are placed in
+/// it by `placement`), its placement, the mesh's device ids, and this
+/// device's XLA ordinal.
+fn placed<'a>(frame: &Frame<'a>) -> Result<(i64, Placement<'a>, &'a [i64], i32)> {
+    let ordinal = frame.device_ordinal()?;
+    let mesh_devices = frame.attr_i64_array("mesh_devices")?;
+    let placement = placement(frame)?;
+    let device = placement.my_device(mesh_devices, ordinal)?;
+    Ok((device, placement, mesh_devices, ordinal))
+}
+
+/// The group's communicators (created on first use: a host wait for every
+/// member in this process, and for the others through NCCL's bootstrap).
+fn communicators(
+    group: &Group,
+    placement: &Placement<'_>,
+    mesh_devices: &[i64],
+    ordinal: i32,
+    dev: &std::sync::Mutex<device::Device>,
+    deadline: Instant,
+) -> Result<std::sync::Arc<device::GroupComms>> {
+    let key = CommKey::of(group);
+    let d = crate::sync::lock(dev);
+    calls::check_same_device(ordinal, d.ordinal)?;
+    let members = placement.members(mesh_devices, &key, device::device_count()?)?;
+    let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
+    device::group_comms(&key, &members, id.as_ref(), &d, deadline)
+}
+
+/// The INITIALIZE stage (see `handler`).
+fn initialize(frame: &mut Frame<'_>) -> Result<()> {
+    let start = Instant::now();
+    require(&[Lib::Driver, Lib::Nvrtc])?;
+    let stream = frame.stream()?;
+    let dev = device::bind(stream)?;
+    let (device, placement, mesh_devices, ordinal) = placed(frame)?;
+    let group =
+        Group::from_mesh(mesh_devices, frame.attr_i64_array("mesh_shape")?, frame.attr_i64_array("axes")?, device)?;
+    if group.devices.len() < 2 {
+        return Ok(());
+    }
+    require(&[Lib::Nccl])?;
+    let deadline = start + crate::config::timeout()?;
+    let comms = communicators(&group, &placement, mesh_devices, ordinal, &dev, deadline)?;
+    let mut d = crate::sync::lock(&dev);
+    let connected = comms.connect(group.rank, &mut d, stream, deadline);
+    if connected.is_err() {
+        comms.abort_rank(group.rank);
+        device::evict(&CommKey::of(&group), &comms);
+    }
+    connected
+}
+
+/// One device's call of a fused op on a GPU: the same call as the CPU
+/// path decodes, then the plan's stream schedule enqueued on the device's
+/// streams, forked from and joined back to XLA's stream. Returns once
+/// everything is enqueued (no host synchronisation).
+pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
+    let (device, placement, mesh_devices, ordinal) = placed(frame)?;
+    let x = frame.device_arg(0, "x")?;
+    let w = frame.device_arg(1, "w")?;
+    let out = frame.device_ret(0, "out")?;
+    let workspace = frame.device_ret_bytes(1, "workspace")?;
+    let call = Call::decode(frame, [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)], device)?;
+    require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc])?;
+    if x.dtype.is_fp8() {
+        require(&[Lib::CublasLt])?;
+    }
+    let Call { kind, site, group, problem, plan, timeout, .. } = &call;
+    if problem.is_trivial() {
+        // Nothing to multiply or move (every rank skips alike): zeros, as
+        // jax.lax gives for an empty contraction.
+        let stream = frame.stream()?;
+        let dev = device::bind_for_execute(stream)?;
+        return device::zero_result(&crate::sync::lock(&dev), &out, stream);
+    }
+    let layout = CudaLayout::new(problem, plan)?;
+    let fp8_workspace = fp8_workspace(&layout, workspace.addr, workspace.bytes)?;
+    let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
+    let buffers = DeviceBuffers {
+        x: region(x.addr, x.bytes, x.dtype),
+        w: region(w.addr, w.bytes, w.dtype),
+        out: region(out.addr, out.bytes, out.dtype),
+        workspace: (workspace.addr, workspace.bytes),
+        scales: if x.dtype.is_fp8() { Some(scales(frame)?) } else { None },
+    };
+    let resolver = Resolver::new(problem, &layout.plan, &plan.slots, buffers)?;
+    let streams = StreamSchedule::new(plan);
+    let deadline = call.deadline();
+
+    let xla_stream = frame.stream()?;
+    let dev = device::bind_for_execute(xla_stream)?;
+    // An earlier call on this device that timed out on the device (see
+    // `watchdog`) fails this one before it touches the group again.
+    device::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
+    // Communicators first (their creation takes the group's lock and sets
+    // other devices' contexts), then this device's lock for the enqueueing.
+    let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
+    let key = CommKey::of(group);
+    let comms =
+        exchanges.then(|| communicators(group, &placement, mesh_devices, ordinal, &dev, deadline)).transpose()?;
+    let mut d = crate::sync::lock(&dev);
+    CallOps::prepare(&mut d, issue::events_needed(&streams))?;
+    // Calls that communicate are watched until their work finishes on the
+    // device: a peer that never arrives would leave the stream stalled.
+    let marks = issue::marks_needed(&streams, watchdog::MAX_MARKS);
+    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c, marks)).transpose()?;
+    let mut ops = CallOps {
+        device: &mut d,
+        xla: xla_stream,
+        lanes: streams.lanes.iter().map(|&l| CallOps::lane_stream(l)).collect(),
+        resolver: &resolver,
+        comm: comms.as_ref().map(|c| c.rank(group.rank)).transpose()?,
+        deadline,
+        comm_failed: false,
+        tf32: frame.has_attr("tf32") && frame.attr_i64("tf32")? != 0,
+        fp8_workspace,
+        watch: watch.as_ref(),
+    };
+    let marked = if watch.is_some() { marks } else { 0 };
+    let result = issue::issue(plan, &streams, &mut ops, marked);
+    let comm_failed = ops.comm_failed;
+    drop(ops);
+    let result = match (result, watch) {
+        (Ok(()), Some(w)) => w.submit(xla_stream, kind.name(), *site, group.rank, *timeout),
+        (Err(e), Some(w)) => {
+            w.cancel();
+            Err(e)
+        }
+        (result, None) => result,
+    };
+    if let Some(c) = comms.as_ref().filter(|_| comm_failed) {
+        c.abort_rank(group.rank);
+        device::evict(&key, c);
+    }
+    result.map_err(|e| match e {
+        Error::DeadlineExceeded(m) => {
+            Error::DeadlineExceeded(format!("{} (rank {} of group {:?}): {m}", kind.name(), group.rank, group.devices))
+        }
+        other => other,
+    })
+}

@@ -296,7 +296,7 @@ class FakeMesh:
                                    for i in self.device_ids.reshape(-1)], dtype=object).reshape(shape)
 
 
-# The mesh of the Rust tests (comms.rs): 2x4 ("dp", "tp") with shuffled ids.
+# The mesh of the Rust tests (communicators.rs): 2x4 ("dp", "tp") with shuffled ids.
 IDS = [5, 1, 7, 3, 0, 4, 2, 6]
 
 

@@ -201,7 +201,7 @@ def check_rust(tests: str | None) -> None:
     if not tests:
         row("Rust device tests", "N/A", "no test binary given (--rust-tests)")
         return
-    code, out = run([tests, "--include-ignored", "--test-threads", "1", "backend::cuda::device::tests::one_gpu"],
+    code, out = run([tests, "--include-ignored", "--test-threads", "1", "backend::cuda::enqueue::tests::one_gpu"],
                     300, log="rust_device.log")
     row("Rust device test: every op kind on GPU 0 vs the CPU backend, bit for bit",
         "PASS" if code == 0 else "FAIL", tail(out))

@@ -6,9 +6,9 @@
 #![forbid(unsafe_code)]
 
 use crate::abi;
-use crate::comm::Group;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::group::Group;
 use crate::plan::{self, Plan, Schedule};
 use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
@@ -50,6 +50,13 @@ impl Call {
         )?;
         let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], frame.attr_i64("dimension")?, &group)?;
         Ok(Call { kind, site, schedule, group, problem, plan, timeout: crate::config::timeout()?, started, interrupts })
+    }
+
+    /// The user's names of operands 0 and 1 of `frame`'s call (see
+    /// `OpKind::operand_names`), for errors about its buffers.
+    pub fn operand_names(frame: &Frame<'_>) -> [&'static str; 2] {
+        let kind = frame.attr_i64("kind").and_then(abi::kind);
+        kind.map_or(["x", "w"], OpKind::operand_names)
     }
 
     pub fn deadline(&self) -> Instant {

@@ -10,7 +10,6 @@
 pub mod abi;
 pub mod backend;
 pub mod call;
-pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
@@ -18,6 +17,7 @@ pub mod exec;
 #[allow(unsafe_code)]
 pub mod exports;
 pub mod fuzzing;
+pub mod group;
 pub mod plan;
 pub mod prepare;
 pub mod problem;

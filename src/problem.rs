@@ -38,6 +38,16 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// The user's names of the two operands, in the order the call passes
+    /// them: the operand that travels first (`x` here), then the other. The
+    /// FSDP-style gathers pass the gathered weights first.
+    pub fn operand_names(self) -> [&'static str; 2] {
+        match self {
+            OpKind::MatmulAllGather | OpKind::MatmulAllGatherContract => ["w", "x"],
+            _ => ["x", "w"],
+        }
+    }
+
     pub fn name(self) -> &'static str {
         use OpKind::*;
         match self {
@@ -182,8 +192,9 @@ struct Geometry {
 fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Result<Geometry> {
     use OpKind::*;
     let name = kind.name();
-    let xd = dims_usize(name, "x", x)?;
-    let wd = dims_usize(name, "w", w)?;
+    let [first, second] = kind.operand_names();
+    let xd = dims_usize(name, first, x)?;
+    let wd = dims_usize(name, second, w)?;
     let (outer, seg, k, n, out): (usize, usize, usize, usize, Vec<usize>) = match kind {
         AllGatherMatmul | MatmulReduceScatter => {
             let rank = xd.len();
@@ -318,6 +329,7 @@ impl Problem {
             );
         }
         let Geometry { outer, seg, k, n, out: expected } = geometry(kind, x.dims, w.dims, dimension, ranks)?;
+        let [first, second] = kind.operand_names();
         let od = dims_usize(name, "out", out.dims)?;
         let nr = ranks;
         if od != expected {
@@ -338,8 +350,8 @@ impl Problem {
             n,
             input: x.dtype,
             output: out.dtype,
-            x_len: elements(name, "x", &dims_usize(name, "x", x.dims)?)?,
-            w_len: elements(name, "w", &dims_usize(name, "w", w.dims)?)?,
+            x_len: elements(name, first, &dims_usize(name, first, x.dims)?)?,
+            w_len: elements(name, second, &dims_usize(name, second, w.dims)?)?,
             out_len: elements(name, "out", &od)?,
         })
     }

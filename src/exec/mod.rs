@@ -6,6 +6,11 @@
 //! Lanes run on their own threads here (the compute lane on the caller's); a
 //! backend only has to do one action at a time. A GPU backend gets the same
 //! per-lane programs (`lane_programs`), where a dependency becomes an event.
+//!
+//! A run may be watched ([`Observer`]): the executor reports each step's
+//! wait and run, the backend each transfer of an exchange, with the times it
+//! measured. Watched or not, the run is the same: same threads, same order
+//! of posting.
 #![forbid(unsafe_code)]
 
 pub mod stream;
@@ -25,15 +30,42 @@ pub trait Backend: Sync {
     fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()>;
     /// Post the sends, then wait for every receive. Returns when the exchange
     /// ended: under a link model when its last message arrived in the model
-    /// (a moment before now if this thread got a core late), else now. While
-    /// a trace is being recorded (`crate::trace`) the executor calls this once
-    /// per transfer, sends first, so that each transfer gets its own slice.
+    /// (a moment before now if this thread got a core late), else now.
+    /// Reports each transfer to `wait.transferred` as it ends.
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant>;
+}
+
+/// Watches runs of a plan (the trace recorder, `crate::trace::Recording`).
+pub trait Observer: Sync {
+    /// The watcher of one lane, used on that lane's thread and dropped when
+    /// the lane ends.
+    fn lane(&self, lane: Lane) -> Box<dyn LaneObserver + '_>;
+}
+
+/// What one lane reports. Times are the backend's: on the CPU when the host
+/// ran the work; a backend that enqueues work reports when it enqueued it.
+pub trait LaneObserver {
+    /// `step` waited for steps of other lanes from `since` until `until`.
+    fn waited(&self, step: &Step, since: Instant, until: Instant);
+    /// One transfer of the exchange `step`, posted at `started`; a send ended
+    /// when its data was handed over, a receive when its data had landed.
+    fn transferred(&self, step: &Step, direction: Direction, transfer: &Transfer, started: Instant, ended: Instant);
+    /// `step` ran from `started` to `ended` (after its transfers, if any).
+    fn step_done(&self, step: &Step, started: Instant, ended: Instant);
+}
+
+/// Which way a transfer goes, seen from the reporting rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    Send,
+    Recv,
 }
 
 /// Whether another lane has already failed, and when the step became ready.
 pub struct Wait<'a> {
     cancelled: &'a AtomicBool,
+    /// The lane's observer and the step, while the run is watched.
+    watcher: Option<(&'a dyn LaneObserver, &'a Step)>,
     /// When the step's dependencies (and its lane's previous step) had
     /// finished, with exchanges finishing when their messages arrived in the
     /// link model. A modelled transfer starts then: on a GPU a copy engine
@@ -45,6 +77,14 @@ pub struct Wait<'a> {
 impl Wait<'_> {
     pub fn cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Tells the run's observer, if any, that one transfer of this exchange
+    /// ran from `started` to `ended`.
+    pub fn transferred(&self, direction: Direction, transfer: &Transfer, started: Instant, ended: Instant) {
+        if let Some((observer, step)) = self.watcher {
+            observer.transferred(step, direction, transfer, started, ended);
+        }
     }
 }
 
@@ -97,8 +137,9 @@ impl Progress {
     }
 }
 
-/// Runs `plan` to the end, or returns the first error of any lane.
-pub fn run(plan: &Plan, backend: &dyn Backend) -> Result<()> {
+/// Runs `plan` to the end, or returns the first error of any lane; tells
+/// `observer`, if any, what each lane did.
+pub fn run(plan: &Plan, backend: &dyn Backend, observer: Option<&dyn Observer>) -> Result<()> {
     let progress = Progress {
         done: Mutex::new(vec![None; plan.steps.len()]),
         changed: Condvar::new(),
@@ -106,26 +147,28 @@ pub fn run(plan: &Plan, backend: &dyn Backend) -> Result<()> {
         first_error: Mutex::new(None),
     };
     let programs = lane_programs(plan);
-    // `None` unless a trace is being recorded (one relaxed load).
-    let recording = crate::trace::Recording::begin(plan);
     let start = Instant::now();
     let run_steps = |lane: Lane, steps: &[&Step]| {
-        let mut log = recording.as_ref().map(|r| r.lane(lane));
+        let watcher = observer.map(|o| o.lane(lane));
+        let watcher = watcher.as_deref();
         let mut previous = start;
         for step in steps {
-            let since = log.as_ref().map(|_| crate::trace::now_ns());
+            let since = Instant::now();
             let result = progress.wait_for(&step.deps).and_then(|(waited, deps_done)| {
-                let wait =
-                    Wait { cancelled: &progress.cancelled, ready: deps_done.map_or(previous, |d| d.max(previous)) };
-                match (&mut log, since) {
-                    (Some(log), Some(since)) => {
-                        if waited {
-                            log.wait(step, since);
-                        }
-                        log.execute(backend, step, &wait)
-                    }
-                    _ => execute(backend, &step.action, &wait),
+                let started = Instant::now();
+                if let (Some(w), true) = (watcher, waited) {
+                    w.waited(step, since, started);
                 }
+                let wait = Wait {
+                    cancelled: &progress.cancelled,
+                    watcher: watcher.map(|w| (w, *step)),
+                    ready: deps_done.map_or(previous, |d| d.max(previous)),
+                };
+                let finished = execute(backend, &step.action, &wait);
+                if let Some(w) = watcher {
+                    w.step_done(step, started, Instant::now());
+                }
+                finished
             });
             match result {
                 Ok(finished) => {
@@ -310,7 +353,7 @@ fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instan
 impl<'a> Wait<'a> {
     /// A wait outside an executor run, for tests of backends.
     pub fn for_test(cancelled: &'a AtomicBool) -> Wait<'a> {
-        Wait { cancelled, ready: Instant::now() }
+        Wait { cancelled, watcher: None, ready: Instant::now() }
     }
 }
 
@@ -339,7 +382,7 @@ mod tests {
     fn a_panicking_lane_fails_the_call_at_once_instead_of_at_the_deadline() {
         let p = plan(Pattern::Gather { accumulate: false }, Schedule::Ring, 4, 0);
         let start = Instant::now();
-        let e = run(&p, &PanickingComm).unwrap_err();
+        let e = run(&p, &PanickingComm, None).unwrap_err();
         assert!(e.to_string().contains("Comm lane panicked"), "{e}");
         assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }

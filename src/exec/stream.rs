@@ -375,7 +375,7 @@ mod tests {
                     for rank in 0..n {
                         let plan = plan::plan(pattern, schedule, n, rank);
                         let recorder = Recorder { log: Mutex::new(Vec::new()) };
-                        exec::run(&plan, &recorder).unwrap();
+                        exec::run(&plan, &recorder, None).unwrap();
                         let mut by_thread: Vec<(ThreadId, Vec<Action>)> = Vec::new();
                         for (t, a) in recorder.log.into_inner().unwrap() {
                             match by_thread.iter_mut().find(|(u, _)| *u == t) {

@@ -91,7 +91,7 @@ fn folds_leading_dims_into_segments() {
 #[test]
 fn errors_name_the_argument() {
     type Case<'a> = (OpKind, &'a [i64], &'a [i64], &'a [i64], i64, &'a str);
-    let cases: [Case; 8] = [
+    let cases: [Case; 10] = [
         (OpKind::AllGatherMatmul, &[8], &[8, 6], &[8, 6], 0, "`x` must have rank >= 2"),
         (OpKind::AllGatherMatmul, &[4, 8], &[8, 6, 1], &[16, 6], 0, "`w` must be 2-D"),
         (OpKind::AllGatherMatmul, &[4, 7], &[8, 6], &[16, 6], 0, "`w` must be 2-D [7, n]"),
@@ -100,6 +100,9 @@ fn errors_name_the_argument() {
         (OpKind::AllGatherMatmul, &[4, 8], &[8, 6], &[4, 6], 0, "expected [16, 6]"),
         (OpKind::MatmulReduceScatterCols, &[5, 8], &[8, 10], &[5, 2], 0, "columns of `w` (10) must be divisible"),
         (OpKind::AllToAllMatmul, &[3, 3, 8], &[8, 6], &[4, 3, 6], 0, "`x` must be [4, rows, cols]"),
+        // The FSDP gathers pass the gathered weights first: errors name them `w`.
+        (OpKind::MatmulAllGather, &[-1, 6], &[5, 8], &[5, 24], 0, "`w` has a negative dim"),
+        (OpKind::MatmulAllGatherContract, &[2, 6], &[5, 8, 1], &[5, 6], 0, "`x` must be 2-D"),
     ];
     for (kind, x, w, out, d, want) in cases {
         let e = Problem::new(kind, op(x), op(w), op(out), d, 4).unwrap_err();

@@ -302,7 +302,7 @@ fn per_step_rs_ring_matches_the_ideal_formula() {
 }
 
 /// Data slicing with k chunks: c + (k-1)·max(c, p) + p, with c one chunk's
-/// matmuls and p one chunk's whole ring collective (issue 5).
+/// matmuls and p one chunk's whole ring collective.
 #[test]
 fn sliced_schedules_match_the_slicing_formula() {
     let (m, kk, cols) = (64i64, 128i64, 96i64);

@@ -1,13 +1,20 @@
 //! Timeline recording: what each lane of each device did, and when, written
 //! as a Perfetto trace (ui.perfetto.dev opens it).
 //!
-//! Off by default. While off, the executor pays one relaxed atomic load per
-//! plan run ([`Recording::begin`]) and one branch on a local per step. While
-//! on (`commfuse_trace_start`), every lane of every run records its steps
+//! Off by default. While off, a handler pays one relaxed atomic load per call
+//! ([`Recording::begin`]) and runs its plan unwatched. While on
+//! (`commfuse_trace_start`), the handler passes a [`Recording`] to the
+//! executor as its observer (`crate::exec::Observer`), and every lane records
 //! into a lane-local buffer — a slice per matmul ("matmul"), sum ("add") and
-//! exchange ("exchange", with a "send" or "recv" slice per transfer inside it),
-//! and a "wait" slice whenever a step had to wait for another lane's step —
-//! and hands them to the global buffer when the lane ends. Timestamps are
+//! exchange ("exchange", with a "send" or "recv" slice per transfer inside it,
+//! as the backend reported them), and a "wait" slice whenever a step had to
+//! wait for another lane's step — and hands them to the global buffer when the
+//! lane ends. The run is the one that runs untraced: same threads, same order.
+//!
+//! On the CPU backend the times are when the host did the work. On the CUDA
+//! backend they are when the host enqueued each step on its stream (a
+//! "matmul" slice there is the time to enqueue the GEMM, not to run it); the
+//! device times are not recorded. Timestamps are
 //! monotonic nanoseconds since the first use of the recorder in this process.
 //! `commfuse_trace_write` stops the recording, waits for runs in flight, and
 //! writes the trace: a process track per device, a thread track per lane.
@@ -24,8 +31,8 @@ mod tests;
 pub use encode::encode;
 
 use crate::error::{Error, Result};
-use crate::exec::{Backend, Wait};
-use crate::plan::{Action, Buf, Lane, Plan, Step, StepId, Workspace};
+use crate::exec::{Direction, LaneObserver, Observer};
+use crate::plan::{Action, Buf, Lane, Plan, Step, StepId, Transfer, Workspace};
 use crate::problem::Problem;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -49,7 +56,12 @@ fn epoch() -> Instant {
 
 /// Monotonic nanoseconds since the recorder's epoch (never 0).
 pub fn now_ns() -> u64 {
-    u64::try_from(epoch().elapsed().as_nanos()).unwrap_or(u64::MAX).saturating_add(1)
+    ns(Instant::now())
+}
+
+/// `at` in nanoseconds since the recorder's epoch (never 0).
+fn ns(at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX).saturating_add(1)
 }
 
 /// Whether runs are being recorded.
@@ -177,9 +189,9 @@ impl Event {
     }
 }
 
-/// Who runs a plan: set by the handler around a run, read by the executor.
+/// What the trace says of a call: who ran it, and how big its buffers are.
 #[derive(Debug, Clone)]
-pub struct CallInfo {
+pub struct CallLabel {
     pub device: i64,
     pub rank: usize,
     pub op: &'static str,
@@ -191,55 +203,37 @@ pub struct CallInfo {
     pub x_block_bytes: Vec<usize>,
 }
 
-thread_local! {
-    static CURRENT: RefCell<Option<CallInfo>> = const { RefCell::new(None) };
-}
-
-/// Clears the calling thread's [`CallInfo`] when dropped.
-pub struct CallGuard(bool);
-
-impl Drop for CallGuard {
-    fn drop(&mut self) {
-        if self.0 {
-            CURRENT.with(|c| c.borrow_mut().take());
+impl CallLabel {
+    /// The label of `device`'s call of `op` at call site `site`.
+    pub fn new(device: i64, site: i64, op: &'static str, plan: &Plan, problem: &Problem, x_bytes: usize) -> CallLabel {
+        // The call's own layout was checked before it got here.
+        let slot_bytes = Workspace::layout(plan, &problem.sizes()).map(|l| l.slots.iter().map(|r| r.len()).collect());
+        let x_block_bytes =
+            (0..).map_while(|j| problem.x_block(j)).map(|part| part.len() * problem.input.size()).collect();
+        CallLabel {
+            device,
+            rank: plan.rank,
+            op,
+            site,
+            slot_bytes: slot_bytes.unwrap_or_default(),
+            x_bytes,
+            x_block_bytes,
         }
     }
 }
 
-/// Tells the recorder, for runs of `plan` on this thread until the guard
-/// drops, which device, op and call site they belong to and how big their
-/// buffers are. Does nothing (one relaxed load) while recording is off.
-pub fn enter(device: i64, site: i64, op: &'static str, plan: &Plan, problem: &Problem, x_bytes: usize) -> CallGuard {
-    if !enabled() {
-        return CallGuard(false);
-    }
-    // The call's own layout was checked before it got here.
-    let slot_bytes = Workspace::layout(plan, &problem.sizes()).map(|l| l.slots.iter().map(|r| r.len()).collect());
-    let x_block_bytes = (0..).map_while(|j| problem.x_block(j)).map(|part| part.len() * problem.input.size()).collect();
-    let info = CallInfo {
-        device,
-        rank: plan.rank,
-        op,
-        site,
-        slot_bytes: slot_bytes.unwrap_or_default(),
-        x_bytes,
-        x_block_bytes,
-    };
-    CURRENT.with(|c| *c.borrow_mut() = Some(info));
-    CallGuard(true)
-}
-
-/// One run of a plan being recorded.
+/// One run of a plan being recorded: the executor's observer.
 pub struct Recording {
-    info: CallInfo,
+    label: CallLabel,
     call: u64,
     n: usize,
     schedule: String,
 }
 
 impl Recording {
-    /// `None` (after one relaxed load) unless recording is on.
-    pub fn begin(plan: &Plan) -> Option<Recording> {
+    /// `None` (after one relaxed load) unless recording is on; `label` is
+    /// only asked for when it is.
+    pub fn begin(plan: &Plan, label: impl FnOnce() -> CallLabel) -> Option<Recording> {
         if !ENABLED.load(Ordering::Relaxed) {
             return None;
         }
@@ -248,31 +242,28 @@ impl Recording {
             IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
             return None;
         }
-        let info = CURRENT.with(|c| c.borrow().clone()).unwrap_or_else(|| CallInfo {
-            device: plan.rank as i64,
-            rank: plan.rank,
-            op: "plan",
-            site: -1,
-            slot_bytes: Vec::new(),
-            x_bytes: 0,
-            x_block_bytes: Vec::new(),
-        });
         let call = CALLS.fetch_add(1, Ordering::Relaxed);
-        Some(Recording { info, call, n: plan.n, schedule: format!("{:?}", plan.schedule).to_lowercase() })
+        Some(Recording { label: label(), call, n: plan.n, schedule: plan.schedule.to_string() })
     }
 
     /// The recorder of one lane; its events go to the global buffer when it drops.
     pub fn lane(&self, lane: Lane) -> LaneLog<'_> {
-        LaneLog { recording: self, lane, start_ns: now_ns(), events: Vec::new() }
+        LaneLog { recording: self, lane, start_ns: now_ns(), events: RefCell::new(Vec::new()) }
     }
 
     fn bytes(&self, buf: Buf) -> Option<usize> {
         match buf {
-            Buf::Slot(i) => self.info.slot_bytes.get(i).copied(),
-            Buf::X => Some(self.info.x_bytes),
-            Buf::XBlock(j) => self.info.x_block_bytes.get(j).copied(),
+            Buf::Slot(i) => self.label.slot_bytes.get(i).copied(),
+            Buf::X => Some(self.label.x_bytes),
+            Buf::XBlock(j) => self.label.x_block_bytes.get(j).copied(),
             Buf::Out | Buf::OutBlock(_) => None,
         }
+    }
+}
+
+impl Observer for Recording {
+    fn lane(&self, lane: Lane) -> Box<dyn LaneObserver + '_> {
+        Box::new(Recording::lane(self, lane))
     }
 }
 
@@ -287,7 +278,7 @@ pub struct LaneLog<'r> {
     recording: &'r Recording,
     lane: Lane,
     start_ns: u64,
-    events: Vec<Event>,
+    events: RefCell<Vec<Event>>,
 }
 
 fn list<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
@@ -295,117 +286,105 @@ fn list<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
 }
 
 impl LaneLog<'_> {
-    fn push(&mut self, kind: Kind, step: &Step, start_ns: u64, args: Vec<(&'static str, Value)>) {
-        let info = &self.recording.info;
-        self.events.push(Event {
-            device: info.device,
-            rank: info.rank,
+    fn push(&self, kind: Kind, step: &Step, start: Instant, end: Instant, args: Vec<(&'static str, Value)>) {
+        let label = &self.recording.label;
+        let start_ns = ns(start);
+        self.events.borrow_mut().push(Event {
+            device: label.device,
+            rank: label.rank,
             lane: self.lane,
             kind,
-            op: info.op,
+            op: label.op,
             call: self.recording.call,
             step: Some(step.id),
             start_ns,
-            end_ns: now_ns().max(start_ns),
+            end_ns: ns(end).max(start_ns),
             args,
         });
     }
+}
 
-    /// `step` waited for its dependencies from `since` until now.
-    pub fn wait(&mut self, step: &Step, since: u64) {
-        self.push(Kind::Wait, step, since, vec![("for_steps", Value::S(list(&step.deps)))]);
+impl LaneObserver for LaneLog<'_> {
+    fn waited(&self, step: &Step, since: Instant, until: Instant) {
+        self.push(Kind::Wait, step, since, until, vec![("for_steps", Value::S(list(&step.deps)))]);
     }
 
-    /// Runs `step` on `backend`, recording it. An exchange is run one
-    /// transfer at a time (its sends, then its receives: the order a backend
-    /// runs them in) so that each transfer gets its own slice.
-    /// Returns when the step finished, as `exec` counts it.
-    pub fn execute(&mut self, backend: &dyn Backend, step: &Step, wait: &Wait) -> Result<Instant> {
-        let start = now_ns();
+    fn transferred(&self, step: &Step, direction: Direction, t: &Transfer, started: Instant, ended: Instant) {
+        let mut args = vec![
+            ("peer", Value::U(t.peer as u64)),
+            ("buf", Value::S(t.buf.to_string())),
+            ("tag", Value::S(format!("{:?}#{}", t.tag.direction, t.tag.step).to_lowercase())),
+        ];
+        if let Some(b) = self.recording.bytes(t.buf) {
+            args.push(("bytes", Value::U(b as u64)));
+        }
+        let kind = match direction {
+            Direction::Send => Kind::Send,
+            Direction::Recv => Kind::Recv,
+        };
+        self.push(kind, step, started, ended, args);
+    }
+
+    fn step_done(&self, step: &Step, started: Instant, ended: Instant) {
         let deps = ("deps", Value::S(list(&step.deps)));
-        match &step.action {
-            Action::Matmul { block, src, dst, accumulate } => {
-                let result = backend.matmul(*block, *src, *dst, *accumulate).map(|()| Instant::now());
-                let args = vec![
+        let (kind, args) = match &step.action {
+            Action::Matmul { block, src, dst, accumulate } => (
+                Kind::Matmul,
+                vec![
                     deps,
                     ("block", Value::U(*block as u64)),
                     ("src", Value::S(src.to_string())),
                     ("dst", Value::S(dst.to_string())),
                     ("accumulate", Value::B(*accumulate)),
-                ];
-                self.push(Kind::Matmul, step, start, args);
-                result
-            }
-            Action::Sum { terms, dst } => {
-                let result = backend.sum(terms, *dst).map(|()| Instant::now());
-                let args = vec![
+                ],
+            ),
+            Action::Sum { terms, dst } => (
+                Kind::Add,
+                vec![
                     deps,
                     ("terms", Value::S(list(terms.iter().map(|t| t.to_string())))),
                     ("dst", Value::S(dst.to_string())),
-                ];
-                self.push(Kind::Add, step, start, args);
-                result
-            }
+                ],
+            ),
             Action::Exchange { sends, recvs } => {
-                let mut result = Ok(wait.ready);
-                let mut total = 0;
-                let transfers = sends.iter().map(|t| (Kind::Send, t)).chain(recvs.iter().map(|t| (Kind::Recv, t)));
-                for (kind, t) in transfers {
-                    let begun = now_ns();
-                    let one = std::slice::from_ref(t);
-                    let ended = match kind {
-                        Kind::Send => backend.exchange(one, &[], wait),
-                        _ => backend.exchange(&[], one, wait),
-                    };
-                    result = result.and_then(|latest| Ok(ended?.max(latest)));
-                    let mut args = vec![
-                        ("peer", Value::U(t.peer as u64)),
-                        ("buf", Value::S(t.buf.to_string())),
-                        ("tag", Value::S(format!("{:?}#{}", t.tag.direction, t.tag.step).to_lowercase())),
-                    ];
-                    if let Some(b) = self.recording.bytes(t.buf) {
-                        args.push(("bytes", Value::U(b as u64)));
-                        total += b;
-                    }
-                    self.push(kind, step, begun, args);
-                    if result.is_err() {
-                        break;
-                    }
-                }
-                let args = vec![
-                    deps,
-                    ("to", Value::S(list(sends.iter().map(|t| t.peer)))),
-                    ("from", Value::S(list(recvs.iter().map(|t| t.peer)))),
-                    ("bytes", Value::U(total as u64)),
-                ];
-                self.push(Kind::Exchange, step, start, args);
-                result
+                let total: usize = sends.iter().chain(recvs).filter_map(|t| self.recording.bytes(t.buf)).sum();
+                (
+                    Kind::Exchange,
+                    vec![
+                        deps,
+                        ("to", Value::S(list(sends.iter().map(|t| t.peer)))),
+                        ("from", Value::S(list(recvs.iter().map(|t| t.peer)))),
+                        ("bytes", Value::U(total as u64)),
+                    ],
+                )
             }
-        }
+        };
+        self.push(kind, step, started, ended, args);
     }
 }
 
 impl Drop for LaneLog<'_> {
     fn drop(&mut self) {
         let r = self.recording;
+        let mut lane_events = std::mem::take(self.events.get_mut());
         let call = Event {
-            device: r.info.device,
-            rank: r.info.rank,
+            device: r.label.device,
+            rank: r.label.rank,
             lane: self.lane,
             kind: Kind::Call,
-            op: r.info.op,
+            op: r.label.op,
             call: r.call,
             step: None,
             start_ns: self.start_ns,
-            end_ns: now_ns().max(self.events.iter().map(|e| e.end_ns).max().unwrap_or(0)),
+            end_ns: now_ns().max(lane_events.iter().map(|e| e.end_ns).max().unwrap_or(0)),
             args: vec![
-                ("site", Value::I(r.info.site)),
+                ("site", Value::I(r.label.site)),
                 ("n", Value::U(r.n as u64)),
                 ("schedule", Value::S(r.schedule.clone())),
             ],
         };
         let mut events = crate::sync::lock(&EVENTS);
         events.push(call);
-        events.append(&mut self.events);
+        events.append(&mut lane_events);
     }
 }

@@ -1,8 +1,10 @@
 use super::proto::{EventType, Trace, TracePacket};
 use super::*;
-use crate::plan::{self, Pattern, Schedule, Transfer};
+use crate::exec::{Backend, Wait};
+use crate::plan::{self, Pattern, Schedule};
 use prost::Message;
 use std::collections::HashMap;
+use std::time::Instant;
 
 /// The recorder is global: these tests take turns.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -128,8 +130,8 @@ fn empty_trace_is_valid() {
     assert!(trace.packet.is_empty());
 }
 
-/// Sleeps instead of working, so waits show; `.0`: whether it is traced.
-struct Sleepy(bool);
+/// Sleeps instead of working, so waits show.
+struct Sleepy;
 
 impl Backend for Sleepy {
     fn matmul(&self, _: usize, _: Buf, _: Buf, _: bool) -> Result<()> {
@@ -139,12 +141,16 @@ impl Backend for Sleepy {
     fn sum(&self, _: &[Buf], _: Buf) -> Result<()> {
         Ok(())
     }
-    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], _: &Wait) -> Result<std::time::Instant> {
-        if self.0 && sends.len() + recvs.len() > 1 {
-            return Err(Error::Internal("traced exchanges run one transfer at a time".into()));
+    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
+        for t in sends {
+            wait.transferred(Direction::Send, t, Instant::now(), Instant::now());
         }
-        std::thread::sleep(Duration::from_millis(if recvs.is_empty() { 0 } else { 5 }));
-        Ok(std::time::Instant::now())
+        for t in recvs {
+            let posted = Instant::now();
+            std::thread::sleep(Duration::from_millis(5));
+            wait.transferred(Direction::Recv, t, posted, Instant::now());
+        }
+        Ok(Instant::now())
     }
 }
 
@@ -153,7 +159,7 @@ fn executor_records_every_step_in_plan_order() {
     let _serial = crate::sync::lock(&SERIAL);
     let n = 4;
     let plan = plan::plan(Pattern::Gather { accumulate: false }, Schedule::Ring, n, 2);
-    let info = CallInfo {
+    let label = CallLabel {
         device: 902,
         rank: 2,
         op: "trace_test",
@@ -163,15 +169,15 @@ fn executor_records_every_step_in_plan_order() {
         x_block_bytes: vec![16; 4],
     };
 
-    // Off: nothing is recorded.
-    crate::exec::run(&plan, &Sleepy(false)).unwrap();
+    // Off: nothing is recorded, and the label is never made.
+    assert!(Recording::begin(&plan, || unreachable!("recording is off")).is_none());
     assert!(drain().iter().all(|e| e.op != "trace_test"));
 
     start().unwrap();
     assert!(start().is_err(), "one recording at a time");
-    CURRENT.with(|c| *c.borrow_mut() = Some(info));
-    crate::exec::run(&plan, &Sleepy(true)).unwrap();
-    CURRENT.with(|c| c.borrow_mut().take());
+    let recording = Recording::begin(&plan, || label).expect("recording is on");
+    crate::exec::run(&plan, &Sleepy, Some(&recording)).unwrap();
+    drop(recording);
     let events: Vec<Event> = drain().into_iter().filter(|e| e.op == "trace_test").collect();
     assert!(!enabled());
 
@@ -210,4 +216,82 @@ fn executor_records_every_step_in_plan_order() {
     let tracks = slices(&trace);
     assert_eq!(tracks.len(), 2, "one track per lane of the one device");
     assert_eq!(tracks.values().map(Vec::len).sum::<usize>(), events.len());
+}
+
+/// Notes every backend call of each lane, in order.
+#[derive(Default)]
+struct Calls(Mutex<Vec<(std::thread::ThreadId, String)>>);
+
+impl Backend for Calls {
+    fn matmul(&self, block: usize, src: Buf, dst: Buf, _: bool) -> Result<()> {
+        crate::sync::lock(&self.0).push((std::thread::current().id(), format!("matmul {block} {src} {dst}")));
+        Ok(())
+    }
+    fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()> {
+        crate::sync::lock(&self.0).push((std::thread::current().id(), format!("sum {} {dst}", terms.len())));
+        Ok(())
+    }
+    fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
+        let call = format!("exchange {sends:?} {recvs:?}");
+        crate::sync::lock(&self.0).push((std::thread::current().id(), call));
+        for t in sends {
+            wait.transferred(Direction::Send, t, Instant::now(), Instant::now());
+        }
+        Ok(Instant::now())
+    }
+}
+
+impl Calls {
+    /// Each lane's calls, lanes in a fixed order.
+    fn by_lane(self) -> Vec<Vec<String>> {
+        let mut lanes: Vec<(std::thread::ThreadId, Vec<String>)> = Vec::new();
+        for (thread, call) in self.0.into_inner().unwrap() {
+            match lanes.iter_mut().find(|(t, _)| *t == thread) {
+                Some((_, calls)) => calls.push(call),
+                None => lanes.push((thread, vec![call])),
+            }
+        }
+        let mut lanes: Vec<Vec<String>> = lanes.into_iter().map(|(_, c)| c).collect();
+        lanes.sort();
+        lanes
+    }
+}
+
+#[test]
+fn a_traced_run_makes_the_same_backend_calls_as_an_untraced_one() {
+    let _serial = crate::sync::lock(&SERIAL);
+    for pattern in [Pattern::Gather { accumulate: false }, Pattern::Scatter, Pattern::MatmulThenExchange] {
+        for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Tiled { tiles: 2 }, Schedule::Sequential] {
+            if schedule.cuts_blocks() && pattern == Pattern::MatmulThenExchange {
+                continue;
+            }
+            let plan = plan::plan(pattern, schedule, 4, 1);
+            let untraced = Calls::default();
+            crate::exec::run(&plan, &untraced, None).unwrap();
+            start().unwrap();
+            let traced = Calls::default();
+            let recording = Recording::begin(&plan, || CallLabel {
+                device: 903,
+                rank: 1,
+                op: "same_calls",
+                site: 0,
+                slot_bytes: Vec::new(),
+                x_bytes: 0,
+                x_block_bytes: Vec::new(),
+            });
+            crate::exec::run(&plan, &traced, recording.as_ref().map(|r| r as &dyn crate::exec::Observer)).unwrap();
+            drop(recording);
+            let events: Vec<Event> = drain().into_iter().filter(|e| e.op == "same_calls").collect();
+            assert_eq!(untraced.by_lane(), traced.by_lane(), "{pattern:?} {schedule}");
+            // Every step recorded once; every send inside its exchange's slice.
+            assert_eq!(
+                events.iter().filter(|e| e.step.is_some() && e.kind.depth() == 1 && e.kind != Kind::Wait).count(),
+                plan.steps.len()
+            );
+            for send in events.iter().filter(|e| e.kind == Kind::Send) {
+                let exchange = events.iter().find(|e| e.kind == Kind::Exchange && e.step == send.step).unwrap();
+                assert!(exchange.start_ns <= send.start_ns && send.end_ns <= exchange.end_ns);
+            }
+        }
+    }
 }

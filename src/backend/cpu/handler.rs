@@ -7,6 +7,8 @@
 use super::transport::{self, link::LinkModel, Endpoint, SessionKey};
 use crate::call::Call;
 use crate::error::{Error, Result};
+use crate::exec::Observer;
+use crate::trace::{CallLabel, Recording};
 use crate::xla::Frame;
 
 /// One device's call of a fused op on the CPU backend.
@@ -19,7 +21,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         }
         // An XLA without FFI futures: run here.
         None => {
-            let args = [frame.arg_bytes(0, "x")?, frame.arg_bytes(1, "w")?];
+            let [first, second] = Call::operand_names(frame);
+            let args = [frame.arg_bytes(0, first)?, frame.arg_bytes(1, second)?];
             let mut rets = [frame.ret_bytes(0, "out")?, frame.ret_bytes(1, "workspace")?];
             call.run(&args, &mut rets)
         }
@@ -37,8 +40,9 @@ struct CpuCall {
 
 impl CpuCall {
     fn decode(frame: &Frame<'_>) -> Result<CpuCall> {
-        let x = frame.arg(0, "x")?;
-        let w = frame.arg(1, "w")?;
+        let [first, second] = Call::operand_names(frame);
+        let x = frame.arg(0, first)?;
+        let w = frame.arg(1, second)?;
         let (out_dtype, out_dims) = frame.ret_type(0, "out")?;
         let device = i64::from(frame.device_ordinal()?);
         let call = Call::decode(frame, [(x.dims, x.dtype), (w.dims, w.dtype), (out_dims, out_dtype)], device)?;
@@ -77,9 +81,12 @@ impl CpuCall {
             interrupts: call.interrupts,
         };
         let endpoint = Endpoint::join(key, participant).with_link(link);
-        let _trace = crate::trace::enter(device, call.site, call.kind.name(), &call.plan, &call.problem, x.len());
+        let recording = Recording::begin(&call.plan, || {
+            CallLabel::new(device, call.site, call.kind.name(), &call.plan, &call.problem, x.len())
+        });
         let buffers = super::Buffers { x, w, out, workspace };
-        let result = super::run(&call.problem, &call.plan, buffers, &endpoint);
+        let observer = recording.as_ref().map(|r| r as &dyn Observer);
+        let result = super::run(&call.problem, &call.plan, buffers, &endpoint, observer);
         if let Err(e) = &result {
             endpoint.fail(e);
             // Also said here: other devices of this program may be waiting in

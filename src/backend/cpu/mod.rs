@@ -10,7 +10,7 @@ pub mod transport;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::exec::{self, Backend, Wait};
+use crate::exec::{self, Backend, Direction, Observer, Wait};
 use crate::plan::{Buf, Plan, SlotKind, Transfer, Workspace};
 use crate::problem::{Problem, Side, View};
 use numeric::{load, store, view, view_mut, Accum};
@@ -28,8 +28,15 @@ pub struct Buffers<'a> {
     pub workspace: &'a mut [u8],
 }
 
-/// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes ask.
-pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endpoint) -> Result<()> {
+/// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes
+/// ask, watched by `observer` if any.
+pub fn run(
+    problem: &Problem,
+    plan: &Plan,
+    buffers: Buffers<'_>,
+    endpoint: &Endpoint,
+    observer: Option<&dyn Observer>,
+) -> Result<()> {
     // Python refuses fp8 on CPU at trace time; this is the backstop for a
     // call that bypasses it (every rank fails the same way, before any wait).
     if let Some(fp8) = [problem.input, problem.output].into_iter().find(|d| d.is_fp8()) {
@@ -37,8 +44,14 @@ pub fn run(problem: &Problem, plan: &Plan, buffers: Buffers<'_>, endpoint: &Endp
     }
     // Converting the operands is a step of its own: it may take a while.
     match problem.accumulator() {
-        DType::F64 => exec::run(plan, &endpoint.compute(|| CpuBackend::<f64>::new(problem, plan, buffers, endpoint))?),
-        _ => exec::run(plan, &endpoint.compute(|| CpuBackend::<f32>::new(problem, plan, buffers, endpoint))?),
+        DType::F64 => {
+            let backend = endpoint.compute(|| CpuBackend::<f64>::new(problem, plan, buffers, endpoint))?;
+            exec::run(plan, &backend, observer)
+        }
+        _ => {
+            let backend = endpoint.compute(|| CpuBackend::<f32>::new(problem, plan, buffers, endpoint))?;
+            exec::run(plan, &backend, observer)
+        }
     }
 }
 
@@ -230,15 +243,19 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
 
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
         for t in sends {
+            let started = Instant::now();
             match t.buf {
                 Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?, wait.ready),
                 _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?, wait.ready),
             }
+            wait.transferred(Direction::Send, t, started, Instant::now());
         }
         // Posting is instant in the model; the exchange ends when its messages arrived.
         let mut ended = wait.ready;
         for t in recvs {
+            let started = Instant::now();
             ended = ended.max(self.endpoint.recv(t.peer, t.tag, &mut self.write_slot(t.buf)?, wait)?);
+            wait.transferred(Direction::Recv, t, started, Instant::now());
         }
         Ok(ended)
     }

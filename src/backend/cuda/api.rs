@@ -50,17 +50,21 @@ functions! {
         device_get_attribute = "cuDeviceGetAttribute": fn(*mut c_int, cu::CUdevice_attribute, cu::CUdevice) -> cu::CUresult;
         device_get_name = "cuDeviceGetName": fn(*mut c_char, c_int, cu::CUdevice) -> cu::CUresult;
         primary_ctx_retain = "cuDevicePrimaryCtxRetain": fn(*mut cu::CUcontext, cu::CUdevice) -> cu::CUresult;
+        primary_ctx_release = "cuDevicePrimaryCtxRelease_v2": fn(cu::CUdevice) -> cu::CUresult;
         ctx_set_current = "cuCtxSetCurrent": fn(cu::CUcontext) -> cu::CUresult;
         ctx_get_device = "cuCtxGetDevice": fn(*mut cu::CUdevice) -> cu::CUresult;
         stream_get_ctx = "cuStreamGetCtx": fn(cu::CUstream, *mut cu::CUcontext) -> cu::CUresult;
         stream_create = "cuStreamCreate": fn(*mut cu::CUstream, c_uint) -> cu::CUresult;
+        stream_destroy = "cuStreamDestroy_v2": fn(cu::CUstream) -> cu::CUresult;
         stream_wait_event = "cuStreamWaitEvent": fn(cu::CUstream, cu::CUevent, c_uint) -> cu::CUresult;
         stream_synchronize = "cuStreamSynchronize": fn(cu::CUstream) -> cu::CUresult;
         event_create = "cuEventCreate": fn(*mut cu::CUevent, c_uint) -> cu::CUresult;
+        event_destroy = "cuEventDestroy_v2": fn(cu::CUevent) -> cu::CUresult;
         event_record = "cuEventRecord": fn(cu::CUevent, cu::CUstream) -> cu::CUresult;
         event_query = "cuEventQuery": fn(cu::CUevent) -> cu::CUresult;
         module_load_data = "cuModuleLoadData": fn(*mut cu::CUmodule, *const c_void) -> cu::CUresult;
         module_get_function = "cuModuleGetFunction": fn(*mut cu::CUfunction, cu::CUmodule, *const c_char) -> cu::CUresult;
+        module_unload = "cuModuleUnload": fn(cu::CUmodule) -> cu::CUresult;
         launch_kernel = "cuLaunchKernel": fn(
             cu::CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, cu::CUstream,
             *mut *mut c_void, *mut *mut c_void,
@@ -77,6 +81,7 @@ functions! {
     /// cuBLAS (`libcublas.so.13` / `.12`).
     Cublas {
         create = "cublasCreate_v2": fn(*mut blas::cublasHandle_t) -> blas::cublasStatus_t;
+        destroy = "cublasDestroy_v2": fn(blas::cublasHandle_t) -> blas::cublasStatus_t;
         set_stream = "cublasSetStream_v2": fn(blas::cublasHandle_t, blas::cudaStream_t) -> blas::cublasStatus_t;
         get_property = "cublasGetProperty": fn(c_int, *mut c_int) -> blas::cublasStatus_t;
         gemm_ex = "cublasGemmEx": fn(
@@ -298,11 +303,6 @@ pub fn check_nvrtc(status: nvrtc::nvrtcResult, what: &str) -> Result<()> {
 
 // ---- the driver calls the backend makes, checked ---------------------------------
 
-/// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
-const STREAM_NON_BLOCKING: c_uint = 1;
-/// `CU_EVENT_DISABLE_TIMING`: the cheapest events (ordering only).
-const EVENT_DISABLE_TIMING: c_uint = 2;
-
 pub fn device_get(ordinal: i32) -> Result<cu::CUdevice> {
     let mut dev: cu::CUdevice = 0;
     // SAFETY: a valid out-pointer; the driver checks the ordinal.
@@ -332,15 +332,6 @@ pub fn device_name(dev: cu::CUdevice) -> Result<String> {
     Ok(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
 }
 
-/// The device's primary context, retained: callers keep it for the life of
-/// the process (XLA holds it too), so it is never released.
-pub fn primary_context(dev: cu::CUdevice) -> Result<cu::CUcontext> {
-    let mut ctx: cu::CUcontext = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer; the driver checks the device.
-    check_cu(unsafe { (driver()?.primary_ctx_retain)(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain")?;
-    Ok(ctx)
-}
-
 /// Makes `ctx` current on this thread.
 ///
 /// # Safety
@@ -365,22 +356,6 @@ pub unsafe fn bind_stream(stream: cu::CUstream) -> Result<(cu::CUcontext, cu::CU
         check_cu((d.ctx_get_device)(&mut dev), "cuCtxGetDevice")?;
     }
     Ok((ctx, dev))
-}
-
-/// A non-blocking stream in the current context (kept for the life of the process).
-pub fn stream_create() -> Result<cu::CUstream> {
-    let mut s: cu::CUstream = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
-    check_cu(unsafe { (driver()?.stream_create)(&mut s, STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
-    Ok(s)
-}
-
-/// An event without timing in the current context (pooled, never destroyed).
-pub fn event_create(what: &str) -> Result<cu::CUevent> {
-    let mut e: cu::CUevent = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
-    check_cu(unsafe { (driver()?.event_create)(&mut e, EVENT_DISABLE_TIMING) }, what)?;
-    Ok(e)
 }
 
 /// # Safety
@@ -426,35 +401,6 @@ pub unsafe fn event_done(event: cu::CUevent) -> bool {
 pub unsafe fn stream_synchronize(stream: cu::CUstream) -> Result<()> {
     // SAFETY: the caller's contract.
     check_cu(unsafe { (driver()?.stream_synchronize)(stream) }, "cuStreamSynchronize")
-}
-
-/// Device memory in the current context.
-pub fn mem_alloc(bytes: usize, what: &str) -> Result<u64> {
-    let mut p: cu::CUdeviceptr = 0;
-    // SAFETY: a valid out-pointer.
-    check_cu(unsafe { (driver()?.mem_alloc)(&mut p, bytes) }, what)?;
-    Ok(p)
-}
-
-/// # Safety
-/// `p` came from [`mem_alloc`] and is freed once, unused after.
-pub unsafe fn mem_free(p: u64) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check_cu(unsafe { (driver()?.mem_free)(p) }, "cuMemFree")
-}
-
-/// # Safety
-/// `dst` holds at least `src.len()` bytes of device memory.
-pub unsafe fn memcpy_htod(dst: u64, src: &[u8]) -> Result<()> {
-    // SAFETY: the caller's contract; `src` is a live host slice.
-    check_cu(unsafe { (driver()?.memcpy_htod)(dst, src.as_ptr().cast(), src.len()) }, "cuMemcpyHtoD")
-}
-
-/// # Safety
-/// `src` holds at least `dst.len()` bytes of device memory.
-pub unsafe fn memcpy_dtoh(dst: &mut [u8], src: u64) -> Result<()> {
-    // SAFETY: the caller's contract; `dst` is a live host slice.
-    check_cu(unsafe { (driver()?.memcpy_dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) }, "cuMemcpyDtoH")
 }
 
 // ---- versions ------------------------------------------------------------------

@@ -2,8 +2,8 @@
 //! side by side with the CPU backend.
 //!
 //! Every rank's call is issued exactly as the handler issues it
-//! (`issue::issue` over `exec::stream::StreamSchedule`, each step lowered by
-//! `calls::Resolver::lower` onto XLA-style device addresses), into recorded
+//! (`stream_issue::issue` over `exec::stream::StreamSchedule`, each step lowered by
+//! `lowering::Resolver::lower` onto XLA-style device addresses), into recorded
 //! per-stream command lists. Then the streams of all ranks run in a
 //! discrete-event model of CUDA and NCCL: a stream runs its commands in
 //! order, a wait blocks until the event's record has run, a GEMM follows
@@ -14,10 +14,10 @@
 //! calls). The outputs must equal those of the CPU backend on the same inputs.
 #![forbid(unsafe_code)]
 
-use super::calls::{DeviceBuffers, DeviceOp, Region, Resolver};
+use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
-use super::issue::{events_needed, issue, StreamOps};
-use super::lt::LtType;
+use super::lowering::{DeviceBuffers, DeviceOp, Region, Resolver};
+use super::stream_issue::{events_needed, issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -131,7 +131,7 @@ fn execute(
             true
         }
         DeviceOp::Fp8Gemm(g) => {
-            // cuBLASLt's TN call as `lt::Fp8Gemm::lower` gives it, on bytes.
+            // cuBLASLt's TN call as `fp8_gemm::Fp8Gemm::lower` gives it, on bytes.
             let call = g.lower((9, 0)).unwrap();
             assert_eq!(call.d_layout.dtype, LtType::F32, "the emulation writes f32 only");
             let scale = mem.f32(call.a_scale, 0) * mem.f32(call.b_scale, 0);
@@ -228,7 +228,7 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, rever
         let resolver = Resolver::new(problem, &layout, &p.slots, buffers).unwrap();
         let sched = StreamSchedule::new(&p);
         let mut rec = Recorder { resolver: &resolver, streams: vec![Vec::new(); sched.lanes.len() + 1] };
-        issue(&p, &sched, &mut rec, 0).unwrap();
+        issue(&p, &sched, &mut rec, 0, None).unwrap();
         ranks.push((id, rec.streams, events_needed(&sched)));
     }
     // Run all streams of all ranks until none can move.
@@ -300,7 +300,7 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
                     };
                     let endpoint = transport::Endpoint::join(key, info);
                     let buffers = cpu::Buffers { x: &x, w: &w, out: &mut out, workspace: &mut workspace };
-                    cpu::run(problem, &p, buffers, &endpoint).unwrap();
+                    cpu::run(problem, &p, buffers, &endpoint, None).unwrap();
                     out
                 })
             })

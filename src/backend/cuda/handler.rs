@@ -11,23 +11,28 @@
 #![forbid(unsafe_code)]
 
 use super::api::require;
-use super::calls::{DeviceBuffers, Region, Resolver};
-use super::comms::{CommKey, Placement};
-use super::device::{self, CallOps, CallWatch};
+use super::communicators::{CommKey, Placement};
+use super::device;
+use super::device_watch::{self, CallWatch};
+use super::enqueue::CallOps;
 use super::libs::Lib;
+use super::lowering::{DeviceBuffers, Region, Resolver};
+use super::nccl_group::{self, GroupComms};
 use super::workspace::CudaLayout;
-use super::{calls, comms, issue, watchdog};
+use super::{communicators, lowering, stream_issue, watchdog};
 use crate::call::Call;
-use crate::comm::Group;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::stream::StreamSchedule;
+use crate::exec::Observer;
+use crate::group::Group;
 use crate::plan::Action;
+use crate::trace::{CallLabel, Recording};
 use crate::xla::{Frame, Stage};
 use std::time::Instant;
 
 /// The optional placement attributes of a mesh spanning processes (see
-/// `comms::Placement`); absent in a single process.
+/// `communicators::Placement`); absent in a single process.
 fn placement<'a>(frame: &Frame<'a>) -> Result<Placement<'a>> {
     let optional = |name| if frame.has_attr(name) { frame.attr_i64_array(name).map(Some) } else { Ok(None) };
     Ok(Placement {
@@ -69,9 +74,9 @@ fn fp8_workspace(layout: &CudaLayout, addr: u64, bytes: usize) -> Result<Option<
 
 /// A fresh NCCL unique id for the lowering of a group spanning processes
 /// (`commfuse_nccl_unique_id`); UNIMPLEMENTED when NCCL cannot be loaded.
-pub fn nccl_unique_id() -> Result<[u8; comms::NCCL_ID_BYTES]> {
+pub fn nccl_unique_id() -> Result<[u8; communicators::NCCL_ID_BYTES]> {
     require(&[Lib::Nccl])?;
-    device::unique_id()
+    nccl_group::unique_id()
 }
 
 /// Both stages (see the module's doc).
@@ -102,13 +107,13 @@ fn communicators(
     ordinal: i32,
     dev: &std::sync::Mutex<device::Device>,
     deadline: Instant,
-) -> Result<std::sync::Arc<device::GroupComms>> {
+) -> Result<std::sync::Arc<GroupComms>> {
     let key = CommKey::of(group);
     let d = crate::sync::lock(dev);
-    calls::check_same_device(ordinal, d.ordinal)?;
+    lowering::check_same_device(ordinal, d.ordinal)?;
     let members = placement.members(mesh_devices, &key, device::device_count()?)?;
     let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
-    device::group_comms(&key, &members, id.as_ref(), &d, deadline)
+    nccl_group::group_comms(&key, &members, id.as_ref(), &d, deadline)
 }
 
 /// The INITIALIZE stage (see `handler`).
@@ -130,7 +135,7 @@ fn initialize(frame: &mut Frame<'_>) -> Result<()> {
     let connected = comms.connect(group.rank, &mut d, stream, deadline);
     if connected.is_err() {
         comms.abort_rank(group.rank);
-        device::evict(&CommKey::of(&group), &comms);
+        nccl_group::evict(&CommKey::of(&group), &comms);
     }
     connected
 }
@@ -141,8 +146,9 @@ fn initialize(frame: &mut Frame<'_>) -> Result<()> {
 /// everything is enqueued (no host synchronisation).
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let (device, placement, mesh_devices, ordinal) = placed(frame)?;
-    let x = frame.device_arg(0, "x")?;
-    let w = frame.device_arg(1, "w")?;
+    let [first, second] = Call::operand_names(frame);
+    let x = frame.device_arg(0, first)?;
+    let w = frame.device_arg(1, second)?;
     let out = frame.device_ret(0, "out")?;
     let workspace = frame.device_ret_bytes(1, "workspace")?;
     let call = Call::decode(frame, [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)], device)?;
@@ -176,7 +182,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let dev = device::bind_for_execute(xla_stream)?;
     // An earlier call on this device that timed out on the device (see
     // `watchdog`) fails this one before it touches the group again.
-    device::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
+    device_watch::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
     // Communicators first (their creation takes the group's lock and sets
     // other devices' contexts), then this device's lock for the enqueueing.
     let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
@@ -184,10 +190,10 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let comms =
         exchanges.then(|| communicators(group, &placement, mesh_devices, ordinal, &dev, deadline)).transpose()?;
     let mut d = crate::sync::lock(&dev);
-    CallOps::prepare(&mut d, issue::events_needed(&streams))?;
+    CallOps::prepare(&mut d, stream_issue::events_needed(&streams))?;
     // Calls that communicate are watched until their work finishes on the
     // device: a peer that never arrives would leave the stream stalled.
-    let marks = issue::marks_needed(&streams, watchdog::MAX_MARKS);
+    let marks = stream_issue::marks_needed(&streams, watchdog::MAX_MARKS);
     let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c, marks)).transpose()?;
     let mut ops = CallOps {
         device: &mut d,
@@ -202,7 +208,10 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         watch: watch.as_ref(),
     };
     let marked = if watch.is_some() { marks } else { 0 };
-    let result = issue::issue(plan, &streams, &mut ops, marked);
+    let recording =
+        Recording::begin(plan, || CallLabel::new(i64::from(ordinal), *site, kind.name(), plan, problem, x.bytes));
+    let observer = recording.as_ref().map(|r| r as &dyn Observer);
+    let result = stream_issue::issue(plan, &streams, &mut ops, marked, observer);
     let comm_failed = ops.comm_failed;
     drop(ops);
     let result = match (result, watch) {
@@ -215,7 +224,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     };
     if let Some(c) = comms.as_ref().filter(|_| comm_failed) {
         c.abort_rank(group.rank);
-        device::evict(&key, c);
+        nccl_group::evict(&key, c);
     }
     result.map_err(|e| match e {
         Error::DeadlineExceeded(m) => {

@@ -28,21 +28,29 @@ pub mod workspace;
 #[allow(unsafe_code)]
 pub mod api;
 #[cfg(feature = "cuda")]
-pub mod calls;
-#[cfg(feature = "cuda")]
-pub mod comms;
+pub mod communicators;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod device;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod device_watch;
 #[cfg(all(test, feature = "cuda"))]
 mod emulate;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod enqueue;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod fp8_gemm;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod handler;
 #[cfg(feature = "cuda")]
-pub mod issue;
+#[allow(unsafe_code)]
+pub mod handles;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod kernels;
@@ -50,10 +58,14 @@ pub mod kernels;
 #[allow(unsafe_code)]
 pub mod libs;
 #[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
-pub mod lt;
+pub mod lowering;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod nccl_group;
+#[cfg(feature = "cuda")]
+pub mod stream_issue;
 #[cfg(feature = "cuda")]
 pub mod watchdog;

@@ -92,7 +92,7 @@ pub trait EventSource: Send + Sync + 'static {
 
 /// Which call a watch belongs to, for the failure's message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CallInfo {
+pub struct WatchedCall {
     pub op: &'static str,
     /// The call site (the lowering's `site` attribute).
     pub site: i64,
@@ -116,7 +116,7 @@ pub struct Watch<S: EventSource> {
     /// `config::interrupts()` when the call was enqueued.
     pub interrupts: u64,
     pub group: Arc<S::Group>,
-    pub call: CallInfo,
+    pub call: WatchedCall,
 }
 
 impl<S: EventSource> Watch<S> {
@@ -400,7 +400,7 @@ fn message<'a, S: EventSource>(
     interrupted: bool,
     now: Instant,
 ) -> String {
-    let CallInfo { op, site, rank, seq } = e.watch.call;
+    let WatchedCall { op, site, rank, seq } = e.watch.call;
     let devices = group.devices();
     let since = |t: Option<Instant>| t.map_or(0.0, |t| now.duration_since(t).as_secs_f64());
     let why = if interrupted {
@@ -598,7 +598,7 @@ mod tests {
             timeout: TIMEOUT,
             interrupts: crate::config::interrupts(),
             group: Arc::clone(group),
-            call: CallInfo { op: "all_gather_matmul", site: 7, rank, seq },
+            call: WatchedCall { op: "all_gather_matmul", site: 7, rank, seq },
         }
     }
 

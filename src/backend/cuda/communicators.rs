@@ -1,6 +1,6 @@
 //! Communicators: one per group of devices, created once and cached.
 //!
-//! The key is the group's device ids in rank order (`comm::Group::devices`),
+//! The key is the group's device ids in rank order (`group::Group::devices`),
 //! which every member computes identically from the mesh: the same TP group
 //! of a multi-axis mesh gets one communicator, another axis or another slice
 //! of the mesh gets its own, and rank order matters (it decides NCCL ranks).
@@ -10,8 +10,8 @@
 //! [`CommKey::store_key`].
 #![forbid(unsafe_code)]
 
-use crate::comm::Group;
 use crate::error::{Error, Result};
+use crate::group::Group;
 use crate::sync::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -340,7 +340,7 @@ mod tests {
     use std::sync::mpsc;
     use std::time::{Duration, Instant};
 
-    // A 2x4 ("dp", "tp") mesh with shuffled ids, as in `comm`'s tests.
+    // A 2x4 ("dp", "tp") mesh with shuffled ids, as in `group`'s tests.
     const IDS: [i64; 8] = [5, 1, 7, 3, 0, 4, 2, 6];
     const SHAPE: [i64; 2] = [2, 4];
 

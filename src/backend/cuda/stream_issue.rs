@@ -9,11 +9,16 @@
 //! `mark`: up to `marks` progress marks, each recorded on a lane after one
 //! of its steps, spread evenly over the steps in issue order (the device
 //! watchdog's sign that a long call is still moving).
+//!
+//! An observer (`crate::exec::Observer`, the trace recorder) is told when
+//! the host enqueued each step: host times, not device times.
 #![forbid(unsafe_code)]
 
 use crate::error::Result;
 use crate::exec::stream::{Command, StreamSchedule};
+use crate::exec::{LaneObserver, Observer};
 use crate::plan::{Plan, Step};
+use std::time::Instant;
 
 /// What the issuer needs from a device: streams by index (`lanes` of the
 /// schedule; `None` is the caller's stream), events by index.
@@ -43,10 +48,19 @@ fn runs(schedule: &StreamSchedule) -> usize {
 }
 
 /// Enqueues all of `plan` (whose schedule is `schedule`) on `ops`' streams,
-/// with `marks` progress marks (at most one per step).
+/// with `marks` progress marks (at most one per step), telling `observer`
+/// when each step was enqueued.
 /// On error, what was enqueued stays enqueued; the caller's stream is joined
 /// only on success (the caller reports the error and XLA fails the run).
-pub fn issue(plan: &Plan, schedule: &StreamSchedule, ops: &mut impl StreamOps, marks: usize) -> Result<()> {
+pub fn issue(
+    plan: &Plan,
+    schedule: &StreamSchedule,
+    ops: &mut impl StreamOps,
+    marks: usize,
+    observer: Option<&dyn Observer>,
+) -> Result<()> {
+    let watchers: Vec<Box<dyn LaneObserver + '_>> =
+        observer.map_or_else(Vec::new, |o| schedule.lanes.iter().map(|&lane| o.lane(lane)).collect());
     let fork = schedule.events;
     let join = |lane: usize| schedule.events + 1 + lane;
     ops.record(None, fork)?;
@@ -59,7 +73,11 @@ pub fn issue(plan: &Plan, schedule: &StreamSchedule, ops: &mut impl StreamOps, m
         match command {
             Command::Wait(e) => ops.wait(Some(lane), e)?,
             Command::Run(s) => {
+                let started = Instant::now();
                 ops.run(lane, &plan.steps[s])?;
+                if let Some(w) = watchers.get(lane) {
+                    w.step_done(&plan.steps[s], started, Instant::now());
+                }
                 ran += 1;
                 // Mark k follows the step where ran * marks / runs first reaches k + 1.
                 if ran * marks / runs > (ran - 1) * marks / runs {
@@ -115,7 +133,7 @@ mod tests {
                 let marks = marks_needed(&s, most);
                 assert_eq!(marks, p.steps.len().min(most));
                 let mut log = Log::default();
-                issue(&p, &s, &mut log, marks).unwrap();
+                issue(&p, &s, &mut log, marks, None).unwrap();
                 let recorded: Vec<usize> =
                     log.ops.iter().filter_map(|(_, o)| o.strip_prefix("mark ")?.parse().ok()).collect();
                 assert_eq!(recorded, (0..marks).collect::<Vec<_>>(), "n={n} most={most}");
@@ -138,7 +156,7 @@ mod tests {
                 let p = plan(pattern, Schedule::Auto, n, n - 1);
                 let s = StreamSchedule::new(&p);
                 let mut log = Log::default();
-                issue(&p, &s, &mut log, 0).unwrap();
+                issue(&p, &s, &mut log, 0, None).unwrap();
                 let fork = s.events;
                 let caller: Vec<&String> = log.ops.iter().filter(|(st, _)| st.is_none()).map(|(_, o)| o).collect();
                 assert_eq!(caller.first().map(|s| s.as_str()), Some(format!("record {fork}").as_str()));
@@ -160,6 +178,45 @@ mod tests {
                 assert_eq!(runs, p.steps.len());
                 assert!(events_needed(&s) > fork + s.lanes.len());
             }
+        }
+    }
+
+    /// Notes which steps each lane's observer was told of, in order.
+    #[derive(Default)]
+    struct Told(std::sync::Mutex<Vec<(crate::plan::Lane, usize)>>);
+
+    struct ToldLane<'a>(&'a Told, crate::plan::Lane);
+
+    impl Observer for Told {
+        fn lane(&self, lane: crate::plan::Lane) -> Box<dyn LaneObserver + '_> {
+            Box::new(ToldLane(self, lane))
+        }
+    }
+
+    impl LaneObserver for ToldLane<'_> {
+        fn waited(&self, _: &Step, _: Instant, _: Instant) {}
+        fn transferred(&self, _: &Step, _: crate::exec::Direction, _: &crate::plan::Transfer, _: Instant, _: Instant) {}
+        fn step_done(&self, step: &Step, started: Instant, ended: Instant) {
+            assert!(started <= ended);
+            self.0 .0.lock().unwrap().push((self.1, step.id));
+        }
+    }
+
+    #[test]
+    fn an_observer_is_told_of_every_step_on_its_lane_in_issue_order() {
+        for pattern in [Pattern::Gather { accumulate: false }, Pattern::Scatter, Pattern::MatmulThenExchange] {
+            let p = plan(pattern, Schedule::Ring, 4, 1);
+            let s = StreamSchedule::new(&p);
+            let told = Told::default();
+            let mut log = Log::default();
+            issue(&p, &s, &mut log, 0, Some(&told)).unwrap();
+            let issued: Vec<(crate::plan::Lane, usize)> = log
+                .ops
+                .iter()
+                .filter_map(|(lane, o)| Some((s.lanes[(*lane)?], o.strip_prefix("run ")?.parse().ok()?)))
+                .collect();
+            assert_eq!(told.0.into_inner().unwrap(), issued);
+            assert_eq!(issued.len(), p.steps.len());
         }
     }
 }

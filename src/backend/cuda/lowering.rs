@@ -6,8 +6,8 @@
 //! NCCL.
 #![forbid(unsafe_code)]
 
+use super::fp8_gemm::{Fp8, Fp8Gemm, Matrix, OutType};
 use super::gemm::Operands;
-use super::lt::{Fp8, Fp8Gemm, Matrix, OutType};
 use super::nccl::P2p;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -59,7 +59,7 @@ pub enum DeviceOp {
     Gemm { gemm: Gemm, ops: Operands, accumulate: bool },
     /// One launch of a sum kernel.
     Sum(SumLaunch),
-    /// One cuBLASLt fp8 GEMM (`lt::enqueue` of `Fp8Gemm::lower`).
+    /// One cuBLASLt fp8 GEMM (`fp8_gemm::enqueue` of `Fp8Gemm::lower`).
     Fp8Gemm(Fp8Gemm),
     /// One NCCL group of sends and receives (`nccl::enqueue_exchange`).
     Exchange { sends: Vec<P2p>, recvs: Vec<P2p> },
@@ -407,7 +407,7 @@ pub fn nccl_config_version(runtime: i32) -> u32 {
 }
 
 /// XLA's device ordinal of the call must be the CUDA ordinal of its
-/// stream's device: `comms::Placement` maps mesh devices to CUDA ordinals of
+/// stream's device: `communicators::Placement` maps mesh devices to CUDA ordinals of
 /// this process, which is only right if XLA numbers devices the same way.
 pub fn check_same_device(xla_ordinal: i32, cuda_ordinal: i32) -> Result<()> {
     if xla_ordinal == cuda_ordinal {

@@ -80,6 +80,9 @@ _SIGINT_SCRIPT = textwrap.dedent(
         return y[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    # Compiled first, so that the signal lands while the op waits (on a
+    # loaded host compiling can take longer than the timer).
+    f = f.lower(xs, ws).compile()
     threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()
     try:

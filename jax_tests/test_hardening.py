@@ -58,6 +58,9 @@ _SIGINT_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # As in a terminal: a shell starts background jobs with SIGINT ignored,
+    # and commfuse leaves an ignored SIGINT alone.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import commfuse

@@ -434,32 +434,12 @@ pub fn check_frame_case(case: FrameCase, handler: Handler) -> std::result::Resul
 /// and planned as a call would be.
 #[derive(Debug)]
 pub struct PlannerCase {
-    pub kind: i64,
-    pub schedule: i64,
-    pub ranks: i64,
-    pub dimension: i64,
-    pub x: Vec<i64>,
-    pub w: Vec<i64>,
+    /// What Python would send at trace time.
+    pub shapes: CallShapes,
+    /// The result's dims as the frame gives them (possibly inconsistent).
     pub out: Vec<i64>,
-    pub input: u32,
-    pub output: u32,
     /// This rank's place in the group.
     pub rank: usize,
-}
-
-impl PlannerCase {
-    fn shapes(&self) -> CallShapes {
-        CallShapes {
-            kind: self.kind,
-            schedule: self.schedule,
-            ranks: self.ranks,
-            dimension: self.dimension,
-            x: self.x.clone(),
-            w: self.w.clone(),
-            input: self.input,
-            output: self.output,
-        }
-    }
 }
 
 /// A planner case from `u`: mostly small consistent sizes, sometimes any.
@@ -480,18 +460,17 @@ pub fn planner_case(u: &mut Unstructured) -> Result<PlannerCase> {
     }
     let dims = |list: &[(u32, Vec<i64>)], i: usize| list.get(i).map(|(_, d)| d.clone()).unwrap_or_default();
     let dtype = |list: &[(u32, Vec<i64>)], i: usize| list.get(i).map_or(F32, |(d, _)| *d);
-    Ok(PlannerCase {
+    let shapes = CallShapes {
         kind: attr("kind").unwrap_or(0),
         schedule: attr("schedule").unwrap_or(0),
         ranks,
         dimension: attr("dimension").unwrap_or(0),
         x: dims(&case.call.args, 0),
         w: dims(&case.call.args, 1),
-        out: dims(&case.call.rets, 0),
         input: dtype(&case.call.args, 0),
         output: dtype(&case.call.rets, 0),
-        rank: u.int_in_range(0..=case.ranks - 1)?,
-    })
+    };
+    Ok(PlannerCase { shapes, out: dims(&case.call.rets, 0), rank: u.int_in_range(0..=case.ranks - 1)? })
 }
 
 /// Prepares `case` as Python does at trace time and plans it as the
@@ -501,8 +480,9 @@ pub fn planner_case(u: &mut Unstructured) -> Result<PlannerCase> {
 /// inside its buffers; where the handler plans the case's own result shape
 /// the trace-time answer must have succeeded with it.
 pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, String> {
-    let PlannerCase { kind, schedule, ranks, dimension, x, w, out, input, output, .. } = case;
-    let request = prepare::Request { call: case.shapes(), machine: None, gemm_gflops: None, explain: false };
+    let PlannerCase { shapes, out, .. } = case;
+    let CallShapes { kind, schedule, ranks, dimension, x, w, input, output } = shapes;
+    let request = prepare::Request { call: shapes.clone(), machine: None, gemm_gflops: None, explain: false };
     let planned = std::panic::catch_unwind(|| {
         let prepared = prepare::prepare(&request);
         let (Some(input), Some(output), Ok(ranks)) = (abi::dtype(*input), abi::dtype(*output), usize::try_from(*ranks))

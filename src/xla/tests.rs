@@ -500,9 +500,8 @@ fn deferrable_call() -> Built {
     .with_futures()
 }
 
-#[test]
-fn a_deferred_call_completes_xlas_future_on_another_thread() {
-    let built = deferrable_call();
+/// Runs a handler on `built` that defers its call, and returns the deferral.
+fn defer(built: &Built) -> super::Deferred {
     let mut deferred = None;
     assert_eq!(
         built.handle(|frame| {
@@ -511,7 +510,13 @@ fn a_deferred_call_completes_xlas_future_on_another_thread() {
         }),
         None
     );
-    let deferred = deferred.expect("this XLA has futures");
+    deferred.expect("this XLA has futures")
+}
+
+#[test]
+fn a_deferred_call_completes_xlas_future_on_another_thread() {
+    let built = deferrable_call();
+    let deferred = defer(&built);
     std::thread::spawn(move || {
         deferred.finish(|args, rets| {
             assert_eq!((args.len(), rets.len()), (1, 2));
@@ -536,15 +541,7 @@ type DeferredWork = Box<dyn FnOnce(&[&[u8]], &mut [&mut [u8]]) -> crate::error::
 fn a_deferred_calls_error_panic_or_drop_completes_its_future_with_an_error() {
     let run = |work: DeferredWork, finish: bool| {
         let built = deferrable_call();
-        let mut deferred = None;
-        assert_eq!(
-            built.handle(|frame| {
-                deferred = frame.defer("test op")?;
-                Ok(())
-            }),
-            None
-        );
-        let deferred = deferred.unwrap();
+        let deferred = defer(&built);
         if finish {
             deferred.finish(work);
         } else {

@@ -383,10 +383,19 @@ def test_overlap_as_shard_map_body(mesh4, rng):
 
 
 def test_nothing_to_rewrite(rng):
+    g = overlap(lambda x: jnp.sin(x) + x.T)
+    x = rand((4, 4), rng=rng)
+    assert_close(np.asarray(g(x)), np.sin(x) + x.T)
+    assert g.last_report == ["overlap: the traced function has no shard_map and no dot_general outside one; "
+                             "nothing was rewritten"]
+
+
+def test_a_dot_outside_shard_map_becomes_commfuse_matmul(rng):
     g = overlap(lambda x: x @ x.T)
     x = rand((4, 4), rng=rng)
     assert_close(np.asarray(g(x)), x @ x.T)
-    assert g.last_report == ["overlap: the traced function has no shard_map; nothing was rewritten"]
+    assert g.last_report[0].endswith("-> commfuse.matmul#" + g.last_report[0].rsplit("#", 1)[1]), g.last_report
+    assert any("a local dot (no collective needed)" in line for line in g.last_report) or len(g.last_report) == 1
 
 
 def _grad_case(mesh, rng, case):

@@ -2,11 +2,14 @@
 forms JAX users write around tensor-parallel, FSDP and expert-parallel
 layers, each run plain and through ``commfuse.overlap``.
 
-Every module defines ``PROGRAM``, a `Program`: how to build the function and
-its arguments on a mesh, and how many fused ops ``overlap`` must make of it
-(forward, and in ``overlap(jax.grad(...))``). ``jax_tests/test_corpus.py``
-checks numbers, gradients and counts; ``scripts/corpus_report.py`` times
-each plain and overlapped.
+Every shard_map module defines ``PROGRAM``, a `Program`: how to build the
+function and its arguments on a mesh, and how many fused ops ``overlap`` must
+make of it (forward, and in ``overlap(jax.grad(...))``).
+``jax_tests/test_corpus.py`` checks numbers, gradients and counts;
+``scripts/corpus_report.py`` times each plain and overlapped. The ``jit_*``
+modules define ``JIT_PROGRAM``, a `JitProgram`: sharded by ``jax.jit`` alone,
+checked by ``jax_tests/test_jit_programs.py`` (fused ops counted in the
+compiled program, after partitioning).
 """
 
 from __future__ import annotations
@@ -36,21 +39,43 @@ class Program:
     unfused: str = ""
 
 
-def all_programs() -> list:
-    found = []
+@dataclass(frozen=True)
+class JitProgram:
+    """A program sharded by ``jax.jit`` alone (``NamedSharding`` inputs,
+    sharding constraints, explicit mesh axes): no shard_map."""
+    name: str
+    mesh: dict
+    # (mesh, rng) -> (fn, args): fn's first output is a scalar loss.
+    build: Callable
+    # Fused ops in the compiled program of `overlap(fn)`, and of
+    # `overlap(jax.value_and_grad(loss))`, after partitioning.
+    fused: int
+    grad_fused: int
+    # The mesh's axis type (jax.sharding.AxisType's name).
+    axis_type: str = "Auto"
+    # What does not fuse, and why.
+    unfused: str = ""
+
+
+def _modules():
     for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(module, "PROGRAM"):
-            found.append(module.PROGRAM)
-    return sorted(found, key=lambda p: p.name)
+        yield importlib.import_module(f"{__name__}.{info.name}")
 
 
-def make_mesh(axes: dict, devices=None):
-    """A mesh of `axes` (name -> size) with Auto axis types, on the first devices."""
+def all_programs() -> list:
+    return sorted((m.PROGRAM for m in _modules() if hasattr(m, "PROGRAM")), key=lambda p: p.name)
+
+
+def all_jit_programs() -> list:
+    return sorted((m.JIT_PROGRAM for m in _modules() if hasattr(m, "JIT_PROGRAM")), key=lambda p: p.name)
+
+
+def make_mesh(axes: dict, devices=None, axis_type: str = "Auto"):
+    """A mesh of `axes` (name -> size) with Auto (or `axis_type`) axis types, on the first devices."""
     n = int(np.prod(list(axes.values())))
     devices = (devices if devices is not None else jax.devices())[:n]
-    auto = (jax.sharding.AxisType.Auto,) * len(axes)
-    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=auto, devices=devices)
+    types = (getattr(jax.sharding.AxisType, axis_type),) * len(axes)
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devices)
 
 
 def place(mesh, spec, value):

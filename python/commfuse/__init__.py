@@ -1,9 +1,15 @@
-"""commfuse: fused, overlapped collective matmuls for JAX ``shard_map`` programs.
+"""commfuse: fused, overlapped collective matmuls for JAX.
 
 Inside a ``jax.shard_map`` body::
 
     y = commfuse.all_gather_matmul(x, w, "tp")        # == all_gather(x, "tp", tiled=True) @ w
     z = commfuse.matmul_reduce_scatter(h, w2, "tp")   # == psum_scatter(h @ w2, "tp", tiled=True)
+
+Under ``jax.jit`` on sharded arrays::
+
+    y = commfuse.matmul(x, w)   # == x @ w, the collective its shardings need fused
+
+``commfuse.overlap(f)`` does either for an existing program.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from . import _interrupt, reference
 from ._all_gather_matmul import all_gather_matmul
 from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._explain import explain
+from ._matmul import matmul
 from ._matmul_all_gather import matmul_all_gather
 from ._matmul_all_reduce import matmul_all_reduce
 from ._matmul_reduce_scatter import matmul_reduce_scatter
@@ -25,6 +32,7 @@ _interrupt.install()
 
 __version__ = "0.1.0"
 __all__ = [
+    "matmul",
     "all_gather_matmul",
     "matmul_reduce_scatter",
     "matmul_all_gather",

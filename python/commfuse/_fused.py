@@ -52,11 +52,6 @@ def axis_group(op: str, axis_name) -> tuple[tuple[str, ...], int]:
             raise ValueError(
                 f"commfuse.{op}: axis_name {name!r} is not mapped by the enclosing jax.shard_map; call "
                 f"the op inside a shard_map over it")
-    automatic = [a for a in mesh.axis_names if a not in mesh.manual_axes]
-    if automatic:
-        raise ValueError(
-            f"commfuse.{op} needs a jax.shard_map over every mesh axis, but axes {automatic} are left "
-            f"automatic; pass axis_names covering all of {mesh.axis_names}")
     if len(set(names)) != len(names):
         raise ValueError(f"commfuse.{op}: axis_name {names} repeats an axis")
     ranks = math.prod(mesh.shape[name] for name in names)

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from . import _abi, _auto, _fused
-from ._matmul_reduce_scatter import matmul_reduce_scatter
 
 OP = "matmul_all_reduce"
 
@@ -53,14 +52,27 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     axes, ranks = _fused.axis_group(OP, axis_name)
     _fused.check_matmul_operands(OP, x, w)
     code = _fused.check_schedule(OP, schedule)
-    rows = math.prod(x.shape[:-1])
-    if tiles is None:
-        tiles = next((t for t in (4, 2, 1) if rows % (t * ranks) == 0), None)
-    elif not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+    if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
         raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
     fast = _fused.fast_f32(OP, precision)
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    if 0 in x.shape or 0 in w.shape:
+    settings = settle(x.shape, w.shape, x.dtype, out_dtype, axes=axes, ranks=ranks, schedule=code, tiles=tiles,
+                      fast_f32=fast, schedule_name=schedule)
+    x, w = _fused.vary_together(x, w, axes)
+    return _all_reduce(x, w, settings)
+
+
+def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: int, tiles, fast_f32: bool,
+           schedule_name: str) -> _Settings:
+    """The settings one call runs with: the tiles (default: 4, or the most of
+    4, 2, 1 that divide the rows into a multiple of the axis size) and the
+    schedule (``auto`` resolved: unfused where nothing can be cut into a
+    ring's blocks or the cost model predicts no gain)."""
+    code = schedule
+    rows = math.prod(x_shape[:-1])
+    if tiles is None:
+        tiles = next((t for t in (4, 2, 1) if rows % (t * ranks) == 0), None)
+    if 0 in x_shape or 0 in w_shape:
         # Nothing to cut into a ring's blocks (and jax.lax all-gathers no
         # empty chunk): jax.lax's own psum of the product, empty or zeros.
         code = _abi.UNFUSED
@@ -68,20 +80,19 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     elif tiles is None or rows % (tiles * ranks):
         if code not in (_abi.AUTO, _abi.UNFUSED):
             raise ValueError(
-                f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={x.shape}) must divide into "
-                f"tiles={tiles} chunks of a multiple of the axis size {ranks} for schedule={schedule!r}")
+                f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={tuple(x_shape)}) must divide "
+                f"into tiles={tiles} chunks of a multiple of the axis size {ranks} for schedule={schedule_name!r}")
         code = _abi.UNFUSED  # "auto": nothing to cut into a ring's blocks
     if code == _abi.AUTO and ranks > 1:
         # The cost model judges one chunk's reduce-scatter; unfused, the
         # whole op is one psum rather than chunked gathers.
-        shapes = _abi.call(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x.shape[-1]),
-                           w.shape, x.dtype, out_dtype)
+        shapes = _abi.call(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x_shape[-1]),
+                           w_shape, dtype, out_dtype)
         _, decided, why = _auto.prepare(shapes, _fused.measure_call_overhead_s)
         if decided == _abi.UNFUSED:
             code = _abi.UNFUSED
             _fused.record_decision(OP, "unfused", why)
-    x, w = _fused.vary_together(x, w, axes)
-    return _all_reduce(x, w, _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast))
+    return _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast_f32)
 
 
 def _unfused(x, w, static):
@@ -101,24 +112,31 @@ def _gather_invariant(y, axes):
         return jax.lax.all_gather(y, axes, tiled=True, to="invariant")
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _all_reduce(x, w, static):
+def forward(x, w, static: _Settings):
+    """The all-reduce of ``x @ w`` over ``static.axes`` (operands promoted and
+    typed): chunked fused reduce-scatters, each chunk all-gathered while the
+    next is reduce-scattered. Also the jit-level ``commfuse.matmul``'s
+    lowering of this pattern."""
     if static.schedule == _abi.UNFUSED or static.ranks == 1:
         if static.ranks == 1:
             _fused.record_decision(OP, "unfused", "one rank: nothing to reduce")
         return _unfused(x, w, static)
-    schedule = _fused.schedule_name(static.schedule)
     tiles = static.tiles
     flat = _fused.rows_2d(x)
     chunk = flat.shape[0] // tiles
     outs = []
     for c in range(tiles):
-        part = matmul_reduce_scatter(flat[c * chunk:(c + 1) * chunk], w, static.axes, schedule=schedule,
-                                     precision=None if static.fast_f32 else "highest",
-                                     preferred_element_type=static.out_dtype)
+        part = _fused.call(_abi.Kind.MATMUL_REDUCE_SCATTER, flat[c * chunk:(c + 1) * chunk], w,
+                           out_dtype=static.out_dtype, schedule=static.schedule, axes=static.axes, ranks=static.ranks,
+                           fast_f32=static.fast_f32)
         outs.append(_gather_invariant(part, static.axes))
     out = outs[0] if tiles == 1 else jnp.concatenate(outs, axis=0)
     return out.reshape(x.shape[:-1] + (w.shape[1],))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _all_reduce(x, w, static):
+    return forward(x, w, static)
 
 
 def _fwd(x, w, static):

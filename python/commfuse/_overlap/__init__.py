@@ -44,7 +44,7 @@ import functools
 import jax
 import numpy as np
 
-from .. import _fused
+from .. import _fused, _matmul
 from .interpret import interpret
 from .state import State
 
@@ -111,14 +111,31 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         raise ValueError(f"commfuse.overlap: unknown schedule {schedule!r}; expected one of {options}")
 
     jitted_cache: dict = {}
+    # The commfuse.matmul calls this function's traces made, and the lines
+    # their partitioning reports while a call compiles them (`compiling`).
+    sites: set = set()
+    compiling: list = []
+
+    def say(line):
+        if report:
+            print(line)
+        if logger is not None:
+            logger.info(line)
 
     def emit(lines):
         wrapper.last_report = list(lines)
         for line in lines:
-            if report:
-                print(line)
-            if logger is not None:
-                logger.info(line)
+            say(line)
+
+    def on_partitioned(entry):
+        if entry.site not in sites:
+            return
+        line = f"overlap[partitioned]: {entry.line()}"
+        if compiling:
+            compiling[-1].append(line)
+        else:  # compiled by the caller's jit, after this function's trace
+            wrapper.last_report.append(line)
+            say(line)
 
     def rewritten(treedef, static, n_leaves, state, out_box, *dyn):
         """Traces ``fun`` and evaluates the rewritten program on ``dyn`` (the array leaves)."""
@@ -137,8 +154,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         state.__init__(schedule)
         manual = _in_manual_context()  # fun is (part of) a shard_map body itself
         outs = interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
-        if not state.shard_maps and not manual:
-            state.lines.append("overlap: the traced function has no shard_map; nothing was rewritten")
+        sites.update(state.matmul_sites)
+        if not state.shard_maps and not state.matmul_sites and not manual:
+            state.lines.append("overlap: the traced function has no shard_map and no dot_general outside one; "
+                               "nothing was rewritten")
         state.fresh = True
         return outs
 
@@ -177,13 +196,19 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
                     jitted_cache.pop(next(iter(jitted_cache)))
                 jitted_cache[key] = entry
         fn, state, out_box = entry
-        outs = fn(*dyn)
+        compiling.append([])
+        try:
+            outs = fn(*dyn)
+        finally:
+            partitioned = compiling.pop()
         if state.fresh:  # traced (again) by this call
             state.fresh = False
-            emit(state.lines)
+            emit(state.lines + partitioned)
         else:
             wrapper.last_report = list(state.lines)
         return unflatten(out_box, outs)
 
     wrapper.last_report = []
+    wrapper._on_partitioned = on_partitioned  # held here: the partitioner's listeners are weak
+    _matmul.listen(on_partitioned)
     return wrapper

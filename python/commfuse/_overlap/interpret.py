@@ -1,5 +1,6 @@
 """The interpreter: evaluates a jaxpr, re-creating shard_maps (and the
-scans, conds and whiles inside them) around rewritten bodies."""
+scans, conds and whiles inside them) around rewritten bodies; outside
+shard_map bodies, dot_generals become ``commfuse.matmul`` (``jitdots``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from functools import partial
 import jax
 from jax.extend import core as jcore
 
-from .jaxpr import CALLS, CANDIDATES, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
+from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
 from .jaxpr import subjaxprs, vma
+from .jitdots import eval_dot
 from .rewrite import Rewriter
 from .state import State
 
@@ -35,7 +37,10 @@ def interpret(jaxpr, consts, args, state: State, where: str, manual: bool):
         rewriter.run()
         return [rewriter.read(v) for v in jaxpr.outvars]
     for eqn in jaxpr.eqns:
-        outs = eval_eqn(eqn, [read(v) for v in eqn.invars], state=state, where=where, manual=manual)
+        if eqn.primitive.name == DOT:  # outside any shard_map body
+            outs = eval_dot(eqn, [read(v) for v in eqn.invars], state, where)
+        else:
+            outs = eval_eqn(eqn, [read(v) for v in eqn.invars], state=state, where=where, manual=manual)
         for v, val in zip(eqn.outvars, outs):
             write(v, val)
     return [read(v) for v in jaxpr.outvars]

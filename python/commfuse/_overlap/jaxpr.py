@@ -18,6 +18,7 @@ ALL_GATHER_REDUCED = "all_gather_reduced"  # all_gather(..., to="reduced")
 REDUCE_SCATTER = ("reduce_scatter", "psum_scatter")  # the primitive's name across JAX versions
 ALL_TO_ALL = "all_to_all"
 PSUM = ("psum", "psum_invariant")
+DOT = "dot_general"
 GATHERS = (ALL_GATHER, ALL_GATHER_REDUCED)
 CANDIDATES = frozenset(GATHERS + (ALL_TO_ALL, "all_gather_invariant") + REDUCE_SCATTER + PSUM)
 # Collectives that are no pattern; they are named in reports.

@@ -1,10 +1,11 @@
 """What one trace of ``overlap(fun)`` accumulates, shared by the interpreter
-and the rewriter: the report lines, the shard_maps seen, the fused ops'
-settings, and which jaxprs can hold a rewrite at all."""
+and the rewriters: the report lines, the shard_maps seen, the fused ops'
+settings, the jit-level matmuls made, and which jaxprs can hold a rewrite
+at all."""
 
 from __future__ import annotations
 
-from .jaxpr import CANDIDATES, OTHER_COLLECTIVES, subjaxprs
+from .jaxpr import CANDIDATES, DOT, OTHER_COLLECTIVES, subjaxprs
 
 
 class State:
@@ -14,6 +15,9 @@ class State:
         # Given to every fused op the rewrite makes ("auto": the cost model's
         # pick, which may be to run the collective and the dot unfused).
         self.schedule = schedule
+        # The commfuse.matmul calls made outside shard_map bodies (their
+        # partitioning is reported once the program is compiled).
+        self.matmul_sites: set = set()
         self._memo: dict = {}
 
     def needs_work(self, jaxpr, manual: bool) -> bool:
@@ -26,7 +30,8 @@ class State:
             found = False
             for eqn in jaxpr.eqns:
                 name = eqn.primitive.name
-                if name == "shard_map" or (manual and (name in CANDIDATES or name in OTHER_COLLECTIVES)):
+                if name == "shard_map" or (manual and (name in CANDIDATES or name in OTHER_COLLECTIVES)) \
+                        or (not manual and name == DOT):
                     found = True
                     break
                 if any(self.needs_work(sub, manual) for sub in subjaxprs(eqn.params)):

@@ -1,0 +1,32 @@
+"""FSDP x TP on a 2-D mesh under plain ``jax.jit`` (TP without sequence
+parallelism, the Flax GSPMD guide's layout with FSDP added): w1 sharded
+``(fsdp, tp)``, w2 ``(tp, fsdp)``, the batch over ``fsdp``. The first
+product gathers w1 over ``fsdp``; the second gathers w2's columns over
+``fsdp`` and sums over ``tp`` (the fused gather, then XLA's all-reduce)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import JitProgram, normal, place
+
+
+def build(mesh, rng):
+    fsdp, tp = mesh.shape["fsdp"], mesh.shape["tp"]
+    b, s, d, f = 2 * fsdp, 8, 16 * fsdp, 32 * fsdp * tp
+
+    def mlp(x, w1, w2):
+        h = jax.lax.with_sharding_constraint(jax.nn.gelu(x @ w1), NamedSharding(mesh, P("fsdp", None, "tp")))
+        y = jax.lax.with_sharding_constraint(h @ w2, NamedSharding(mesh, P("fsdp", None, None)))
+        return jnp.mean(y * y), y
+
+    x = place(mesh, P("fsdp", None, None), normal(rng, (b, s, d)))
+    w1 = place(mesh, P("fsdp", "tp"), normal(rng, (d, f), d ** -0.5))
+    w2 = place(mesh, P("tp", "fsdp"), normal(rng, (f, d), f ** -0.5))
+    return mlp, (x, w1, w2)
+
+
+JIT_PROGRAM = JitProgram(name="jit_fsdp_tp_mlp", mesh={"fsdp": 2, "tp": 2}, build=build, fused=2, grad_fused=12)

@@ -1,0 +1,192 @@
+"""Programs sharded by ``jax.jit`` alone (``jax_tests/programs/jit_*``):
+``commfuse.matmul`` through ``commfuse.overlap`` gives the plain program's
+numbers and gradients, and the compiled program holds the fused ops its
+shardings call for, forward and backward. Also `_matmul.choose`, the rule
+that reads the shardings, case by case."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import commfuse
+from commfuse import _matmul
+from conftest import assert_close
+from programs import all_jit_programs, make_mesh
+
+PROGRAMS = all_jit_programs()
+TARGET = 'custom_call_target="commfuse_collective_matmul'
+
+
+def fused_in(compiled_text: str) -> int:
+    return compiled_text.count(TARGET)
+
+
+def _loss(fn):
+    return lambda *args: fn(*args)[0]
+
+
+def _setup(program, seed):
+    mesh = make_mesh(program.mesh, axis_type=program.axis_type)
+    scope = jax.set_mesh(mesh) if program.axis_type == "Explicit" else contextlib.nullcontext()
+    with scope:
+        fn, args = program.build(mesh, np.random.default_rng(seed))
+    return mesh, scope, fn, args
+
+
+def _close(got, want, what):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(np.asarray(g), np.asarray(w), np.float32, rtol=2e-4, err_msg=what)
+
+
+def test_the_jit_corpus_has_every_program_shape():
+    assert {p.name for p in PROGRAMS} >= {"jit_tp_sp_mlp", "jit_tp_attention", "jit_fsdp_mlp", "jit_fsdp_tp_mlp",
+                                          "jit_explicit_mlp"}
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
+def test_jit_program_matches_plain_and_fuses_after_partitioning(program):
+    mesh, scope, fn, args = _setup(program, 7)
+    with jax.set_mesh(mesh):
+        fused = jax.jit(commfuse.overlap(fn))
+        _close(fused(*args), jax.jit(fn)(*args), f"{program.name}: outputs")
+        text = fused.lower(*args).compile().as_text()
+    assert fused_in(text) == program.fused, text
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
+def test_jit_program_gradients_match_plain_and_fuse(program):
+    mesh, scope, fn, args = _setup(program, 11)
+    argnums = tuple(range(len(args)))
+    with jax.set_mesh(mesh):
+        want = jax.jit(jax.value_and_grad(_loss(fn), argnums=argnums))(*args)
+        # Differentiating commfuse.matmul (its VJP: the same op, partitioned) ...
+        got = jax.jit(jax.value_and_grad(_loss(commfuse.overlap(fn)), argnums=argnums))(*args)
+        _close(got, want, f"{program.name}: grad(overlap(f))")
+        # ... and rewriting the differentiated program (JAX's transposed dots).
+        rewritten = jax.jit(commfuse.overlap(jax.value_and_grad(_loss(fn), argnums=argnums)))
+        _close(rewritten(*args), want, f"{program.name}: overlap(grad(f))")
+        text = rewritten.lower(*args).compile().as_text()
+    assert fused_in(text) == program.grad_fused, text
+
+
+def test_overlap_reports_each_replacement_and_what_it_became_after_partitioning():
+    program = next(p for p in PROGRAMS if p.name == "jit_tp_sp_mlp")
+    mesh, _, fn, args = _setup(program, 3)
+    fused = commfuse.overlap(fn, schedule="ring")
+    fused(*args)
+    report = "\n".join(fused.last_report)
+    assert report.count("-> commfuse.matmul#") == 2, report
+    assert "all_gather_matmul over ('tp',), dimension 1; ran as all_gather_matmul: ring" in report, report
+    assert "matmul_reduce_scatter over ('tp',), dimension 1; ran as matmul_reduce_scatter: ring" in report, report
+    assert "no shard_map" not in report
+
+
+def test_a_sharding_the_rule_cannot_fuse_falls_back_with_the_same_numbers():
+    mesh = make_mesh({"a": 2, "b": 4})
+    rng = np.random.default_rng(5)
+    # x's contraction over `a`, w's over `b`: no one collective makes the product.
+    x = jax.device_put(rng.standard_normal((16, 32), np.float32), NamedSharding(mesh, P(None, "a")))
+    w = jax.device_put(rng.standard_normal((32, 8), np.float32), NamedSharding(mesh, P("b", None)))
+    seen = []
+    keep = seen.append
+    _matmul.listen(keep)
+    fn = jax.jit(lambda x, w: commfuse.matmul(x, w, schedule="ring"))
+    got = fn(x, w)
+    assert_close(np.asarray(got), np.asarray(x) @ np.asarray(w), np.float32)
+    assert fused_in(fn.lower(x, w).compile().as_text()) == 0
+    assert any(e.choice.op == "fallback" and "sharded over ('a',) and w's over ('b',)" in e.choice.why for e in seen)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(commfuse.matmul(x, w) ** 2), argnums=(0, 1)))(x, w)
+    want = jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), argnums=(0, 1)))(x, w)
+    _close(grads, want, "fallback gradients")
+
+
+def test_matmul_outside_jit_on_one_device_and_inside_shard_map_is_jnp_matmul():
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((3, 5, 4), np.float32), rng.standard_normal((4, 6), np.float32)
+    assert_close(np.asarray(commfuse.matmul(x, w)), x @ w, np.float32)
+    mesh = make_mesh({"i": 4})
+    a, b = rng.standard_normal((8, 16), np.float32), rng.standard_normal((16, 12), np.float32)
+    body = jax.shard_map(lambda a, b: commfuse.matmul(a, b), mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))
+    assert_close(np.asarray(jax.jit(body)(a, b)), a @ b, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_matmul_dtypes_and_preferred_element_type(dtype):
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(4)
+    x = jax.device_put(rng.standard_normal((32, 16)).astype(dtype), NamedSharding(mesh, P("tp", None)))
+    w = jax.device_put(rng.standard_normal((16, 8)).astype(dtype), NamedSharding(mesh, P(None, "tp")))
+    got = jax.jit(lambda x, w: commfuse.matmul(x, w, preferred_element_type=np.float32))(x, w)
+    assert got.dtype == np.float32
+    assert_close(np.asarray(got), np.asarray(x, np.float32) @ np.asarray(w, np.float32), dtype)
+
+
+def test_matmul_names_the_bad_argument():
+    x, w = jnp.ones((4, 3)), jnp.ones((5, 2))
+    with pytest.raises(ValueError, match=r"commfuse.matmul: `x` contracts its last dim \(3\) with `w`'s first \(5\)"):
+        commfuse.matmul(x, w)
+    with pytest.raises(ValueError, match=r"commfuse.matmul: `w` must be 2-D"):
+        commfuse.matmul(x, jnp.ones((3,)))
+    with pytest.raises(ValueError, match=r"commfuse.matmul: unknown schedule 'tiled'"):
+        commfuse.matmul(x, jnp.ones((3, 2)), schedule="tiled")
+    with pytest.raises(TypeError, match=r"commfuse.matmul: unsupported dtype"):
+        commfuse.matmul(x.astype(jnp.int32), jnp.ones((3, 2), jnp.int32))
+
+
+# --------------------------------------------------------------------------
+# The rule, case by case (no compilation)
+# --------------------------------------------------------------------------
+MESH = {"dp": 2, "tp": 4}
+X3, W = (8, 64, 32), (32, 64)
+
+
+def _choose(x_spec, w_spec, out_spec, x_shape=X3, w_shape=W):
+    return _matmul.choose(MESH, x_shape, w_shape, x_spec, w_spec, out_spec)
+
+
+@pytest.mark.parametrize("x_spec, w_spec, out_spec, op, axes, dimension, psum", [
+    # Megatron SP: x's sequence over tp, w's columns over tp -> gather x's rows.
+    ((("dp",), ("tp",), ()), ((), ("tp",)), (("dp",), (), ("tp",)), "all_gather_matmul", ("tp",), 1, ()),
+    # Row-parallel with SP: contraction over tp, result's sequence over tp.
+    ((("dp",), (), ("tp",)), (("tp",), ()), (("dp",), ("tp",), ()), "matmul_reduce_scatter", ("tp",), 1, ()),
+    # Scatter of the result's columns (a column-split gradient).
+    (((), (), ("tp",)), (("tp",), ()), ((), (), ("tp",)), "matmul_reduce_scatter", ("tp",), 2, ()),
+    # Row-parallel without SP: all-reduce.
+    ((("dp",), (), ("tp",)), (("tp",), ()), (("dp",), (), ()), "matmul_all_reduce", ("tp",), 0, ()),
+    # FSDP: w's rows (contraction) over dp, x's batch over dp.
+    ((("dp",), (), ()), (("dp",), ()), (("dp",), (), ()), "matmul_all_gather", ("dp",), 0, ()),
+    # FSDP: w's columns over dp, the result's not.
+    ((("dp",), (), ()), ((), ("dp",)), (("dp",), (), ()), "matmul_all_gather", ("dp",), 1, ()),
+    # Weight gradient of the SP gather: x's rows (the contraction) over (dp, tp), dy's over dp.
+    (((), (), ("dp", "tp")), (("dp",), ("tp",)), ((), (), ("tp",)), "all_gather_matmul", ("tp",), 2, ("dp",)),
+    # Nothing to communicate.
+    ((("dp",), (), ()), ((), ("tp",)), (("dp",), (), ("tp",)), "local", (), 0, ()),
+])
+def test_choose_picks_the_collective_the_shardings_need(x_spec, w_spec, out_spec, op, axes, dimension, psum):
+    choice = _choose(x_spec, w_spec, out_spec)
+    assert (choice.op, choice.axes, choice.dimension, choice.psum_axes) == (op, axes, dimension, psum), choice
+
+
+@pytest.mark.parametrize("x_spec, w_spec, out_spec, why", [
+    (((), (), ("dp",)), (("tp",), ()), ((), (), ()), "x's contraction is sharded over ('dp',) and w's over ('tp',)"),
+    (((), ("tp",), ()), ((), ("dp",)), ((), (), ()), "more than one collective"),
+    ((("tp",), (), ()), ((), ()), (("dp",), (), ()), "x's dim 0 is sharded over ('tp',) and the result's over ('dp',)"),
+    (((), (), ()), ((), ()), (("dp",), (), ()), "the result is scattered over ('dp',) but the contraction is sharded over ()"),
+])
+def test_choose_falls_back_where_no_one_fused_op_fits(x_spec, w_spec, out_spec, why):
+    choice = _choose(x_spec, w_spec, out_spec)
+    assert choice.op == "fallback" and why in choice.why, choice
+    # The fallback's operands: what a local dot of the result's shard needs.
+    assert choice.x_spec == out_spec[:-1] + ((),) and choice.w_spec == ((), out_spec[-1])
+
+
+def test_choose_falls_back_on_dims_that_do_not_divide():
+    choice = _choose((("dp",), ("tp",), ()), ((), ("tp",)), (("dp",), (), ("tp",)), x_shape=(2, 66, 32))
+    assert choice.op == "fallback" and "does not divide" in choice.why

@@ -190,3 +190,24 @@ def test_choose_falls_back_where_no_one_fused_op_fits(x_spec, w_spec, out_spec, 
 def test_choose_falls_back_on_dims_that_do_not_divide():
     choice = _choose((("dp",), ("tp",), ()), ((), ("tp",)), (("dp",), (), ("tp",)), x_shape=(2, 66, 32))
     assert choice.op == "fallback" and "does not divide" in choice.why
+
+
+def test_partial_auto_shard_map_is_rewritten_with_the_same_numbers():
+    """A shard_map over `tp` only (`dp` left to the partitioner), as MoE and
+    ring-attention code writes them: the gather + dot in its body is fused."""
+    mesh = make_mesh({"dp": 2, "tp": 4})
+    rng = np.random.default_rng(8)
+    x = jax.device_put(rng.standard_normal((2, 64, 32), np.float32), NamedSharding(mesh, P("dp", "tp", None)))
+    w = jax.device_put(rng.standard_normal((32, 64), np.float32), NamedSharding(mesh, P(None, "tp")))
+
+    def f(x, w):
+        body = lambda a, b: jax.lax.all_gather(a, "tp", axis=1, tiled=True) @ b  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+                             out_specs=P(None, None, "tp"), axis_names={"tp"})(x, w)
+
+    fused = jax.jit(commfuse.overlap(f, schedule="ring"))
+    _close(fused(x, w), jax.jit(f)(x, w), "partial-auto outputs")
+    assert fused_in(fused.lower(x, w).compile().as_text()) == 1
+    loss = lambda g: lambda x, w: jnp.sum(g(x, w) ** 2)  # noqa: E731
+    _close(jax.jit(jax.grad(loss(commfuse.overlap(f, schedule="ring")), argnums=(0, 1)))(x, w),
+           jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w), "partial-auto gradients")

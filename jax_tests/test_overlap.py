@@ -394,8 +394,8 @@ def test_a_dot_outside_shard_map_becomes_commfuse_matmul(rng):
     g = overlap(lambda x: x @ x.T)
     x = rand((4, 4), rng=rng)
     assert_close(np.asarray(g(x)), x @ x.T)
-    assert g.last_report[0].endswith("-> commfuse.matmul#" + g.last_report[0].rsplit("#", 1)[1]), g.last_report
-    assert any("a local dot (no collective needed)" in line for line in g.last_report) or len(g.last_report) == 1
+    # One device: nothing to partition, so the only line is the replacement.
+    assert len(g.last_report) == 1 and "-> commfuse.matmul#" in g.last_report[0], g.last_report
 
 
 def _grad_case(mesh, rng, case):

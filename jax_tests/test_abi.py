@@ -38,7 +38,9 @@ def test_prepare_answers_shape_schedule_workspaces_and_plan():
                      jnp.bfloat16)
     r = _abi.prepare(call)
     assert r["out"] == [32, 4] and r["schedule_name"] == "ring"
-    assert r["plan"] == {"schedule": "ring", "steps": r["plan"]["steps"], "exchanges": 3, "slots": r["plan"]["slots"]}
+    # In flight: the ring's two receive slots and the own block it sends, 8x16 bf16 each.
+    assert r["plan"] == {"schedule": "ring", "steps": r["plan"]["steps"], "exchanges": 3, "slots": 2,
+                         "blocks_in_flight": 3 * 8 * 16 * 2}
     # bf16 on CPU converts to f32 copies; the GPU multiplies bf16 as it is.
     assert r["workspace"]["cpu"] > r["workspace"]["cuda"] > 0
     with pytest.raises(ValueError, match=r"`w` must be 2-D \[16, n\]"):

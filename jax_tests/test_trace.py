@@ -229,6 +229,9 @@ def test_all_gather_matmul_ring_follows_the_plan(tmp_path):
         # Waits are slices of their own, before the step that waited.
         for w in (s for s in compute + comm if s.name == "wait"):
             assert w.category == "wait" and w.depth == 1
+        # Blocks are handed over, not copied: the own block once, out of XLA's buffer.
+        call = next(s for s in compute if s.depth == 0)
+        assert (call.args["copies"], call.args["copied_bytes"]) == (1, block_bytes)
         _check_dependencies(lanes[r], r)
 
 
@@ -251,6 +254,8 @@ def test_matmul_reduce_scatter_follows_the_plan(tmp_path, schedule):
         assert len([s for s in comm if s.name == "send"]) == fwd + bwd
         for t in (s for s in comm if s.name in ("send", "recv")):
             assert t.args["bytes"] == partial_bytes
+        call = next(s for s in compute if s.depth == 0)
+        assert (call.args["copies"], call.args["copied_bytes"]) == (0, 0), "partial sums travel without copies"
         _check_dependencies(lanes[r], r)
 
 

@@ -545,6 +545,10 @@ pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, Strin
             if !inside((side(g.lhs.0), g.lhs.1)) || !inside((side(g.rhs.0), g.rhs.1)) || !inside((dst_len, g.dst)) {
                 return Err(format!("step {} reads or writes outside its buffers: {g:?} for {case:?}", step.id));
             }
+            // The CPU backend packs the right-hand side into `rhs_len` elements.
+            if g.rhs.1.rows * g.rhs.1.cols > problem.rhs_len() {
+                return Err(format!("step {} multiplies by more than rhs_len: {g:?} for {case:?}", step.id));
+            }
         }
     }
     Ok(true)

@@ -10,7 +10,8 @@ use crate::abi::{self, CallShapes};
 use crate::backend::cpu::CpuLayout;
 use crate::backend::cuda::workspace::CudaLayout;
 use crate::error::{Error, Result};
-use crate::plan::{self, Action, Schedule};
+use crate::plan::{self, Action, Buf, Plan, Schedule, Workspace};
+use crate::problem::Problem;
 use crate::sim::{self, Machine};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -62,6 +63,11 @@ pub struct PlanSummary {
     pub steps: usize,
     pub exchanges: usize,
     pub slots: usize,
+    /// Bytes of blocks one rank holds at most while the call runs: its
+    /// slots, and the parts of `x` it sends. On the CPU backend these are the
+    /// transport's blocks (outside XLA's workspace); on CUDA the slots are
+    /// in the workspace.
+    pub blocks_in_flight: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -124,6 +130,7 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         steps: plan.steps.len(),
         exchanges: plan.steps.iter().filter(|s| matches!(s.action, Action::Exchange { .. })).count(),
         slots: plan.slots.len(),
+        blocks_in_flight: blocks_in_flight(&problem, &plan)?,
     };
     Ok(Prepared {
         out,
@@ -134,6 +141,35 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         model,
         explain,
     })
+}
+
+/// See `PlanSummary::blocks_in_flight`.
+fn blocks_in_flight(problem: &Problem, plan: &Plan) -> Result<usize> {
+    let slots: usize = Workspace::layout(plan, &problem.sizes())?.slots.iter().map(|r| r.len()).sum();
+    let mut sent: Vec<Buf> = plan
+        .steps
+        .iter()
+        .filter_map(|s| match &s.action {
+            Action::Exchange { sends, .. } => Some(sends.iter().map(|t| t.buf)),
+            _ => None,
+        })
+        .flatten()
+        .filter(|b| matches!(b, Buf::X | Buf::XBlock(_)))
+        .collect();
+    sent.sort_by_key(|b| match b {
+        Buf::XBlock(j) => *j + 1,
+        _ => 0,
+    });
+    sent.dedup();
+    let size = problem.input.size();
+    let x_parts: usize = sent
+        .iter()
+        .map(|b| match b {
+            Buf::XBlock(j) => problem.x_block(*j).map_or(0, |r| r.len() * size),
+            _ => problem.sizes().x * size,
+        })
+        .sum();
+    Ok(slots + x_parts)
 }
 
 /// `prepare` from and to JSON (the C ABI's `commfuse_prepare`).

@@ -440,6 +440,12 @@ impl Problem {
         self.out_len == 0 || self.k == 0
     }
 
+    /// The elements of the right-hand side of every GEMM `gemms` gives: each
+    /// multiplies by a `k x n` view (of `w`, or of a received block).
+    pub fn rhs_len(&self) -> usize {
+        self.k.saturating_mul(self.n)
+    }
+
     /// Element counts for the workspace layout.
     pub fn sizes(&self) -> Sizes {
         use OpKind::*;

@@ -2,12 +2,12 @@
 //! way at once and leaves later calls alone. A test binary of its own: the
 //! interrupt count is process-wide, and would end the waits of other tests.
 
-use commfuse::backend::cpu::transport::{Endpoint, Participant, SessionKey};
+use commfuse::backend::cpu::transport::{Block, Endpoint, Participant, SessionKey};
 use commfuse::error::Error;
 use commfuse::exec::Wait;
 use commfuse::plan::{Direction, Tag};
 use std::sync::atomic::AtomicBool;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The tests interrupt one at a time.
@@ -27,7 +27,7 @@ fn endpoint(site: i64, rank: usize) -> Endpoint {
 fn recv(end: &Endpoint, from: usize) -> Result<Instant, Error> {
     let cancelled = AtomicBool::new(false);
     let tag = Tag { direction: Direction::Forward, step: 0 };
-    end.recv(from, tag, &mut [0u8; 8], &Wait::for_test(&cancelled))
+    end.recv(from, tag, 8, &Wait::for_test(&cancelled)).map(|(_, arrived)| arrived)
 }
 
 #[test]
@@ -48,7 +48,7 @@ fn an_interrupt_ends_a_wait_at_once_and_later_calls_run() {
 
     // A call that begins after the interrupt is not affected by it.
     let (a, b) = (endpoint(2, 0), endpoint(2, 1));
-    a.send(1, Tag { direction: Direction::Forward, step: 0 }, &[7; 8], Instant::now());
+    a.send(1, Tag { direction: Direction::Forward, step: 0 }, Arc::new(Block::copy_of(&[7; 8])), Instant::now());
     recv(&b, 0).unwrap();
 }
 

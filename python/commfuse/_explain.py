@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import _abi, _all_gather_matmul, _all_to_all, _auto, _fused, _matmul_all_gather, _matmul_reduce_scatter
 
@@ -41,7 +42,18 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
 def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
             gemm_gflops: float | None = None) -> dict:
     """Prints the plan the cost model picks for ``op`` over ``n`` devices and
-    the predicted time of every schedule, and returns the numbers.
+    the predicted time of every schedule, and returns the numbers (see
+    ``predict``, which gives them without printing)."""
+    result = predict(op, x_shape, w_shape, n, dimension=dimension, dtype=dtype, machine=machine,
+                     gemm_gflops=gemm_gflops)
+    _print(result, tuple(int(d) for d in x_shape), tuple(int(d) for d in w_shape))
+    return result
+
+
+def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
+            gemm_gflops: float | None = None) -> dict:
+    """What the cost model predicts for ``op`` over ``n`` devices: the plan
+    it picks and the time of every schedule.
 
     ``x_shape`` and ``w_shape`` are one device's operands as the op takes them
     (``op(x, w, axis)`` inside ``shard_map``); ``dimension`` is the gathered or
@@ -51,7 +63,12 @@ def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     ``gemm_gflops``, a measured single-thread GEMM rate, calibrates it). A
     preset may carry overrides: ``"h100_pcie:gbytes_per_s=50,latency_us=10"``.
 
-    Returns a dict: ``schedules`` (name -> predicted seconds), ``choice`` (the
+    Returns a dict: ``memory`` (bytes: ``workspace_cpu`` and
+    ``workspace_cuda``, what XLA gives the call on each backend;
+    ``blocks_in_flight``, the most the blocks of one rank hold at once (on
+    the CPU, transport buffers outside the workspace); ``unfused_temporaries``,
+    what the unfused jax.lax expression materializes: the gathered operand or
+    the whole product), ``schedules`` (name -> predicted seconds), ``choice`` (the
     fastest fused schedule), ``decision`` (what ``schedule="auto"`` runs: the
     choice, or ``"unfused"`` where the predicted gain is below a fused call's
     fixed cost) and ``decision_reason``, ``t_compute``, ``t_comm``,
@@ -83,12 +100,35 @@ def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
         raise ValueError(f"commfuse.explain: {e}") from None
     result = dict(prepared["explain"])
     result["op"] = op
+    result["memory"] = {
+        "workspace_cpu": prepared["workspace"]["cpu"],
+        "workspace_cuda": prepared["workspace"]["cuda"],
+        "blocks_in_flight": prepared["plan"]["blocks_in_flight"],
+        "unfused_temporaries": unfused_temporaries(op, x, w, n, jnp.dtype(dtype).itemsize),
+    }
     may_decline = os.environ.get(_auto.AUTO_UNFUSED_VAR, "1") != "0"
     code, why = _auto.decide(prepared, n, spec, _fused.measure_call_overhead_s, may_decline)
     result["decision"] = "unfused" if code == _abi.UNFUSED else result["choice"]
     result["decision_reason"] = why
-    _print(result, x, w)
     return result
+
+
+def unfused_temporaries(op: str, x: tuple, w: tuple, n: int, itemsize: int) -> int:
+    """Bytes of the intermediate the unfused jax.lax expression of `op`
+    materializes on one device: the gathered operand (all_gather(x) @ w,
+    x @ all_gather(w)), the whole product before it is scattered
+    (psum_scatter(x @ w)), or the exchanged operand or product (all-to-all)."""
+    size = lambda shape: int(np.prod(shape)) * itemsize
+    rows = int(np.prod(x[:-1]))
+    if op == "all_gather_matmul":
+        return n * size(x)
+    if op == "matmul_all_gather":
+        return n * size(w)
+    if op == "matmul_reduce_scatter":
+        return rows * w[1] * itemsize
+    if op == "all_to_all_matmul":
+        return size(x)
+    return rows * w[1] * itemsize  # matmul_all_to_all: the product before it is exchanged
 
 
 def _print(r: dict, x: tuple, w: tuple) -> None:
@@ -102,6 +142,10 @@ def _print(r: dict, x: tuple, w: tuple) -> None:
         lines.append(f"  {name:<14} {us(t):>12}  {t / r['floor']:.2f}x floor{mark}")
     lines.append(f"  floor = max(T_compute {us(r['t_compute'])}, T_comm {us(r['t_comm'])}) = {us(r['floor'])}")
     lines.append(f"  schedule='auto' runs: {r['decision_reason']}")
+    mem, kib = r["memory"], lambda b: f"{b / 1024:.0f} KiB"
+    lines.append(f"  memory per device: workspace {kib(mem['workspace_cpu'])} (CPU) / {kib(mem['workspace_cuda'])} "
+                 f"(CUDA), blocks in flight {kib(mem['blocks_in_flight'])}; the unfused jax.lax expression's "
+                 f"temporaries {kib(mem['unfused_temporaries'])}")
     lines.append(f"  plan of rank 0 under {r['choice']}:")
     for lane in ("compute", "comm"):
         steps = r["plan"][lane]

@@ -2,7 +2,7 @@
 under real in-process links and under the link model (COMMFUSE_CPU_LINK)
 set so that T_comm is a given multiple of T_compute.
 
-    python -m commfuse.bench [--quick] [--out bench_out] [--reps 7]
+    python -m commfuse.bench [--quick | --headline] [--out bench_out] [--reps 7]
 
 For each (op, N, shape, dtype, link, schedule) it measures the median time of
 one jitted step over all devices (after a warm-up, on random inputs) and its
@@ -50,6 +50,8 @@ SCHEDULES = [("xla", None), ("sequential", {}), ("sliced(2)", {"slices": 2}), ("
              ("sliced(8)", {"slices": 8}), ("ring", {}), ("bidirectional", {}), ("tiled(4)", {"tiles": 4}),
              ("auto", {})]
 # (label, T_comm / T_compute or None for real links, topology, schedules run).
+# The fused schedules (every one but the baselines "xla" and "sequential").
+FUSED = ("sliced(2)", "sliced(4)", "sliced(8)", "ring", "bidirectional", "tiled(4)", "auto")
 LINKS = [("real", None, "switch", None), ("0.75x", 0.75, "switch", None), ("1x", 1.0, "switch", None),
          ("2x", 2.0, "switch", None), ("ring-2x", 2.0, "ring", ("ring", "bidirectional"))]
 
@@ -146,15 +148,43 @@ def _calibrated_rate(op, n, m, k, cols, dtype, t_compute):
     return rate
 
 
-def run(quick: bool, out_dir: str, reps: int):
+def _memory(n, m, k, cols):
+    """Per device at N=n, f32: XLA's temporaries (its memory analysis) of the
+    fused AG and RS (ring) and of their jax.lax expressions, and the blocks a
+    rank holds in flight (on the CPU, the transport's buffers, outside XLA's
+    temporaries). Printed as a table; returns its rows."""
+    mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+    rows = []
+    for op in OPS:
+        x = np.ones((n * m, k), np.float32)
+        w = np.ones((k, cols), np.float32)
+        temps = {}
+        for name, extra in (("xla", None), ("ring", {})):
+            fn, specs = _program(op, mesh, name, extra)
+            compiled = fn.lower(*_put(mesh, (x, w), specs)).compile()
+            temps[name] = compiled.memory_analysis().temp_size_in_bytes
+        shapes = _shapes(op, n, m, k, cols, np.float32, _abi.SCHEDULES["ring"])
+        in_flight = _abi.prepare(shapes)["plan"]["blocks_in_flight"]
+        rows.append({"op": op, "N": n, "xla": temps["xla"], "fused": temps["ring"], "in_flight": in_flight})
+    print(f"\nmemory per device, N={n}, {m}x{k} rows per rank, w {k}x{cols}, float32 (KiB)")
+    print(f"{'op':22s} {'jax.lax temps':>13s} {'fused temps':>11s} {'ratio':>6s} {'+ in flight':>11s} {'ratio':>6s}")
+    for r in rows:
+        total = r["fused"] + r["in_flight"]
+        print(f"{r['op']:22s} {r['xla'] / 1024:13.0f} {r['fused'] / 1024:11.0f} {r['fused'] / r['xla']:6.2f} "
+              f"{total / 1024:11.0f} {total / r['xla']:6.2f}")
+    return rows
+
+
+def run(quick: bool, out_dir: str, reps: int, headline: bool = False):
     rng = np.random.default_rng(0)
     devices = jax.devices()
     ranks_list = [4] if quick else [4, 8]
     # (rows M, contraction k, columns): each device multiplies M rows in all,
     # N blocks of m = M / N rows (AG: its own and N-1 received; RS: the
     # partials of all N blocks), so the work per device is the same for N = 4 and 8.
-    shapes = [(1024, 512, 1024)] if quick else [(1024, 512, 1024), (2048, 512, 512), (1024, 1024, 1024)]
-    dtypes = [np.float32] if quick else [np.float32, np.dtype("bfloat16")]
+    shapes = [(1024, 512, 1024)] if quick or headline else [(1024, 512, 1024), (2048, 512, 512), (1024, 1024, 1024)]
+    dtypes = [np.float32] if quick or headline else [np.float32, np.dtype("bfloat16")]
+    links = [link for link in LINKS if link[0] != "ring-2x"] if headline else LINKS
     rows = []
     for op in OPS:
         for n in ranks_list:
@@ -171,7 +201,7 @@ def run(quick: bool, out_dir: str, reps: int):
                     comm_bytes = _comm_bytes(op, n, m, k, cols, dtype)
                     # Compiled once per case; "auto" again per link, as it picks its schedule at trace time.
                     built = {}
-                    for link, ratio, topology, only in LINKS:
+                    for link, ratio, topology, only in links:
                         if ratio is None:
                             os.environ.pop(LINK_VAR, None)
                             spec = "cpu_here"
@@ -215,7 +245,8 @@ def run(quick: bool, out_dir: str, reps: int):
     _write_csv(rows, os.path.join(out_dir, "bench.csv"))
     _plot(rows, os.path.join(out_dir, "bench.png"))
     _print_table(rows)
-    _print_targets(rows)
+    memory = [] if quick else _memory(8, 256, 1024, 1024)
+    _print_targets(rows, memory)
 
 
 def _write_csv(rows, path):
@@ -271,7 +302,7 @@ def _print_table(rows):
               f"{_fmt(r['model_err'] and 100 * r['model_err'], '+5.0f'):>5s}%")
 
 
-def _print_targets(rows):
+def _print_targets(rows, memory=()):
     """The performance targets, one line each: met or not, with the numbers behind it."""
     by = {(r["op"], r["N"], r["shape"], r["dtype"], r["link"], r["schedule"]): r for r in rows}
     cases = sorted({k[:4] for k in by})
@@ -286,6 +317,7 @@ def _print_targets(rows):
         tag = f"{op} N={n} {shape} {dtype}"
         if dtype == "float32" and get("0.75x", "ring"):
             fused = min((get("0.75x", s) for s in ("ring", "bidirectional")), key=lambda r: r["median_ms"])
+            fused = min((get("0.75x", s) for s in FUSED if get("0.75x", s)), key=lambda r: r["median_ms"])
             check(f"{tag} 0.75x fused <= 1.05 floor", fused["vs_floor"] <= 1.05,
                   f"{fused['schedule']} {fused['vs_floor']:.3f}")
             seq = fused["median_ms"] / get("0.75x", "sequential")["median_ms"]
@@ -308,9 +340,13 @@ def _print_targets(rows):
                   f"{bidi['median_ms']:.1f} vs {ring['median_ms']:.1f} ms")
         xla = get("real", "xla")
         if xla:
-            fused = min((get("real", s) for s in ("ring", "bidirectional", "auto")), key=lambda r: r["median_ms"])
-            check(f"{tag} real links: fused <= 1.00 XLA", fused["vs_xla"] <= 1.0,
+            fused = min((get("real", s) for s in FUSED if get("real", s)), key=lambda r: r["median_ms"])
+            check(f"{tag} real links: fused <= 0.90 XLA", fused["vs_xla"] <= 0.90,
                   f"{fused['schedule']} {fused['vs_xla']:.3f}")
+    for r in memory:
+        ratio, total = r["fused"] / r["xla"], (r["fused"] + r["in_flight"]) / r["xla"]
+        check(f"{r['op']} N={r['N']} temporaries <= 0.4 jax.lax's", ratio <= 0.4,
+              f"{ratio:.3f} (with the transport's blocks in flight {total:.3f})")
     errors = [abs(r["model_err"]) for r in rows if r["model_err"] is not None and r["link"] != "real"]
     if errors:
         within = sum(e <= 0.15 for e in errors)
@@ -325,9 +361,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one N, one shape, float32 only")
     parser.add_argument("--out", default="bench_out", help="folder for bench.csv and bench.png")
+    parser.add_argument("--headline", action="store_true",
+                        help="the headline table: N=4 and 8, one shape, float32, real links and the 0.75x/1x/2x "
+                             "link model, every schedule, and the memory table (under 10 minutes)")
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
-    run(args.quick, args.out, args.reps)
+    run(args.quick, args.out, args.reps, args.headline)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,23 @@ runs one MLP block with sequence parallelism:
     fused:   h = all_gather_matmul(x, w1, "tp"); y = matmul_reduce_scatter(gelu(h), w2, "tp")
     unfused: h = all_gather(x) @ w1;             y = psum_scatter(gelu(h) @ w2)
 
-It checks that both agree, then times them, then records one fused call with
-``commfuse.trace`` and writes it as a Perfetto trace (open it at
-https://ui.perfetto.dev).
+It checks that both agree, then times them three ways:
+
+1. real links: the host's devices exchange blocks in memory, nearly free, so
+   the layer is all compute and fused vs unfused compares the GEMMs and the
+   copies, not overlap;
+2. under the link model (``COMMFUSE_CPU_LINK``), bandwidth set so that the
+   layer's communication takes about 0.75 of its compute: the regime of a GPU
+   node with NVLink at these shapes, where overlap pays. The link model
+   throttles commfuse's transport only, so the fused schedule is compared
+   with commfuse's own ``sequential`` schedule (the same transfers, then the
+   GEMMs, as an unfused program runs them) and with the floor
+   max(T_compute, T_comm);
+3. the cost model's prediction (not a measurement) for an H100 NVLink node at
+   the same shapes.
+
+Then it records one fused call with ``commfuse.trace`` and writes it as a
+Perfetto trace (open it at https://ui.perfetto.dev).
 
 XLA reads ``XLA_FLAGS`` when JAX creates its first backend, so the flags are
 set in ``main`` before this module touches jax (jax itself is only imported
@@ -178,12 +192,93 @@ def run(args) -> int:
     print(f"median time unfused ({args.reps} reps):   {med_u * 1e3:9.2f} ms"
           f"  ({flops / med_u / 1e9:.1f} GFLOP/s)")
     print(f"ratio unfused/fused (speedup):      {med_u / med_f:.3f}x  (> 1: fused is faster)")
+    _link_model_run(args, mesh, specs, fused, (xs, w1s, w2s), med_f)
+    _prediction(args, "h100_nvlink")
     if args.trace:
         with commfuse.trace(args.trace) as path:
             jax.block_until_ready(f_fused(xs, w1s, w2s))
         print(f"trace of one fused call:            {os.path.abspath(path)}"
               f"  ({os.path.getsize(path)} bytes; open at https://ui.perfetto.dev)")
     return 0 if ok else 1
+
+
+# Under the link model, communication takes this fraction of compute.
+_LINK_RATIO = 0.75
+_LATENCY_US = 20.0
+
+
+def _comm_bytes(args) -> int:
+    """Bytes one device sends in the layer's two collectives over a ring:
+    N-1 blocks of x (AG) and N-1 partial sums, in f32 (RS)."""
+    import numpy as np
+
+    n, rows = args.devices, args.seq // args.devices
+    return (n - 1) * rows * args.d_model * (np.dtype(args.dtype).itemsize + 4)
+
+
+def _link_model_run(args, mesh, specs, fused, operands, t_compute) -> None:
+    """Times the fused layer and commfuse's sequential schedule with the
+    link model set so that T_comm = 0.75 x T_compute (T_compute: the fused
+    layer with real links, where transfers cost next to nothing)."""
+    import jax
+
+    import commfuse
+
+    if args.devices < 2:
+        return
+    link = os.environ.get("COMMFUSE_CPU_LINK")
+    t_comm = _LINK_RATIO * t_compute
+    latency = 2 * (args.devices - 1) * _LATENCY_US * 1e-6
+    gbps = _comm_bytes(args) / max(t_comm - latency, 1e-6) / 1e9
+    os.environ["COMMFUSE_CPU_LINK"] = f"gbytes_per_s={gbps:.6f},latency_us={_LATENCY_US}"
+    try:
+        def sequential(x, w1, w2):
+            h = commfuse.all_gather_matmul(x, w1, "tp", schedule="sequential")
+            return commfuse.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", schedule="sequential")
+
+        # Compiled here: "auto" picks its schedule at trace time, for the link in force.
+        programs = {name: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs[0]))
+                    for name, body in (("fused", fused), ("sequential", sequential))}
+        times = {name: [] for name in programs}
+        for fn in programs.values():
+            jax.block_until_ready(fn(*operands))
+        for _ in range(args.reps):
+            for name, fn in programs.items():
+                times[name] += _time(fn, operands, 1)
+    finally:
+        if link is None:
+            os.environ.pop("COMMFUSE_CPU_LINK")
+        else:
+            os.environ["COMMFUSE_CPU_LINK"] = link
+    med = {name: statistics.median(t) for name, t in times.items()}
+    floor = max(t_compute, t_comm)
+    print(f"link model, T_comm = {_LINK_RATIO} x T_compute ({gbps:.2f} GB/s, {_LATENCY_US:.0f} us latency):")
+    print(f"  T_compute {t_compute * 1e3:.2f} ms (fused, real links), T_comm {t_comm * 1e3:.2f} ms, "
+          f"floor max(T_compute, T_comm) {floor * 1e3:.2f} ms")
+    print(f"  fused ({args.schedule}) {med['fused'] * 1e3:9.2f} ms = {med['fused'] / floor:.3f}x floor, "
+          f"{med['fused'] / med['sequential']:.3f}x sequential")
+    print(f"  sequential  {med['sequential'] * 1e3:13.2f} ms = {med['sequential'] / floor:.3f}x floor "
+          f"(the same transfers, then the GEMMs: what an unfused program waits)")
+
+
+def _prediction(args, machine) -> None:
+    """The cost model's prediction for the layer's two fused ops on `machine`."""
+    from commfuse._explain import predict
+
+    n, rows, d, f = args.devices, args.seq // args.devices, args.d_model, args.d_ff
+    if n < 2:
+        return
+    ops = (("all_gather_matmul", (rows, d), (d, f // n)), ("matmul_reduce_scatter", (args.seq, f // n), (f // n, d)))
+    fused = sequential = floor = 0.0
+    for op, x, w in ops:
+        r = predict(op, x, w, n, dtype=args.dtype, machine=machine)
+        fused += r["schedules"][r["choice"]]
+        sequential += r["schedules"]["sequential"]
+        floor += r["floor"]
+    print(f"prediction (cost model, not measured) for {n} GPUs of an {machine.replace('_', ' ')} node "
+          f"at these shapes:")
+    print(f"  fused {fused * 1e6:.0f} us, sequential {sequential * 1e6:.0f} us ({sequential / fused:.2f}x the "
+          f"fused time), floor {floor * 1e6:.0f} us ({fused / floor:.2f}x floor)")
 
 
 def main(argv=None) -> int:

@@ -35,11 +35,22 @@ pub trait Backend: Sync {
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant>;
 }
 
+/// What a backend copied during one call without computing on it: blocks
+/// copied out of XLA's buffers into messages, received blocks copied into
+/// the output, blocks copied before an add because a peer still held them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Copies {
+    pub count: usize,
+    pub bytes: usize,
+}
+
 /// Watches runs of a plan (the trace recorder, `crate::trace::Recording`).
 pub trait Observer: Sync {
     /// The watcher of one lane, used on that lane's thread and dropped when
     /// the lane ends.
     fn lane(&self, lane: Lane) -> Box<dyn LaneObserver + '_>;
+    /// The run is over, having copied `copies` (a backend that counts them).
+    fn copied(&self, _copies: Copies) {}
 }
 
 /// What one lane reports. Times are the backend's: on the CPU when the host

@@ -31,7 +31,7 @@ mod tests;
 pub use encode::encode;
 
 use crate::error::{Error, Result};
-use crate::exec::{Direction, LaneObserver, Observer};
+use crate::exec::{Copies, Direction, LaneObserver, Observer};
 use crate::plan::{Action, Buf, Lane, Plan, Step, StepId, Transfer, Workspace};
 use crate::problem::Problem;
 use std::cell::RefCell;
@@ -228,6 +228,8 @@ pub struct Recording {
     call: u64,
     n: usize,
     schedule: String,
+    /// What the backend copied, once the run is over.
+    copies: Mutex<Option<Copies>>,
 }
 
 impl Recording {
@@ -243,7 +245,13 @@ impl Recording {
             return None;
         }
         let call = CALLS.fetch_add(1, Ordering::Relaxed);
-        Some(Recording { label: label(), call, n: plan.n, schedule: plan.schedule.to_string() })
+        Some(Recording {
+            label: label(),
+            call,
+            n: plan.n,
+            schedule: plan.schedule.to_string(),
+            copies: Mutex::new(None),
+        })
     }
 
     /// The recorder of one lane; its events go to the global buffer when it drops.
@@ -265,10 +273,25 @@ impl Observer for Recording {
     fn lane(&self, lane: Lane) -> Box<dyn LaneObserver + '_> {
         Box::new(Recording::lane(self, lane))
     }
+
+    fn copied(&self, copies: Copies) {
+        *crate::sync::lock(&self.copies) = Some(copies);
+    }
 }
 
 impl Drop for Recording {
     fn drop(&mut self) {
+        // The copies go on the compute lane's call slice, handed in when that lane ended.
+        if let Some(copies) = crate::sync::lock(&self.copies).take() {
+            let mut events = crate::sync::lock(&EVENTS);
+            let call = events.iter_mut().rev().find(|e| {
+                e.kind == Kind::Call && e.call == self.call && e.lane == Lane::Compute && e.device == self.label.device
+            });
+            if let Some(call) = call {
+                call.args.push(("copies", Value::U(copies.count as u64)));
+                call.args.push(("copied_bytes", Value::U(copies.bytes as u64)));
+            }
+        }
         IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -1,5 +1,11 @@
 //! The CPU backend: steps on host threads, transfers through an in-process
 //! mailbox, matmuls with the `gemm` crate, conversions for bf16/f16.
+//!
+//! The plan's slots hold the transport's blocks (`transport::Block`), not
+//! regions of XLA's workspace: a received block is multiplied where it
+//! landed, and a slot is sent by handing its block over, so a gathered block
+//! is copied once, when its owner first sends it out of XLA's buffer, however
+//! many ranks forward it. XLA's workspace holds the dtype conversions only.
 #![deny(unsafe_code)] // only `gemm.rs` opts out, to call the gemm crate
 
 #[allow(unsafe_code)]
@@ -10,15 +16,17 @@ pub mod transport;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::exec::{self, Backend, Direction, Observer, Wait};
+use crate::exec::{self, Backend, Copies, Direction, Observer, Wait};
 use crate::plan::{Buf, Plan, SlotKind, Transfer, Workspace};
 use crate::problem::{Problem, Side, View};
 use numeric::{load, store, view, view_mut, Accum};
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::Instant;
-use transport::Endpoint;
+use transport::{Block, Endpoint, Shared};
 
 /// The buffers of one call: XLA's operands, result and workspace.
 pub struct Buffers<'a> {
@@ -46,11 +54,11 @@ pub fn run(
     match problem.accumulator() {
         DType::F64 => {
             let backend = endpoint.compute(|| CpuBackend::<f64>::new(problem, plan, buffers, endpoint))?;
-            exec::run(plan, &backend, observer)
+            backend.run(plan, observer)
         }
         _ => {
             let backend = endpoint.compute(|| CpuBackend::<f32>::new(problem, plan, buffers, endpoint))?;
-            exec::run(plan, &backend, observer)
+            backend.run(plan, observer)
         }
     }
 }
@@ -64,10 +72,14 @@ pub fn fp8_on_cpu(dtype: DType) -> Error {
     ))
 }
 
-/// Workspace regions only the compute lane uses, for dtype conversions.
+/// Workspace regions only the compute lane uses: dtype conversions, and the
+/// packed right-hand side of the GEMMs (`gemm::pack_rhs`).
 struct Scratch<'a> {
     travel: Option<&'a mut [u8]>,
     results: Option<&'a mut [u8]>,
+    packed: &'a mut [u8],
+    /// Whether `packed` holds the whole `w`, packed by an earlier step.
+    packed_w: bool,
 }
 
 struct CpuBackend<'a, A: Accum> {
@@ -78,13 +90,37 @@ struct CpuBackend<'a, A: Accum> {
     x_acc: &'a [u8],
     w_acc: &'a [u8],
     out: Mutex<&'a mut [u8]>,
-    /// Steps may read a slot together (a block is sent on while it is
-    /// multiplied); a write must have it alone.
-    slots: Vec<RwLock<&'a mut [u8]>>,
+    /// The plan's slots, each empty until first written. Steps may read a
+    /// slot together (a block is sent on while it is multiplied); a write
+    /// must have it alone.
+    slots: Vec<RwLock<Option<Shared>>>,
+    slot_bytes: Vec<usize>,
     slot_kinds: Vec<SlotKind>,
+    /// The blocks sent out of `x` (`Buf::X`, `Buf::XBlock`): copied once,
+    /// then handed to every peer that gets them.
+    sent_x: Mutex<HashMap<Buf, Shared>>,
     scratch: Mutex<Scratch<'a>>,
     endpoint: &'a Endpoint,
+    copies: CopyCount,
     accum: PhantomData<A>,
+}
+
+/// The copies one call made (see `exec::Copies`).
+#[derive(Default)]
+struct CopyCount {
+    count: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl CopyCount {
+    fn add(&self, bytes: usize) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> Copies {
+        Copies { count: self.count.load(Ordering::Relaxed), bytes: self.bytes.load(Ordering::Relaxed) }
+    }
 }
 
 /// Locks a buffer for one step. The plan never lets a step write a buffer
@@ -119,12 +155,14 @@ fn split<'a>(mut rest: &'a mut [u8], regions: &[Range<usize>]) -> Result<Vec<&'a
     Ok(parts)
 }
 
-/// The CPU backend's workspace: the plan's slots, then copies in the
-/// accumulator type of what needs converting (`x` and `w` and a received
-/// block when the input type is not the accumulator's, products when the
-/// output type is not).
+/// The CPU backend's workspace: copies in the accumulator type of what
+/// needs converting (`x` and `w` and a received block when the input type is
+/// not the accumulator's, products when the output type is not). The plan's
+/// slots are the transport's blocks, not part of it.
 pub struct CpuLayout {
-    pub plan: Workspace,
+    pub total: usize,
+    /// The GEMMs' packed right-hand side: the largest any step multiplies by.
+    pub packed: Range<usize>,
     pub x: Option<Range<usize>>,
     pub w: Option<Range<usize>>,
     pub travel: Option<Range<usize>>,
@@ -138,18 +176,19 @@ impl CpuLayout {
     pub fn new(problem: &Problem, plan: &Plan) -> Result<CpuLayout> {
         let sizes = problem.sizes();
         let acc = sizes.accumulator();
-        let mut ws = Workspace::layout(plan, &sizes)?;
+        let mut ws = Workspace::layout(&Plan { slots: vec![], ..plan.clone() }, &sizes)?;
         let mut copy = |elements: usize| ws.append(elements, acc.size(), SCRATCH_ALIGN);
+        let packed = copy(problem.rhs_len())?;
         let convert = sizes.input != acc;
         let x = convert.then(|| copy(sizes.x)).transpose()?;
         let w = convert.then(|| copy(sizes.w)).transpose()?;
         let travel = convert.then(|| copy(sizes.travel)).transpose()?;
         let results = (sizes.output != acc).then(|| copy(sizes.out_view)).transpose()?;
-        Ok(CpuLayout { plan: ws, x, w, travel, results })
+        Ok(CpuLayout { total: ws.total, packed, x, w, travel, results })
     }
 
     pub fn total(&self) -> usize {
-        self.plan.total
+        self.total
     }
 }
 
@@ -164,10 +203,11 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
             )));
         }
         let optional = [&layout.x, &layout.w, &layout.travel, &layout.results];
-        let mut regions = layout.plan.slots.clone();
+        let mut regions = vec![layout.packed.clone()];
         regions.extend(optional.iter().filter_map(|r| (*r).clone()));
         let mut parts = split(buffers.workspace, &regions)?.into_iter();
-        let slots = parts.by_ref().take(layout.plan.slots.len()).map(RwLock::new).collect();
+        let packed = parts.next().ok_or_else(|| Error::Internal("no packing region".into()))?;
+        let slot_bytes = Workspace::layout(plan, &problem.sizes())?.slots.iter().map(|r| r.len()).collect();
         let mut next = |r: &Option<Range<usize>>| r.as_ref().and_then(|_| parts.next());
         let (x_conv, w_conv, travel, results) =
             (next(&layout.x), next(&layout.w), next(&layout.travel), next(&layout.results));
@@ -187,35 +227,96 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
             x_acc: convert(buffers.x, x_conv)?,
             w_acc: convert(buffers.w, w_conv)?,
             out: Mutex::new(buffers.out),
-            slots,
+            slots: plan.slots.iter().map(|_| RwLock::new(None)).collect(),
+            slot_bytes,
             slot_kinds: plan.slots.clone(),
-            scratch: Mutex::new(Scratch { travel, results }),
+            sent_x: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(Scratch { travel, results, packed, packed_w: false }),
             endpoint,
+            copies: CopyCount::default(),
             accum: PhantomData,
         })
     }
 
-    fn slot_lock(&self, buf: Buf) -> Result<&RwLock<&'a mut [u8]>> {
+    /// Runs the plan, then tells the observer what it copied.
+    fn run(&self, plan: &Plan, observer: Option<&dyn Observer>) -> Result<()> {
+        exec::run(plan, self, observer)?;
+        if let Some(observer) = observer {
+            observer.copied(self.copies.get());
+        }
+        Ok(())
+    }
+
+    fn slot_lock(&self, buf: Buf) -> Result<(&RwLock<Option<Shared>>, usize)> {
         match buf {
-            Buf::Slot(i) => self.slots.get(i).ok_or_else(|| Error::Internal(format!("no slot {i}"))),
+            Buf::Slot(i) => match (self.slots.get(i), self.slot_bytes.get(i)) {
+                (Some(slot), Some(&bytes)) => Ok((slot, bytes)),
+                _ => Err(Error::Internal(format!("no slot {i}"))),
+            },
             other => Err(Error::Internal(format!("{other:?} is not a workspace slot"))),
         }
     }
 
-    fn read_slot(&self, buf: Buf) -> Result<RwLockReadGuard<'_, &'a mut [u8]>> {
-        match self.slot_lock(buf)?.try_read() {
+    fn read_slot(&self, buf: Buf) -> Result<RwLockReadGuard<'_, Option<Shared>>> {
+        match self.slot_lock(buf)?.0.try_read() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
             Err(TryLockError::WouldBlock) => Err(busy(&format!("{buf:?}"))),
         }
     }
 
-    fn write_slot(&self, buf: Buf) -> Result<RwLockWriteGuard<'_, &'a mut [u8]>> {
-        match self.slot_lock(buf)?.try_write() {
-            Ok(g) => Ok(g),
-            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+    /// The block in a slot, read.
+    fn held(guard: &Option<Shared>, buf: Buf) -> Result<&Shared> {
+        guard.as_ref().ok_or_else(|| Error::Internal(format!("plan error: {buf} is read before it was written")))
+    }
+
+    /// A slot locked for writing, with its size in bytes.
+    fn write_slot(&self, buf: Buf) -> Result<(RwLockWriteGuard<'_, Option<Shared>>, usize)> {
+        let (lock, bytes) = self.slot_lock(buf)?;
+        match lock.try_write() {
+            Ok(g) => Ok((g, bytes)),
+            Err(TryLockError::Poisoned(p)) => Ok((p.into_inner(), bytes)),
             Err(TryLockError::WouldBlock) => Err(busy(&format!("{buf:?}"))),
         }
+    }
+
+    /// A slot's bytes to write: its block when this rank holds the only
+    /// reference to it, else a fresh one. A fresh block takes the old one's
+    /// contents when `keep` (an add onto a block still shared with a peer):
+    /// the only copy a slot can cost, counted.
+    fn writable<'g>(&self, slot: &'g mut Option<Shared>, len: usize, keep: bool) -> Result<&'g mut [u8]> {
+        let reusable = slot.as_mut().is_some_and(|b| b.len() == len && Arc::get_mut(b).is_some());
+        if !reusable {
+            let fresh = match slot.as_deref() {
+                Some(old) if keep => {
+                    self.copies.add(len);
+                    Block::copy_of(old.bytes())
+                }
+                None if keep => {
+                    return Err(Error::Internal("plan error: a slot is added to before it was written".into()))
+                }
+                _ => Block::new(len),
+            };
+            *slot = Some(Arc::new(fresh));
+        }
+        match slot.as_mut().and_then(Arc::get_mut) {
+            Some(block) => Ok(block.bytes_mut()),
+            None => Err(Error::Internal("a fresh block is shared".into())),
+        }
+    }
+
+    /// The block a send of part of `x` hands over: copied out of XLA's
+    /// buffer the first time, the same block after that.
+    fn x_block(&self, buf: Buf) -> Result<Shared> {
+        let mut sent = claim(&self.sent_x, "the blocks sent from x")?;
+        if let Some(block) = sent.get(&buf) {
+            return Ok(Arc::clone(block));
+        }
+        let bytes = self.x_bytes(buf)?;
+        self.copies.add(bytes.len());
+        let block = Arc::new(Block::copy_of(bytes));
+        sent.insert(buf, Arc::clone(&block));
+        Ok(block)
     }
 
     /// The bytes of `x` a send of `buf` carries.
@@ -244,17 +345,23 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
     fn exchange(&self, sends: &[Transfer], recvs: &[Transfer], wait: &Wait) -> Result<Instant> {
         for t in sends {
             let started = Instant::now();
-            match t.buf {
-                Buf::Slot(_) => self.endpoint.send(t.peer, t.tag, &self.read_slot(t.buf)?, wait.ready),
-                _ => self.endpoint.send(t.peer, t.tag, self.x_bytes(t.buf)?, wait.ready),
-            }
+            let block = match t.buf {
+                Buf::Slot(_) => Arc::clone(Self::held(&*self.read_slot(t.buf)?, t.buf)?),
+                _ => self.x_block(t.buf)?,
+            };
+            self.endpoint.send(t.peer, t.tag, block, wait.ready);
             wait.transferred(Direction::Send, t, started, Instant::now());
         }
         // Posting is instant in the model; the exchange ends when its messages arrived.
         let mut ended = wait.ready;
         for t in recvs {
             let started = Instant::now();
-            ended = ended.max(self.endpoint.recv(t.peer, t.tag, &mut self.write_slot(t.buf)?, wait)?);
+            let (mut slot, bytes) = self.write_slot(t.buf)?;
+            let (block, arrived) = self.endpoint.recv(t.peer, t.tag, bytes, wait)?;
+            // The block stays where it landed; the one it replaces goes back
+            // to the pool once no peer holds it.
+            *slot = Some(block);
+            ended = ended.max(arrived);
             wait.transferred(Direction::Recv, t, started, Instant::now());
         }
         Ok(ended)
@@ -265,7 +372,7 @@ impl<A: Accum> CpuBackend<'_, A> {
     fn multiply(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
         let input = self.problem.input;
         let mut scratch = claim(&self.scratch, "the conversion scratch")?;
-        let Scratch { travel, results } = &mut *scratch;
+        let Scratch { travel, results, packed, packed_w } = &mut *scratch;
 
         // The x-side data in the accumulator type.
         let src_guard;
@@ -273,13 +380,14 @@ impl<A: Accum> CpuBackend<'_, A> {
             Buf::X | Buf::XBlock(_) => view(self.x_acc)?,
             Buf::Slot(i) if self.slot_kinds.get(i) == Some(&SlotKind::Input) => {
                 src_guard = self.read_slot(src)?;
+                let landed = Self::held(&src_guard, src)?.bytes();
                 match travel {
                     Some(t) if input != A::DTYPE => {
                         let converted = view_mut::<A>(t)?;
-                        load(&src_guard, input, converted)?;
+                        load(landed, input, converted)?;
                         converted
                     }
-                    _ => view(&src_guard)?,
+                    _ => view(landed)?,
                 }
             }
             other => return Err(Error::Internal(format!("matmul reads {other:?}"))),
@@ -294,15 +402,27 @@ impl<A: Accum> CpuBackend<'_, A> {
                 (&mut out_guard[..], self.problem.output)
             }
             Buf::Slot(_) => {
-                slot_guard = self.write_slot(dst)?;
-                (&mut slot_guard[..], A::DTYPE)
+                let bytes;
+                (slot_guard, bytes) = self.write_slot(dst)?;
+                (self.writable(&mut slot_guard, bytes, accumulate)?, A::DTYPE)
             }
             other => return Err(Error::Internal(format!("matmul writes {other:?}"))),
         };
+        let whole_w = |v: View| v.offset == 0 && v.rows * v.cols == w_acc.len() && v.row_stride == v.cols;
         for g in self.problem.gemms(block, src, dst) {
-            let (lhs, rhs) = ((side(g.lhs.0), g.lhs.1), (side(g.rhs.0), g.rhs.1));
+            let lhs = (side(g.lhs.0), g.lhs.1);
+            // The whole `w` is packed by the first step that multiplies by
+            // it, and kept for the call; any other right-hand side per use.
+            let keep = g.rhs.0 == Side::W && whole_w(g.rhs.1);
+            let packed = view_mut::<A>(packed)?;
+            if !(keep && *packed_w) {
+                *packed_w = false;
+                gemm::pack_rhs((side(g.rhs.0), g.rhs.1), packed)?;
+                *packed_w = keep;
+            }
+            let rhs = gemm::PackedRhs::packed(packed, g.rhs.1.rows, g.rhs.1.cols)?;
             if dst_dtype == A::DTYPE {
-                gemm::matmul(lhs, rhs, (view_mut(dst_bytes)?, g.dst), accumulate)?;
+                gemm::matmul_packed(lhs, &rhs, (view_mut(dst_bytes)?, g.dst), accumulate)?;
                 continue;
             }
             // Another output dtype: multiply into scratch, then store row by row.
@@ -312,7 +432,7 @@ impl<A: Accum> CpuBackend<'_, A> {
             let s = results.as_deref_mut().ok_or_else(|| Error::Internal("no result scratch".into()))?;
             let (rows, cols) = (g.dst.rows, g.dst.cols);
             let tmp = &mut view_mut::<A>(s)?[..rows * cols];
-            gemm::matmul(lhs, rhs, (&mut *tmp, View { offset: 0, rows, cols, row_stride: cols }), false)?;
+            gemm::matmul_packed(lhs, &rhs, (&mut *tmp, View { offset: 0, rows, cols, row_stride: cols }), false)?;
             let size = dst_dtype.size();
             for (i, row) in tmp.chunks_exact(cols.max(1)).enumerate().take(rows) {
                 let start = (g.dst.offset + i * g.dst.row_stride) * size;
@@ -326,11 +446,11 @@ impl<A: Accum> CpuBackend<'_, A> {
         let (first, rest) = terms.split_first().ok_or_else(|| Error::Internal("sum of nothing".into()))?;
         if dst == *first {
             // In place: dst += Σ rest.
-            let mut acc = self.write_slot(dst)?;
-            let acc: &mut [A] = view_mut(&mut acc)?;
+            let (mut slot, bytes) = self.write_slot(dst)?;
+            let acc: &mut [A] = view_mut(self.writable(&mut slot, bytes, true)?)?;
             for t in rest {
                 let term = self.read_slot(*t)?;
-                acc.iter_mut().zip(view::<A>(&term)?).for_each(|(a, b)| *a += *b);
+                acc.iter_mut().zip(view::<A>(Self::held(&term, *t)?.bytes())?).for_each(|(a, b)| *a += *b);
             }
             return Ok(());
         }
@@ -338,7 +458,8 @@ impl<A: Accum> CpuBackend<'_, A> {
             return Err(Error::Internal(format!("sum writes {dst:?}")));
         }
         let guards = terms.iter().map(|t| self.read_slot(*t)).collect::<Result<Vec<_>>>()?;
-        let views = guards.iter().map(|g| view::<A>(g)).collect::<Result<Vec<_>>>()?;
+        let views =
+            guards.iter().zip(terms).map(|(g, t)| view::<A>(Self::held(g, *t)?.bytes())).collect::<Result<Vec<_>>>()?;
         let mut out = claim(&self.out, "the output")?;
         let output = self.problem.output;
         let range = self.problem.out_range(dst);
@@ -350,6 +471,10 @@ impl<A: Accum> CpuBackend<'_, A> {
         const CHUNK: usize = 512;
         let mut chunk = [A::default(); CHUNK];
         let size = output.size();
+        if views.len() == 1 {
+            // A block received into the output: a copy (with the dtype's conversion).
+            self.copies.add(range.len() * size);
+        }
         for start in (0..range.len()).step_by(CHUNK) {
             let end = (start + CHUNK).min(range.len());
             let c = &mut chunk[..end - start];
@@ -375,12 +500,17 @@ pub fn gemm_gflops() -> f64 {
             (0..len).map(|i| ((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5).collect()
         };
         let (a, b, mut c) = (fill(m * k, 1), fill(k * n, 2), vec![0f32; m * n]);
+        let mut packed = vec![0f32; k * n];
+        let packing = gemm::pack_rhs((&b, View { offset: 0, rows: k, cols: n, row_stride: n }), &mut packed);
+        let Ok(b) = packing.and_then(|()| gemm::PackedRhs::packed(&packed, k, n)) else {
+            return f64::NAN;
+        };
         let best = (0..3)
             .map(|_| {
                 let start = Instant::now();
-                let ok = gemm::matmul(
+                let ok = gemm::matmul_packed(
                     (&a, View { offset: 0, rows: m, cols: k, row_stride: k }),
-                    (&b, View { offset: 0, rows: k, cols: n, row_stride: n }),
+                    &b,
                     (&mut c, View { offset: 0, rows: m, cols: n, row_stride: n }),
                     false,
                 );
@@ -392,4 +522,96 @@ pub fn gemm_gflops() -> f64 {
             .fold(f64::INFINITY, f64::min);
         2.0 * (m * k * n) as f64 / best / 1e9
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::call::problem_and_plan;
+    use crate::exec::LaneObserver;
+    use crate::group::Group;
+    use crate::plan::{Lane, Schedule};
+    use crate::problem::OpKind;
+    use std::time::Duration;
+
+    /// Keeps what the backend says it copied; watches no lane.
+    #[derive(Default)]
+    struct CopyWatch(Mutex<Option<Copies>>);
+
+    struct Silent;
+
+    impl LaneObserver for Silent {
+        fn waited(&self, _: &crate::plan::Step, _: Instant, _: Instant) {}
+        fn transferred(&self, _: &crate::plan::Step, _: Direction, _: &Transfer, _: Instant, _: Instant) {}
+        fn step_done(&self, _: &crate::plan::Step, _: Instant, _: Instant) {}
+    }
+
+    impl Observer for CopyWatch {
+        fn lane(&self, _: Lane) -> Box<dyn LaneObserver + '_> {
+            Box::new(Silent)
+        }
+        fn copied(&self, copies: Copies) {
+            *self.0.lock().unwrap() = Some(copies);
+        }
+    }
+
+    /// Runs `kind` over `n` ranks on f32 operands of the given dims; returns
+    /// each rank's copies.
+    fn copies(kind: OpKind, schedule: Schedule, n: usize, dims: [&[i64]; 3], site: i64) -> Vec<Copies> {
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..n)
+                .map(|rank| {
+                    scope.spawn(move || {
+                        let group = Group { devices: (0..n as i64).map(|d| 900 + d).collect(), rank };
+                        let [x, w, out] = dims.map(|d| (d, DType::F32));
+                        let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], 0, &group).unwrap();
+                        let bytes = |d: &[i64]| d.iter().product::<i64>() as usize * 4;
+                        let fill = |len: usize| (0..len).map(|i| (i % 7) as u8 + 1).collect::<Vec<u8>>();
+                        let (xb, wb, mut ob) = (fill(bytes(x.0)), fill(bytes(w.0)), vec![0u8; bytes(out.0)]);
+                        let mut workspace = vec![0u64; CpuLayout::new(&problem, &plan).unwrap().total().div_ceil(8)];
+                        let workspace = bytemuck::cast_slice_mut::<u64, u8>(&mut workspace);
+                        let key = transport::SessionKey { group: group.devices.clone(), site, run: -11, sequence: 0 };
+                        let info = transport::Participant {
+                            op: kind.name(),
+                            rank,
+                            timeout: Duration::from_secs(20),
+                            interrupts: crate::config::interrupts(),
+                        };
+                        let endpoint = Endpoint::join(key, info);
+                        let watch = CopyWatch::default();
+                        let buffers = Buffers { x: &xb, w: &wb, out: &mut ob, workspace };
+                        run(&problem, &plan, buffers, &endpoint, Some(&watch)).unwrap();
+                        let copied = watch.0.lock().unwrap().expect("the run reports its copies");
+                        copied
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn a_gathered_block_is_copied_once_by_its_owner_however_many_ranks_forward_it() {
+        let (n, rows, k, cols) = (4, 8, 16, 8);
+        let x_bytes = rows * k * 4;
+        let dims: [&[i64]; 3] = [&[rows as i64, k as i64], &[k as i64, cols as i64], &[(n * rows) as i64, cols as i64]];
+        for (i, schedule) in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential].into_iter().enumerate() {
+            for (rank, c) in copies(OpKind::AllGatherMatmul, schedule, n, dims, 7100 + i as i64).iter().enumerate() {
+                // Before blocks were handed over, each of the N-1 hops copied twice (into a message, out of it).
+                assert_eq!(*c, Copies { count: 1, bytes: x_bytes }, "{schedule:?} rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn partial_sums_travel_without_copies() {
+        let (n, rows, k, cols) = (4, 8, 16, 8);
+        let dims: [&[i64]; 3] = [&[(n * rows) as i64, k as i64], &[k as i64, cols as i64], &[rows as i64, cols as i64]];
+        for (i, schedule) in [Schedule::Ring, Schedule::Bidirectional].into_iter().enumerate() {
+            for (rank, c) in copies(OpKind::MatmulReduceScatter, schedule, n, dims, 7200 + i as i64).iter().enumerate()
+            {
+                assert_eq!(*c, Copies::default(), "{schedule:?} rank {rank}");
+            }
+        }
+    }
 }

@@ -1,11 +1,14 @@
 //! In-process point-to-point transfers between the device calls of one
 //! execution. The N calls of one op meet in a session keyed by their group,
 //! call site, run id and how many times this site already ran in this run
-//! (a site inside `lax.scan` runs once per iteration). A send copies the
-//! block into a pooled buffer and drops it in the receiver's mailbox; a
-//! receive waits for it, with the call's deadline. Under a link model
-//! (`link`), the sender stamps each message with the time it arrives under the
-//! model, and the receiver sleeps until then.
+//! (a site inside `lax.scan` runs once per iteration). Messages are
+//! [`Block`]s: pooled buffers shared by reference, so a send hands its block
+//! over without copying it and a receive gets the very block that was sent,
+//! which the backend reads where it landed (a gathered block is multiplied by
+//! one rank while it is forwarded to the next; the bytes are never copied
+//! on the way). A receive waits for its message, with the call's deadline.
+//! Under a link model (`link`), the sender stamps each message with the time
+//! it arrives under the model, and the receiver sleeps until then.
 #![forbid(unsafe_code)]
 
 #[path = "link.rs"]
@@ -42,9 +45,55 @@ pub struct Participant {
 
 type MailboxKey = (usize, usize, Tag); // (to, from, tag)
 
-/// A message in a mailbox: its bytes, and when it has arrived under the link model.
+/// The bytes of a message or of a backend slot: a pooled buffer of 8-byte
+/// words (so any element type is aligned), back in the pool when dropped.
+pub struct Block {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Block {
+    /// A block of `len` bytes; its contents are whatever the pool held.
+    pub fn new(len: usize) -> Block {
+        Block { words: pool::take(len), len }
+    }
+
+    /// A new block holding a copy of `bytes`.
+    pub fn copy_of(bytes: &[u8]) -> Block {
+        let mut block = Block::new(bytes.len());
+        block.bytes_mut().copy_from_slice(bytes);
+        block
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.len]
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        pool::give_back(std::mem::take(&mut self.words));
+    }
+}
+
+/// A block as messages carry it: shared read-only by every holder.
+pub type Shared = Arc<Block>;
+
+/// A message in a mailbox: its block, and when it has arrived under the link model.
 struct Message {
-    data: Vec<u64>,
+    block: Shared,
     arrival: Option<Instant>,
 }
 
@@ -168,32 +217,30 @@ impl Endpoint {
         step()
     }
 
-    /// Under the link model the transfer starts at `ready` (see
-    /// `exec::Wait::ready`), at most now; the copy is part of it.
-    pub fn send(&self, to: usize, tag: Tag, data: &[u8], ready: Instant) {
+    /// Hands `block` over to rank `to` (no copy: the receiver gets this
+    /// block). Under the link model the transfer starts at `ready` (see
+    /// `exec::Wait::ready`), at most now.
+    pub fn send(&self, to: usize, tag: Tag, block: Shared, ready: Instant) {
         let now = Instant::now();
         let posted = ready.min(now);
-        let mut message = pool::take(data.len());
-        bytemuck::cast_slice_mut::<u64, u8>(&mut message)[..data.len()].copy_from_slice(data);
-        let arrival = self.link.map(|l| l.arrival(posted, &self.key.group, self.info.rank, to, data.len()));
-        let message = Message { data: message, arrival };
+        let arrival = self.link.map(|l| l.arrival(posted, &self.key.group, self.info.rank, to, block.len()));
+        let message = Message { block, arrival };
         let mut state = lock(&self.session.state);
         state.mark(self.info.rank, now);
         let previous = state.mailbox.insert((to, self.info.rank, tag), message);
         drop(state);
-        if let Some(stale) = previous {
-            pool::give_back(stale.data);
-        }
+        // A stale message (only after a failure) is dropped outside the lock.
+        drop(previous);
         self.session.delivered.notify_all();
     }
 
-    /// Waits for the message and copies it into `dst`; returns when it
+    /// Waits for the message and returns its block, `len` bytes, and when it
     /// arrived (under the link model, when the model says, else now).
     ///
     /// The wait fails when no rank of the session has moved for the
     /// timeout and none is computing, not when the op as a whole runs
     /// long; at once when another rank failed or `wait` is cancelled.
-    pub fn recv(&self, from: usize, tag: Tag, dst: &mut [u8], wait: &Wait) -> Result<Instant> {
+    pub fn recv(&self, from: usize, tag: Tag, len: usize, wait: &Wait) -> Result<(Shared, Instant)> {
         let key = (self.info.rank, from, tag);
         let started = Instant::now();
         let mut state = lock(&self.session.state);
@@ -204,7 +251,7 @@ impl Endpoint {
             if let Some(None) = arrival {
                 let message = state.mailbox.remove(&key).expect("present");
                 state.mark(self.info.rank, now);
-                break (message.data, message.arrival.unwrap_or(now));
+                break (message.block, message.arrival.unwrap_or(now));
             }
             if wait.cancelled() {
                 return Err(Error::Internal("cancelled because another lane failed".into()));
@@ -237,15 +284,13 @@ impl Endpoint {
             state = crate::sync::wait_timeout(&self.session.delivered, state, slice).0;
         };
         drop(state);
-        let bytes = bytemuck::cast_slice::<u64, u8>(&message);
-        let result = if bytes.len() >= dst.len() {
-            dst.copy_from_slice(&bytes[..dst.len()]);
-            Ok(arrived)
-        } else {
-            Err(Error::Internal(format!("message from rank {from} has {} bytes, expected {}", bytes.len(), dst.len())))
-        };
-        pool::give_back(message);
-        result
+        if message.len() != len {
+            return Err(Error::Internal(format!(
+                "message from rank {from} has {} bytes, expected {len}",
+                message.len()
+            )));
+        }
+        Ok((message, arrived))
     }
 
     /// The op failed on this rank with `error`: peers waiting for it end at
@@ -332,10 +377,9 @@ impl Drop for Endpoint {
         // out on its own). A rank that only sends may leave before its peers
         // arrive: its messages must wait for them.
         if state.left == self.key.group.len() || (state.failure.is_some() && state.active == 0) {
-            // Unread messages remain only after a failure.
-            for (_, message) in state.mailbox.drain() {
-                pool::give_back(message.data);
-            }
+            // Unread messages remain only after a failure; their blocks go
+            // back to the pool as they drop.
+            state.mailbox.clear();
             if registry.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.session)) {
                 registry.remove(&self.key);
             }
@@ -428,6 +472,19 @@ mod tests {
     use crate::plan::Direction;
     use std::sync::atomic::AtomicBool;
 
+    /// The copying forms the tests speak in.
+    impl Endpoint {
+        fn send_copy(&self, to: usize, tag: Tag, data: &[u8], ready: Instant) {
+            self.send(to, tag, Arc::new(Block::copy_of(data)), ready)
+        }
+
+        fn recv_into(&self, from: usize, tag: Tag, dst: &mut [u8], wait: &Wait) -> Result<Instant> {
+            let (block, arrived) = self.recv(from, tag, dst.len(), wait)?;
+            dst.copy_from_slice(block.bytes());
+            Ok(arrived)
+        }
+    }
+
     fn key(site: i64) -> SessionKey {
         SessionKey { group: vec![10, 11, 12], site, run: 1, sequence: 0 }
     }
@@ -451,12 +508,12 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 let a = Endpoint::join(key(1), info(0));
-                a.send(1, tag(0), &[1, 2, 3, 4, 5], Instant::now());
+                a.send_copy(1, tag(0), &[1, 2, 3, 4, 5], Instant::now());
             });
             let b = Endpoint::join(key(1), info(1));
             let wait = Wait::for_test(&cancelled);
             let mut dst = [0u8; 5];
-            b.recv(0, tag(0), &mut dst, &wait).unwrap();
+            b.recv_into(0, tag(0), &mut dst, &wait).unwrap();
             assert_eq!(dst, [1, 2, 3, 4, 5]);
         });
     }
@@ -467,7 +524,7 @@ mod tests {
         let a = Endpoint::join(key(2), info(0));
         let wait = Wait::for_test(&cancelled);
         let start = Instant::now();
-        let e = a.recv(2, tag(0), &mut [0u8; 4], &wait).unwrap_err();
+        let e = a.recv_into(2, tag(0), &mut [0u8; 4], &wait).unwrap_err();
         assert!(start.elapsed() < Duration::from_secs(2));
         let Error::DeadlineExceeded(message) = e else { panic!("{e:?}") };
         assert!(message.contains("ranks [1, 2] (devices [11, 12]) never arrived"), "{message}");
@@ -482,18 +539,18 @@ mod tests {
             s.spawn(|| {
                 let a = Endpoint::join(key(5), info(0));
                 a.compute(|| std::thread::sleep(Duration::from_millis(600)));
-                a.send(1, tag(0), &[1, 2], Instant::now());
+                a.send_copy(1, tag(0), &[1, 2], Instant::now());
             });
             s.spawn(|| {
                 let b = Endpoint::join(key(5), info(1));
                 let mut got = [0u8; 2];
-                b.recv(0, tag(0), &mut got, &Wait::for_test(&cancelled)).unwrap();
-                b.send(2, tag(1), &got, Instant::now());
+                b.recv_into(0, tag(0), &mut got, &Wait::for_test(&cancelled)).unwrap();
+                b.send_copy(2, tag(1), &got, Instant::now());
             });
             let c = Endpoint::join(key(5), info(2));
             let start = Instant::now();
             let mut got = [0u8; 2];
-            c.recv(1, tag(1), &mut got, &Wait::for_test(&cancelled)).unwrap();
+            c.recv_into(1, tag(1), &mut got, &Wait::for_test(&cancelled)).unwrap();
             assert_eq!(got, [1, 2]);
             assert!(start.elapsed() >= Duration::from_millis(550), "{:?}", start.elapsed());
         });
@@ -512,7 +569,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(700));
             });
             let a = Endpoint::join(key(6), info(0));
-            let e = a.recv(1, tag(3), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+            let e = a.recv_into(1, tag(3), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
             let waited = start.elapsed();
             // Counted from the op's start it would end at 200 ms.
             assert!(waited >= Duration::from_millis(480) && waited < Duration::from_secs(5), "{waited:?}");
@@ -533,7 +590,7 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         let (a, _b, _c) =
             (Endpoint::join(key(7), info(0)), Endpoint::join(key(7), info(1)), Endpoint::join(key(7), info(2)));
-        let e = a.recv(2, tag(4), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+        let e = a.recv_into(2, tag(4), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
         assert!(
             e.message()
                 .contains("every rank arrived, so rank 2 failed or stalled before step 4 (it last moved 0.2 s ago)"),
@@ -554,7 +611,7 @@ mod tests {
             long.timeout = Duration::from_secs(30);
             let a = Endpoint::join(key(8), long);
             let start = Instant::now();
-            let e = a.recv(1, tag(0), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+            let e = a.recv_into(1, tag(0), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
             assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
             let Error::InvalidArgument(message) = e else { panic!("{e:?}") };
             assert!(message.contains("rank 1 (device 11) failed first: workspace has 0 bytes"), "{message}");
@@ -578,7 +635,7 @@ mod tests {
         {
             let a = Endpoint::join(key(4), info(0));
             let wait = Wait::for_test(&cancelled);
-            assert!(a.recv(1, tag(0), &mut [0u8; 4], &wait).is_err());
+            assert!(a.recv_into(1, tag(0), &mut [0u8; 4], &wait).is_err());
         }
         assert!(!lock(registry()).contains_key(&key(4)));
     }
@@ -603,13 +660,13 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         let start = Instant::now();
         for (i, &(from, to)) in sends.iter().enumerate() {
-            ends[from].send(to, tag(i), &data, Instant::now());
+            ends[from].send_copy(to, tag(i), &data, Instant::now());
         }
         let mut dst = vec![0u8; bytes];
         let mut times = vec![];
         for (i, &(from, to)) in sends.iter().enumerate() {
             let wait = Wait::for_test(&cancelled);
-            ends[to].recv(from, tag(i), &mut dst, &wait).unwrap();
+            ends[to].recv_into(from, tag(i), &mut dst, &wait).unwrap();
             times.push(start.elapsed());
             assert!(dst.iter().all(|&b| b == 7));
         }
@@ -670,10 +727,10 @@ mod tests {
         };
         let (a, b) = (end(0), end(1));
         let ready = Instant::now() - Duration::from_millis(40);
-        a.send(1, tag(0), &vec![7u8; BYTES], ready);
+        a.send_copy(1, tag(0), &vec![7u8; BYTES], ready);
         let cancelled = AtomicBool::new(false);
         let wait = Wait::for_test(&cancelled);
-        let arrived = b.recv(0, tag(0), &mut vec![0u8; BYTES], &wait).unwrap();
+        let arrived = b.recv_into(0, tag(0), &mut vec![0u8; BYTES], &wait).unwrap();
         within(arrived - ready, 90.0, "arrival after ready");
         within(Instant::now() - ready, 90.0, "receive after ready");
     }

@@ -287,10 +287,11 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
                 let group = group.clone();
                 scope.spawn(move || {
                     let p = plan(kind.pattern(), schedule, n, rank);
-                    let layout = Workspace::layout(&p, &sizes).unwrap();
+                    let layout = cpu::CpuLayout::new(problem, &p).unwrap();
                     let (x, w) = (fill(sizes.x, rank), fill(sizes.w, 100 + rank));
                     let mut out = vec![0u8; sizes.result * 4];
-                    let mut workspace = vec![0u8; layout.total];
+                    let mut words = vec![0u64; layout.total().div_ceil(8)];
+                    let workspace = bytemuck::cast_slice_mut::<u64, u8>(&mut words);
                     let key = transport::SessionKey { group, site, run: -7, sequence: 0 };
                     let info = transport::Participant {
                         op: kind.name(),
@@ -299,7 +300,7 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
                         interrupts: crate::config::interrupts(),
                     };
                     let endpoint = transport::Endpoint::join(key, info);
-                    let buffers = cpu::Buffers { x: &x, w: &w, out: &mut out, workspace: &mut workspace };
+                    let buffers = cpu::Buffers { x: &x, w: &w, out: &mut out, workspace };
                     cpu::run(problem, &p, buffers, &endpoint, None).unwrap();
                     out
                 })

@@ -174,15 +174,16 @@ def test_a_bad_machine_description_for_auto_is_an_error_naming_the_variable(monk
 
 
 def test_memory_puts_the_workspace_beside_the_unfused_temporaries(capsys):
-    # all_gather(x) @ w gathers 8 blocks of 256x1024 f32 (8 MiB); the ring holds
-    # two received blocks and sends its own (3 MiB); the CPU workspace holds
-    # the packed w (1024x512 f32, 2 MiB), the CUDA one the two receive slots.
+    # all_gather(x) @ w gathers 8 blocks of 256x1024 f32 (8 MiB). The chosen
+    # schedule holds its receive slots (ring 2, bidirectional 4: a block each)
+    # and sends its own block; the CPU workspace holds the packed w (1024x512
+    # f32, 2 MiB), the CUDA one the receive slots.
     r = commfuse.explain("all_gather_matmul", (256, 1024), (1024, 512), 8, machine="h100_nvlink")
     mib = 1 << 20
+    slots = {"ring": 2, "bidirectional": 4}[r["choice"]]
     assert r["memory"]["unfused_temporaries"] == 8 * mib
-    if r["choice"] == "ring":
-        assert r["memory"]["blocks_in_flight"] == 3 * mib
-        assert r["memory"]["workspace_cuda"] == 2 * mib
+    assert r["memory"]["blocks_in_flight"] == (slots + 1) * mib
+    assert r["memory"]["workspace_cuda"] == slots * mib
     assert r["memory"]["workspace_cpu"] == 2 * mib
     assert "the unfused jax.lax expression's temporaries 8192 KiB" in capsys.readouterr().out
     # psum_scatter(x @ w) materializes the whole product: 2048x512 f32.

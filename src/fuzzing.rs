@@ -515,7 +515,7 @@ pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, Strin
     let Some((problem, plan, bytes)) = planned.map_err(|_| format!("a panic planning {case:?}"))?? else {
         return Ok(false);
     };
-    let layout = CpuLayout::new(&problem, &plan).map_err(|e| format!("{e} for {case:?}"))?;
+    let layout = CpuLayout::new(&problem).map_err(|e| format!("{e} for {case:?}"))?;
     if bytes < layout.total() {
         return Err(format!("the prepared workspace {bytes} < the CPU layout's {} for {case:?}", layout.total()));
     }

@@ -124,7 +124,7 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
     // Every rank's plan uses the same slots; rank 0 stands for all.
     let plan = plan::plan(kind.pattern(), schedule, n, 0);
     let workspace =
-        Workspaces { cpu: CpuLayout::new(&problem, &plan)?.total(), cuda: CudaLayout::new(&problem, &plan)?.total() };
+        Workspaces { cpu: CpuLayout::new(&problem)?.total(), cuda: CudaLayout::new(&problem, &plan)?.total() };
     let summary = PlanSummary {
         schedule: plan.schedule.to_string(),
         steps: plan.steps.len(),

@@ -173,10 +173,10 @@ pub struct CpuLayout {
 const SCRATCH_ALIGN: usize = 64;
 
 impl CpuLayout {
-    pub fn new(problem: &Problem, plan: &Plan) -> Result<CpuLayout> {
+    pub fn new(problem: &Problem) -> Result<CpuLayout> {
         let sizes = problem.sizes();
         let acc = sizes.accumulator();
-        let mut ws = Workspace::layout(&Plan { slots: vec![], ..plan.clone() }, &sizes)?;
+        let mut ws = Workspace { slots: vec![], total: 0 };
         let mut copy = |elements: usize| ws.append(elements, acc.size(), SCRATCH_ALIGN);
         let packed = copy(problem.rhs_len())?;
         let convert = sizes.input != acc;
@@ -194,7 +194,7 @@ impl CpuLayout {
 
 impl<'a, A: Accum> CpuBackend<'a, A> {
     fn new(problem: &Problem, plan: &Plan, buffers: Buffers<'a>, endpoint: &'a Endpoint) -> Result<Self> {
-        let layout = CpuLayout::new(problem, plan)?;
+        let layout = CpuLayout::new(problem)?;
         if buffers.workspace.len() < layout.total() {
             return Err(Error::InvalidArgument(format!(
                 "workspace has {} bytes, the plan needs {}",
@@ -568,7 +568,7 @@ mod tests {
                         let bytes = |d: &[i64]| d.iter().product::<i64>() as usize * 4;
                         let fill = |len: usize| (0..len).map(|i| (i % 7) as u8 + 1).collect::<Vec<u8>>();
                         let (xb, wb, mut ob) = (fill(bytes(x.0)), fill(bytes(w.0)), vec![0u8; bytes(out.0)]);
-                        let mut workspace = vec![0u64; CpuLayout::new(&problem, &plan).unwrap().total().div_ceil(8)];
+                        let mut workspace = vec![0u64; CpuLayout::new(&problem).unwrap().total().div_ceil(8)];
                         let workspace = bytemuck::cast_slice_mut::<u64, u8>(&mut workspace);
                         let key = transport::SessionKey { group: group.devices.clone(), site, run: -11, sequence: 0 };
                         let info = transport::Participant {

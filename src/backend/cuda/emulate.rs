@@ -287,7 +287,7 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
                 let group = group.clone();
                 scope.spawn(move || {
                     let p = plan(kind.pattern(), schedule, n, rank);
-                    let layout = cpu::CpuLayout::new(problem, &p).unwrap();
+                    let layout = cpu::CpuLayout::new(problem).unwrap();
                     let (x, w) = (fill(sizes.x, rank), fill(sizes.w, 100 + rank));
                     let mut out = vec![0u8; sizes.result * 4];
                     let mut words = vec![0u64; layout.total().div_ceil(8)];

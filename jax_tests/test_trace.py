@@ -247,10 +247,19 @@ def test_matmul_reduce_scatter_follows_the_plan(tmp_path, schedule):
         products = [s for s in compute if s.name == "matmul"]
         adds = [s for s in compute if s.name == "add"]
         exchanges = [s for s in comm if s.name == "exchange"]
-        assert len(products) == n and len(exchanges) == fwd
+        # One exchange per chain step: the two chains' transfers go separately.
+        assert len(products) == n and len(exchanges) == fwd + bwd
         assert products[-1].args["block"] == r, "the own block's partial comes last"
-        assert len(adds) >= 1 and adds[-1].args["dst"] == "out"
+        # The compute lane adds only the result: the ring adds on the comm
+        # lane (its GEMMs run ahead), bidirectional inside its GEMMs.
+        assert [a.args["dst"] for a in adds] == ["out"]
         assert adds[-1].start >= exchanges[-1].end, "the result adds what the last exchange received"
+        comm_adds = [s for s in comm if s.name == "add"]
+        accumulating = [p for p in products if p.args["accumulate"] in (True, "true")]
+        if schedule == "ring":
+            assert (len(comm_adds), len(accumulating)) == (n - 2, 0)
+        else:
+            assert (len(comm_adds), len(accumulating)) == (0, n - 3)
         assert len([s for s in comm if s.name == "send"]) == fwd + bwd
         for t in (s for s in comm if s.name in ("send", "recv")):
             assert t.args["bytes"] == partial_bytes

@@ -185,80 +185,96 @@ impl Builder {
 
     /// Scatter, overlapped. Block b is accumulated along the forward chain by
     /// ranks b-fwd..b-1 and along the backward chain by b+bwd..b+1, and ends at
-    /// b. At step s each chain multiplies its partial (no network wait), adds
-    /// the sum received at step s-1, and sends the result on. The last step
-    /// multiplies the own block while the last sums arrive: one add is exposed.
+    /// b. The own block is multiplied while the last sums arrive: one add is
+    /// exposed. One chain (ring) adds on the comm lane so that its GEMMs run
+    /// ahead; two chains (bidirectional) fuse the adds into the GEMM.
     fn matmul_scatter_overlapped(&mut self, (fwd, bwd): (usize, usize)) {
-        let fwd_partial = self.slots(SlotKind::Partial, 2);
-        let fwd_in = self.slots(SlotKind::Partial, 2);
-        let (bwd_partial, bwd_in) = if bwd > 0 {
-            (self.slots(SlotKind::Partial, 2), self.slots(SlotKind::Partial, 2))
-        } else {
-            (vec![], vec![])
-        };
+        let last_sums = if bwd == 0 { vec![self.scatter_run_ahead(fwd)] } else { self.scatter_fused(fwd, bwd) };
         let own = self.slot(SlotKind::Partial);
-
-        let mut exchanges: Vec<StepId> = vec![];
-        for s in 0..fwd {
-            let mut ready =
-                vec![self.partial_sum(s, self.block((fwd - s) as isize), &fwd_partial, &fwd_in, &exchanges)];
-            let mut sends = vec![Transfer {
-                peer: self.next(),
-                buf: Buf::Slot(fwd_partial[s % 2]),
-                tag: tag(Direction::Forward, s),
-            }];
-            let mut recvs =
-                vec![Transfer { peer: self.prev(), buf: Buf::Slot(fwd_in[s % 2]), tag: tag(Direction::Forward, s) }];
-            if s < bwd {
-                let block = self.block(s as isize - bwd as isize);
-                ready.push(self.partial_sum(s, block, &bwd_partial, &bwd_in, &exchanges));
-                sends.push(Transfer {
-                    peer: self.prev(),
-                    buf: Buf::Slot(bwd_partial[s % 2]),
-                    tag: tag(Direction::Backward, s),
-                });
-                recvs.push(Transfer {
-                    peer: self.next(),
-                    buf: Buf::Slot(bwd_in[s % 2]),
-                    tag: tag(Direction::Backward, s),
-                });
-            }
-            exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, ready));
-        }
-
         let own_product =
             Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::Slot(own), accumulate: false };
         self.push(Lane::Compute, own_product, vec![]);
-        let mut terms = vec![Buf::Slot(own), Buf::Slot(fwd_in[(fwd - 1) % 2])];
-        let mut deps = vec![exchanges[fwd - 1]];
-        if bwd > 0 {
-            terms.push(Buf::Slot(bwd_in[(bwd - 1) % 2]));
-            deps.push(exchanges[bwd - 1]);
-            deps.dedup();
+        let mut terms = vec![Buf::Slot(own)];
+        let mut deps = vec![];
+        for (slot, arrived) in last_sums {
+            terms.push(slot);
+            deps.push(arrived);
         }
         self.push(Lane::Compute, Action::Sum { terms, dst: Buf::Out }, deps);
     }
 
-    /// Step s of one scatter chain: the partial of `block`, plus the sum
-    /// received at step s-1. Returns the step after which the slot is ready to send.
-    fn partial_sum(
-        &mut self,
-        s: usize,
-        block: usize,
-        partial: &[usize],
-        incoming: &[usize],
-        exchanges: &[StepId],
-    ) -> StepId {
-        let slot = Buf::Slot(partial[s % 2]);
-        // The slot was last sent by exchange s-2; the sum of step s-1, earlier
-        // on this lane, already waited for that exchange.
-        let product = Action::Matmul { block, src: Buf::XBlock(block), dst: slot, accumulate: false };
-        let matmul = self.push(Lane::Compute, product, vec![]);
-        if s == 0 {
-            return matmul;
+    /// One chain (ring). The compute lane only multiplies; the comm lane
+    /// adds each partial onto the sum received at the step before and sends
+    /// the result on, as soon as both are there (on a GPU the comm stream runs
+    /// the add). So no GEMM waits for a transfer: with three partial slots (one
+    /// more than the chain needs) the compute lane runs up to two partials
+    /// ahead of the chain, and a late peer stalls nobody's GEMMs. Fusing the
+    /// add into the GEMM instead would make every GEMM wait for the previous
+    /// transfer, serialising the one chain; `Schedule::Tiled` is the ring with
+    /// fused adds, its tiles interleaving as separate chains. Returns the slot
+    /// and the exchange of the last sum received.
+    fn scatter_run_ahead(&mut self, steps: usize) -> (Buf, StepId) {
+        let partial = self.slots(SlotKind::Partial, 3.min(steps));
+        let incoming = self.slots(SlotKind::Partial, 2);
+        let slot = |s: usize| Buf::Slot(partial[s % partial.len()]);
+        let mut exchanges: Vec<StepId> = vec![];
+        for s in 0..steps {
+            let block = self.block((steps - s) as isize);
+            // The slot of partial s was handed over by the exchange of step s-3.
+            let reuse = s.checked_sub(partial.len()).map(|e| exchanges[e]).into_iter().collect();
+            let action = Action::Matmul { block, src: Buf::XBlock(block), dst: slot(s), accumulate: false };
+            let product = self.push(Lane::Compute, action, reuse);
+            if s > 0 {
+                // After the exchange of step s-1, earlier on this lane.
+                let terms = vec![slot(s), Buf::Slot(incoming[(s - 1) % 2])];
+                self.push(Lane::Comm, Action::Sum { terms, dst: slot(s) }, vec![product]);
+            }
+            let sends = vec![Transfer { peer: self.next(), buf: slot(s), tag: tag(Direction::Forward, s) }];
+            let recvs =
+                vec![Transfer { peer: self.prev(), buf: Buf::Slot(incoming[s % 2]), tag: tag(Direction::Forward, s) }];
+            // Incoming slot s%2 was last read by the add of step s-1, earlier on this lane.
+            exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![product]));
         }
-        let terms = vec![slot, Buf::Slot(incoming[(s - 1) % 2])];
-        self.push(Lane::Compute, Action::Sum { terms, dst: slot }, vec![exchanges[s - 1]])
+        (Buf::Slot(incoming[(steps - 1) % 2]), exchanges[steps - 1])
+    }
+
+    /// Two chains (bidirectional), the adds fused into the GEMM: at step s
+    /// each chain's GEMM accumulates its partial onto the sum it received at
+    /// step s-1 and the result goes on at once, in an exchange of its own. The
+    /// chains alternate on the compute lane, so each chain's transfer runs
+    /// while the other chain multiplies. Two slots per chain: the one being
+    /// accumulated and sent, and the one the next sum arrives in. Returns each
+    /// chain's last received sum and its exchange.
+    fn scatter_fused(&mut self, fwd: usize, bwd: usize) -> Vec<(Buf, StepId)> {
+        let chains = [(Direction::Forward, fwd), (Direction::Backward, bwd)];
+        let sums: Vec<Vec<usize>> = chains.iter().map(|_| self.slots(SlotKind::Partial, 2)).collect();
+        let mut exchanges: Vec<Vec<StepId>> = vec![vec![], vec![]];
+        for s in 0..fwd.max(bwd) {
+            for (c, &(direction, steps)) in chains.iter().enumerate() {
+                if s >= steps {
+                    continue;
+                }
+                let (block, to, from) = match direction {
+                    Direction::Forward => (self.block((steps - s) as isize), self.next(), self.prev()),
+                    Direction::Backward => (self.block(s as isize - steps as isize), self.prev(), self.next()),
+                };
+                // Step s accumulates onto and sends `sums[c][(s + 1) % 2]`, and
+                // receives into `sums[c][s % 2]`, sent at step s-1 before.
+                let slot = Buf::Slot(sums[c][(s + 1) % 2]);
+                let deps = if s == 0 { vec![] } else { vec![exchanges[c][s - 1]] };
+                let action = Action::Matmul { block, src: Buf::XBlock(block), dst: slot, accumulate: s > 0 };
+                let product = self.push(Lane::Compute, action, deps);
+                let tag = tag(direction, s);
+                let sends = vec![Transfer { peer: to, buf: slot, tag }];
+                let recvs = vec![Transfer { peer: from, buf: Buf::Slot(sums[c][s % 2]), tag }];
+                exchanges[c].push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![product]));
+            }
+        }
+        chains
+            .iter()
+            .enumerate()
+            .map(|(c, &(_, steps))| (Buf::Slot(sums[c][(steps - 1) % 2]), exchanges[c][steps - 1]))
+            .collect()
     }
 
     /// Scatter baseline: the whole matmul, then a ring reduce-scatter of its blocks.

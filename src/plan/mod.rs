@@ -210,10 +210,20 @@ impl std::fmt::Display for Buf {
 pub enum SlotKind {
     /// One travelling block (a chunk, in a sliced plan) of `x`, in the input dtype.
     Input,
-    /// One block (a chunk, in a sliced plan) of products, in the accumulator dtype.
+    /// One block (a chunk, in a sliced plan) of products, in the accumulator
+    /// dtype. A send hands a partial over: no plan reads a sent partial again
+    /// before rewriting it (the plan tests check this), so a backend may give
+    /// the sent buffer away instead of keeping a reference to it.
     Partial,
     /// The whole output, in the accumulator dtype (accumulating patterns).
     Result,
+}
+
+impl SlotKind {
+    /// Whether a send gives this slot's contents away (see `SlotKind::Partial`).
+    pub fn handed_over(self) -> bool {
+        self == SlotKind::Partial
+    }
 }
 
 /// Two transfer chains go round the ring; a tag tells their messages apart.
@@ -278,6 +288,11 @@ impl Plan {
     /// Steps of one lane, in the order that lane runs them.
     pub fn lane_steps(&self, lane: Lane) -> impl Iterator<Item = &Step> {
         self.steps.iter().filter(move |s| s.lane == lane)
+    }
+
+    /// Whether a send of `buf` hands it over (see `SlotKind::Partial`).
+    pub fn hands_over(&self, buf: Buf) -> bool {
+        matches!(buf, Buf::Slot(i) if self.slots.get(i).is_some_and(|k| k.handed_over()))
     }
 
     /// The lanes this plan uses.

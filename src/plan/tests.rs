@@ -56,6 +56,12 @@ fn check_hazards(plan: &Plan, label: &str) {
         for b in step.action.writes() {
             accesses.entry(b).or_default().push((step.id, true));
         }
+        // A sent partial is handed over: to the hazards, the send also ends its value.
+        if let Action::Exchange { sends, .. } = &step.action {
+            for t in sends.iter().filter(|t| plan.hands_over(t.buf)) {
+                accesses.entry(t.buf).or_default().push((step.id, true));
+            }
+        }
     }
     for (buf, list) in &accesses {
         for (i, &(t, is_write)) in list.iter().enumerate() {
@@ -190,6 +196,10 @@ fn simulate(plans: &[Plan], label: &str) {
                                 let key = (r, t.peer, t.tag);
                                 let previous = mailbox.insert(key, (v, kind_of(plan, t.buf)));
                                 assert!(previous.is_none(), "{label}: rank {r} sends {:?} to {} twice", t.tag, t.peer);
+                                // Handed over: a later read before a rewrite finds the slot empty.
+                                if let (true, Buf::Slot(i)) = (plan.hands_over(t.buf), t.buf) {
+                                    st.slots.remove(&i);
+                                }
                             }
                             st.sent = true;
                         }
@@ -364,9 +374,67 @@ fn head_and_tail_are_not_exposed() {
 fn bidirectional_halves_the_transfer_steps() {
     for n in 2..=16 {
         for pattern in [GATHER, Pattern::Gather { accumulate: true }, Pattern::Scatter] {
-            let exchanges = |s| plan(pattern, s, n, 0).lane_steps(Lane::Comm).count();
-            assert_eq!(exchanges(Schedule::Ring), n - 1);
-            assert_eq!(exchanges(Schedule::Bidirectional), n / 2);
+            // A round is one tag step: the chains' transfers of one step run at once.
+            let rounds = |s| {
+                let p = plan(pattern, s, n, 0);
+                let mut steps: Vec<usize> = p
+                    .lane_steps(Lane::Comm)
+                    .flat_map(|step| match &step.action {
+                        Action::Exchange { sends, .. } => sends.iter().map(|t| t.tag.step).collect(),
+                        _ => vec![],
+                    })
+                    .collect();
+                steps.sort();
+                steps.dedup();
+                steps.len()
+            };
+            assert_eq!(rounds(Schedule::Ring), n - 1);
+            assert_eq!(rounds(Schedule::Bidirectional), n / 2);
+        }
+    }
+}
+
+#[test]
+fn bidirectional_scatter_adds_inside_the_gemm() {
+    // Every received sum is accumulated onto by a GEMM; the only Sum is the
+    // final one into the output (own partial + each chain's last sum).
+    for n in 3..=16 {
+        for rank in 0..n {
+            let p = plan(Pattern::Scatter, Schedule::Bidirectional, n, rank);
+            let sums: Vec<_> = p.steps.iter().filter(|s| matches!(s.action, Action::Sum { .. })).collect();
+            assert_eq!(sums.len(), 1, "n={n}");
+            assert!(matches!(&sums[0].action, Action::Sum { terms, dst: Buf::Out } if terms.len() == 3));
+            let accumulating =
+                p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { accumulate: true, .. })).count();
+            assert_eq!(accumulating, n - 1 - 2, "n={n}: every chain step after its first");
+        }
+    }
+}
+
+#[test]
+fn ring_scatter_gemms_run_ahead_of_the_chain() {
+    // The compute lane only multiplies: no GEMM waits for a transfer except
+    // to reuse the slot handed over three steps before, so a late peer lets
+    // a rank compute two more partials before anything on it stalls.
+    for n in 2..=16 {
+        for rank in 0..n {
+            let p = plan(Pattern::Scatter, Schedule::Ring, n, rank);
+            let compute: Vec<_> = p.lane_steps(Lane::Compute).collect();
+            let exchanges: Vec<StepId> = p
+                .lane_steps(Lane::Comm)
+                .filter(|s| matches!(s.action, Action::Exchange { .. }))
+                .map(|s| s.id)
+                .collect();
+            let [products @ .., own, last] = &compute[..] else { panic!() };
+            assert_eq!(products.len(), n - 1);
+            for (s, step) in products.iter().enumerate() {
+                assert!(matches!(step.action, Action::Matmul { accumulate: false, .. }));
+                let want: Vec<StepId> = if s >= 3 { vec![exchanges[s - 3]] } else { vec![] };
+                assert_eq!(step.deps, want, "n={n} rank={rank} product {s}");
+            }
+            assert!(own.deps.is_empty() && matches!(own.action, Action::Matmul { .. }));
+            assert!(matches!(last.action, Action::Sum { dst: Buf::Out, .. }));
+            assert_eq!(p.slots.iter().filter(|k| **k == SlotKind::Partial).count(), 3.min(n - 1) + 2 + 1);
         }
     }
 }

@@ -346,6 +346,14 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
         for t in sends {
             let started = Instant::now();
             let block = match t.buf {
+                // A handed-over partial leaves the slot, so the peer that adds
+                // onto it holds the only reference and needs no copy.
+                Buf::Slot(i) if self.slot_kinds.get(i).is_some_and(|k| k.handed_over()) => {
+                    let mut slot = self.write_slot(t.buf)?.0;
+                    slot.take().ok_or_else(|| {
+                        Error::Internal(format!("plan error: {} is sent before it was written", t.buf))
+                    })?
+                }
                 Buf::Slot(_) => Arc::clone(Self::held(&*self.read_slot(t.buf)?, t.buf)?),
                 _ => self.x_block(t.buf)?,
             };
@@ -534,30 +542,51 @@ mod tests {
     use crate::problem::OpKind;
     use std::time::Duration;
 
-    /// Keeps what the backend says it copied; watches no lane.
+    /// Keeps what the backend says it copied, and when each compute step ran.
     #[derive(Default)]
-    struct CopyWatch(Mutex<Option<Copies>>);
+    struct Watch {
+        copies: Mutex<Option<Copies>>,
+        computed: Mutex<Vec<(crate::plan::Step, Instant, Instant)>>,
+    }
 
-    struct Silent;
+    struct LaneWatch<'w>(Option<&'w Watch>);
 
-    impl LaneObserver for Silent {
+    impl LaneObserver for LaneWatch<'_> {
         fn waited(&self, _: &crate::plan::Step, _: Instant, _: Instant) {}
         fn transferred(&self, _: &crate::plan::Step, _: Direction, _: &Transfer, _: Instant, _: Instant) {}
-        fn step_done(&self, _: &crate::plan::Step, _: Instant, _: Instant) {}
+        fn step_done(&self, step: &crate::plan::Step, started: Instant, ended: Instant) {
+            if let Some(watch) = self.0 {
+                watch.computed.lock().unwrap().push((step.clone(), started, ended));
+            }
+        }
     }
 
-    impl Observer for CopyWatch {
-        fn lane(&self, _: Lane) -> Box<dyn LaneObserver + '_> {
-            Box::new(Silent)
+    impl Observer for Watch {
+        fn lane(&self, lane: Lane) -> Box<dyn LaneObserver + '_> {
+            Box::new(LaneWatch((lane == Lane::Compute).then_some(self)))
         }
         fn copied(&self, copies: Copies) {
-            *self.0.lock().unwrap() = Some(copies);
+            *self.copies.lock().unwrap() = Some(copies);
         }
     }
 
-    /// Runs `kind` over `n` ranks on f32 operands of the given dims; returns
-    /// each rank's copies.
-    fn copies(kind: OpKind, schedule: Schedule, n: usize, dims: [&[i64]; 3], site: i64) -> Vec<Copies> {
+    /// What one rank's run reported, and when it started.
+    struct RankRun {
+        started: Instant,
+        copies: Copies,
+        computed: Vec<(crate::plan::Step, Instant, Instant)>,
+    }
+
+    /// Runs `kind` over `n` ranks on f32 operands of the given dims, rank
+    /// `late.0` starting `late.1` after the others.
+    fn run_ranks(
+        kind: OpKind,
+        schedule: Schedule,
+        n: usize,
+        dims: [&[i64]; 3],
+        site: i64,
+        late: (usize, Duration),
+    ) -> Vec<RankRun> {
         std::thread::scope(|scope| {
             let ranks: Vec<_> = (0..n)
                 .map(|rank| {
@@ -577,17 +606,26 @@ mod tests {
                             timeout: Duration::from_secs(20),
                             interrupts: crate::config::interrupts(),
                         };
+                        if rank == late.0 {
+                            std::thread::sleep(late.1);
+                        }
+                        let started = Instant::now();
                         let endpoint = Endpoint::join(key, info);
-                        let watch = CopyWatch::default();
+                        let watch = Watch::default();
                         let buffers = Buffers { x: &xb, w: &wb, out: &mut ob, workspace };
                         run(&problem, &plan, buffers, &endpoint, Some(&watch)).unwrap();
-                        let copied = watch.0.lock().unwrap().expect("the run reports its copies");
-                        copied
+                        let copies = watch.copies.lock().unwrap().expect("the run reports its copies");
+                        let computed = std::mem::take(&mut *watch.computed.lock().unwrap());
+                        RankRun { started, copies, computed }
                     })
                 })
                 .collect();
             ranks.into_iter().map(|r| r.join().unwrap()).collect()
         })
+    }
+
+    fn copies(kind: OpKind, schedule: Schedule, n: usize, dims: [&[i64]; 3], site: i64) -> Vec<Copies> {
+        run_ranks(kind, schedule, n, dims, site, (0, Duration::ZERO)).into_iter().map(|r| r.copies).collect()
     }
 
     #[test]
@@ -607,11 +645,40 @@ mod tests {
     fn partial_sums_travel_without_copies() {
         let (n, rows, k, cols) = (4, 8, 16, 8);
         let dims: [&[i64]; 3] = [&[(n * rows) as i64, k as i64], &[k as i64, cols as i64], &[rows as i64, cols as i64]];
-        for (i, schedule) in [Schedule::Ring, Schedule::Bidirectional].into_iter().enumerate() {
+        let schedules = [Schedule::Ring, Schedule::Bidirectional, Schedule::Tiled { tiles: 2 }];
+        for (i, schedule) in schedules.into_iter().enumerate() {
             for (rank, c) in copies(OpKind::MatmulReduceScatter, schedule, n, dims, 7200 + i as i64).iter().enumerate()
             {
+                // Adds onto received sums (bidirectional, tiled: inside the GEMM) find the block unshared.
                 assert_eq!(*c, Copies::default(), "{schedule:?} rank {rank}");
             }
+        }
+    }
+
+    #[test]
+    fn a_late_peer_does_not_stall_the_ring_scatter_gemms_of_the_others() {
+        // Rank 1 starts 300 ms late. Every other rank computes its first
+        // three partials (the run-ahead) before rank 1 has even started,
+        // although from its second step on each rank's chain needs rank 1's sums.
+        let (n, rows, k, cols) = (4, 32, 64, 32);
+        let dims: [&[i64]; 3] = [&[(n * rows) as i64, k as i64], &[k as i64, cols as i64], &[rows as i64, cols as i64]];
+        let late = Duration::from_millis(300);
+        let runs = run_ranks(OpKind::MatmulReduceScatter, Schedule::Ring, n, dims, 7300, (1, late));
+        let late_start = runs[1].started;
+        for (rank, run) in runs.iter().enumerate().filter(|(r, _)| *r != 1) {
+            let products: Vec<Instant> = run
+                .computed
+                .iter()
+                .filter(|(step, ..)| matches!(step.action, crate::plan::Action::Matmul { .. }))
+                .map(|(_, _, ended)| *ended)
+                .collect();
+            assert_eq!(products.len(), n, "rank {rank}: n-1 partials and the own block");
+            for (s, ended) in products.iter().take(3).enumerate() {
+                assert!(*ended < late_start, "rank {rank}: partial {s} waited for the late rank");
+            }
+            // The final sum needs the chain through rank 1: it ends after rank 1 started.
+            let (_, _, final_sum) = run.computed.last().unwrap();
+            assert!(*final_sum > late_start, "rank {rank}");
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod group;
 pub mod plan;
 pub mod prepare;
 pub mod problem;
+pub mod reshard;
 pub mod sim;
 pub mod sync;
 pub mod trace;

@@ -26,6 +26,7 @@ from ._matmul_all_reduce import matmul_all_reduce
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms
 from ._overlap import overlap
+from ._reshard import reshard
 from ._trace import trace
 
 _interrupt.install()
@@ -40,6 +41,7 @@ __all__ = [
     "all_to_all_matmul",
     "matmul_all_to_all",
     "overlap",
+    "reshard",
     "trace",
     "explain",
     "configure",

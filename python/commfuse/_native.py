@@ -59,7 +59,10 @@ CUDA_BUILT = bool(lib.commfuse_cuda_built())
 CPU_TARGET = "commfuse_collective_matmul_cpu"
 CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
+RESHARD_CPU_TARGET = "commfuse_reshard_cpu"
+
 jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
+jax.ffi.register_ffi_target(RESHARD_CPU_TARGET, jax.ffi.pycapsule(getattr(lib, RESHARD_CPU_TARGET)), platform="cpu")
 
 
 def jax_cuda_major() -> int:

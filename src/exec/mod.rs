@@ -362,8 +362,9 @@ fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instan
 }
 
 impl<'a> Wait<'a> {
-    /// A wait outside an executor run, for tests of backends.
-    pub fn for_test(cancelled: &'a AtomicBool) -> Wait<'a> {
+    /// A wait outside an executor run (a backend's own loop, such as
+    /// `backend::cpu::reshard`, or a test), never cancelled from outside.
+    pub fn unwatched(cancelled: &'a AtomicBool) -> Wait<'a> {
         Wait { cancelled, watcher: None, ready: Instant::now() }
     }
 }

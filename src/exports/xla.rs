@@ -1,4 +1,4 @@
-//! The XLA FFI handlers: the two symbols Python registers with
+//! The XLA FFI handlers: the symbols Python registers with
 //! `jax.ffi.register_ffi_target`. Each goes through `xla::handle_*`, which
 //! catches panics and turns errors into XLA errors.
 
@@ -10,6 +10,16 @@ use crate::xla::{self, sys};
 pub unsafe extern "C" fn commfuse_collective_matmul_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
     // SAFETY: XLA passes a valid call frame for the duration of the call.
     unsafe { xla::handle_named("commfuse collective matmul", frame, crate::backend::cpu::handler::collective_matmul) }
+}
+
+/// `commfuse.reshard` on CPU devices (see `backend::cpu::reshard`).
+///
+/// # Safety
+/// Called by XLA with its call frame.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_reshard_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA passes a valid call frame for the duration of the call.
+    unsafe { xla::handle_named("commfuse reshard", frame, crate::backend::cpu::reshard::handler) }
 }
 
 /// The CUDA handler: the same op on a GPU (see `backend::cuda`).

@@ -12,6 +12,7 @@
 mod gemm;
 pub mod handler;
 pub mod numeric;
+pub mod reshard;
 pub mod transport;
 
 use crate::dtype::DType;

@@ -511,7 +511,7 @@ mod tests {
                 a.send_copy(1, tag(0), &[1, 2, 3, 4, 5], Instant::now());
             });
             let b = Endpoint::join(key(1), info(1));
-            let wait = Wait::for_test(&cancelled);
+            let wait = Wait::unwatched(&cancelled);
             let mut dst = [0u8; 5];
             b.recv_into(0, tag(0), &mut dst, &wait).unwrap();
             assert_eq!(dst, [1, 2, 3, 4, 5]);
@@ -522,7 +522,7 @@ mod tests {
     fn a_missing_rank_gives_a_deadline_error_naming_it() {
         let cancelled = AtomicBool::new(false);
         let a = Endpoint::join(key(2), info(0));
-        let wait = Wait::for_test(&cancelled);
+        let wait = Wait::unwatched(&cancelled);
         let start = Instant::now();
         let e = a.recv_into(2, tag(0), &mut [0u8; 4], &wait).unwrap_err();
         assert!(start.elapsed() < Duration::from_secs(2));
@@ -544,13 +544,13 @@ mod tests {
             s.spawn(|| {
                 let b = Endpoint::join(key(5), info(1));
                 let mut got = [0u8; 2];
-                b.recv_into(0, tag(0), &mut got, &Wait::for_test(&cancelled)).unwrap();
+                b.recv_into(0, tag(0), &mut got, &Wait::unwatched(&cancelled)).unwrap();
                 b.send_copy(2, tag(1), &got, Instant::now());
             });
             let c = Endpoint::join(key(5), info(2));
             let start = Instant::now();
             let mut got = [0u8; 2];
-            c.recv_into(1, tag(1), &mut got, &Wait::for_test(&cancelled)).unwrap();
+            c.recv_into(1, tag(1), &mut got, &Wait::unwatched(&cancelled)).unwrap();
             assert_eq!(got, [1, 2]);
             assert!(start.elapsed() >= Duration::from_millis(550), "{:?}", start.elapsed());
         });
@@ -569,7 +569,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(700));
             });
             let a = Endpoint::join(key(6), info(0));
-            let e = a.recv_into(1, tag(3), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+            let e = a.recv_into(1, tag(3), &mut [0u8; 4], &Wait::unwatched(&cancelled)).unwrap_err();
             let waited = start.elapsed();
             // Counted from the op's start it would end at 200 ms.
             assert!(waited >= Duration::from_millis(480) && waited < Duration::from_secs(5), "{waited:?}");
@@ -590,7 +590,7 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         let (a, _b, _c) =
             (Endpoint::join(key(7), info(0)), Endpoint::join(key(7), info(1)), Endpoint::join(key(7), info(2)));
-        let e = a.recv_into(2, tag(4), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+        let e = a.recv_into(2, tag(4), &mut [0u8; 4], &Wait::unwatched(&cancelled)).unwrap_err();
         assert!(
             e.message()
                 .contains("every rank arrived, so rank 2 failed or stalled before step 4 (it last moved 0.2 s ago)"),
@@ -611,7 +611,7 @@ mod tests {
             long.timeout = Duration::from_secs(30);
             let a = Endpoint::join(key(8), long);
             let start = Instant::now();
-            let e = a.recv_into(1, tag(0), &mut [0u8; 4], &Wait::for_test(&cancelled)).unwrap_err();
+            let e = a.recv_into(1, tag(0), &mut [0u8; 4], &Wait::unwatched(&cancelled)).unwrap_err();
             assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
             let Error::InvalidArgument(message) = e else { panic!("{e:?}") };
             assert!(message.contains("rank 1 (device 11) failed first: workspace has 0 bytes"), "{message}");
@@ -634,7 +634,7 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         {
             let a = Endpoint::join(key(4), info(0));
-            let wait = Wait::for_test(&cancelled);
+            let wait = Wait::unwatched(&cancelled);
             assert!(a.recv_into(1, tag(0), &mut [0u8; 4], &wait).is_err());
         }
         assert!(!lock(registry()).contains_key(&key(4)));
@@ -665,7 +665,7 @@ mod tests {
         let mut dst = vec![0u8; bytes];
         let mut times = vec![];
         for (i, &(from, to)) in sends.iter().enumerate() {
-            let wait = Wait::for_test(&cancelled);
+            let wait = Wait::unwatched(&cancelled);
             ends[to].recv_into(from, tag(i), &mut dst, &wait).unwrap();
             times.push(start.elapsed());
             assert!(dst.iter().all(|&b| b == 7));
@@ -729,7 +729,7 @@ mod tests {
         let ready = Instant::now() - Duration::from_millis(40);
         a.send_copy(1, tag(0), &vec![7u8; BYTES], ready);
         let cancelled = AtomicBool::new(false);
-        let wait = Wait::for_test(&cancelled);
+        let wait = Wait::unwatched(&cancelled);
         let arrived = b.recv_into(0, tag(0), &mut vec![0u8; BYTES], &wait).unwrap();
         within(arrived - ready, 90.0, "arrival after ready");
         within(Instant::now() - ready, 90.0, "receive after ready");

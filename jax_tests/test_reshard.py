@@ -1,0 +1,125 @@
+"""commfuse.reshard against jax.device_put on random meshes and layouts."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import commfuse
+
+SCHEDULES = ["direct", "broadcast", "auto"]
+
+
+def _random_mesh(rng, devices, names):
+    """A 1-D or 2-D mesh on a random subset of `devices`."""
+    count = int(rng.choice([1, 2, 3, 4, 6, 8]))
+    chosen = list(rng.permutation(len(devices))[:count])
+    if len(names) == 2 and count in (4, 6, 8) and rng.random() < 0.6:
+        shape = (2, count // 2)
+    else:
+        shape, names = (count,), names[:1]
+    return Mesh(np.array([devices[i] for i in chosen]).reshape(shape), names)
+
+
+def _random_spec(rng, mesh, ndim):
+    """Each mesh axis on a random dim (or unused, i.e. replicated)."""
+    dims = [[] for _ in range(ndim)]
+    for axis in mesh.axis_names:
+        choice = int(rng.integers(-1, ndim))
+        if choice >= 0:
+            dims[choice].append(axis)
+    return P(*[tuple(d) if len(d) > 1 else (d[0] if d else None) for d in dims])
+
+
+def _divisible_shape(rng, ndim, shardings):
+    shape = []
+    for d in range(ndim):
+        factor = 1
+        for s in shardings:
+            entry = s.spec[d] if d < len(s.spec) else None
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            factor = np.lcm(factor, int(np.prod([s.mesh.shape[a] for a in axes])))
+        shape.append(int(factor * rng.integers(1, 4)))
+    return tuple(shape)
+
+
+def _same(y, ref, sharding):
+    assert y.sharding == sharding
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
+    by_device = {s.device: s for s in ref.addressable_shards}
+    for s in y.addressable_shards:
+        assert s.index == by_device[s.device].index
+        np.testing.assert_array_equal(np.asarray(s.data), np.asarray(by_device[s.device].data))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reshard_equals_device_put_on_random_meshes_and_layouts(seed):
+    rng = np.random.default_rng(seed)
+    devices = jax.devices()
+    for case in range(4):
+        ndim = int(rng.integers(1, 4))
+        src_mesh = _random_mesh(rng, devices, ("a", "b"))
+        dst_mesh = _random_mesh(rng, devices, ("c", "d"))
+        src = NamedSharding(src_mesh, _random_spec(rng, src_mesh, ndim))
+        dst = NamedSharding(dst_mesh, _random_spec(rng, dst_mesh, ndim))
+        shape = _divisible_shape(rng, ndim, [src, dst])
+        dtype = [np.float32, jax.numpy.bfloat16, np.int32][case % 3]
+        data = rng.uniform(-100, 100, shape).astype(dtype)
+        x = jax.device_put(data, src)
+        ref = jax.device_put(x, dst)
+        for schedule in SCHEDULES:
+            _same(commfuse.reshard(x, dst, schedule=schedule), ref, dst)
+
+
+def test_pipeline_shapes_rows_to_columns_and_replicated_from_two_sources():
+    devices = jax.devices()
+    stage0 = Mesh(np.array(devices[:2]), ("tp",))
+    stage1 = Mesh(np.array(devices[2:10]).reshape(2, 4), ("dp", "tp"))
+    x = jax.device_put(np.random.default_rng(0).standard_normal((64, 32), np.float32), NamedSharding(stage0, P("tp")))
+    for spec in [P(), P(None, "tp"), P("dp", "tp"), P(("dp", "tp"))]:
+        dst = NamedSharding(stage1, spec)
+        for schedule in SCHEDULES:
+            _same(commfuse.reshard(x, dst, schedule=schedule), jax.device_put(x, dst), dst)
+
+
+def test_overlapping_meshes_and_an_unchanged_sharding():
+    devices = jax.devices()
+    a = Mesh(np.array(devices[:4]), ("x",))
+    b = Mesh(np.array(devices[2:6]), ("y",))
+    x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), NamedSharding(a, P("x")))
+    dst = NamedSharding(b, P(None, "y"))
+    _same(commfuse.reshard(x, dst), jax.device_put(x, dst), dst)
+    assert commfuse.reshard(x, x.sharding) is x
+
+
+def test_bad_arguments_name_the_argument():
+    devices = jax.devices()
+    a = Mesh(np.array(devices[:2]), ("x",))
+    b = Mesh(np.array(devices[2:5]), ("y",))
+    x = jax.device_put(np.zeros((4, 4), np.float32) + 1, NamedSharding(a, P("x")))
+    with pytest.raises(ValueError, match="`sharding`.*does not fit `x`"):
+        commfuse.reshard(x, NamedSharding(b, P("y")))
+    with pytest.raises(TypeError, match="`sharding` must be a NamedSharding"):
+        commfuse.reshard(x, devices[3])
+    with pytest.raises(TypeError, match="`x` must be a jax.Array"):
+        commfuse.reshard(np.ones((4, 4)), NamedSharding(b, P()))
+    with pytest.raises(ValueError, match="`schedule` must be one of"):
+        commfuse.reshard(x, NamedSharding(b, P()), schedule="tree")
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(lambda v: commfuse.reshard(v, NamedSharding(b, P())))(x)
+
+
+def test_repeated_calls_reuse_one_program_and_stay_correct():
+    devices = jax.devices()
+    a = Mesh(np.array(devices[:2]), ("x",))
+    b = Mesh(np.array(devices[2:8]), ("y",))
+    dst = NamedSharding(b, P())
+    for i, schedule in itertools.product(range(3), SCHEDULES):
+        x = jax.device_put(np.full((6, 4), i, np.float32) + np.arange(4, dtype=np.float32), NamedSharding(a, P("x")))
+        _same(commfuse.reshard(x, dst, schedule=schedule), jax.device_put(x, dst), dst)

@@ -2,10 +2,9 @@
 
 One program runs over the union of the two meshes' devices (source mesh
 first, then the destination's other devices, on a 1-D mesh of its own). Each
-device passes its source tile flattened (padding where it holds none) to one
-FFI call, `commfuse_reshard_cpu`; the Rust planner (`src/reshard/`) decides
-who sends which bytes to whom, and each device returns its destination tile
-flattened. The tiles come from JAX's own `devices_indices_map`, so the result
+device passes its source tile (a stand-in where it holds none) to one FFI
+call, `commfuse_reshard_cpu`; the Rust planner (`src/reshard/`) decides who
+sends which bytes to whom, and each device returns its destination tile. The tiles come from JAX's own `devices_indices_map`, so the result
 is laid out exactly as `jax.device_put(x, sharding)` lays it out.
 """
 
@@ -74,20 +73,49 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
     when one is set). Runs on CPU devices; on other platforms `"auto"` falls
     back to `jax.device_put` and the explicit schedules raise.
     """
-    _check(x, sharding, schedule)
-    if x.sharding.is_equivalent_to(sharding, x.ndim):
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
+        _check(x, sharding, schedule)  # says which argument is wrong
+    key = (x.sharding, sharding, x.shape, x.dtype, schedule)
+    program = _programs.get(key)
+    if program is None:
+        _check(x, sharding, schedule)
+        program = _programs[key] = _plan(x, sharding, schedule)
+    if program is _SAME:
         return x
+    if program is _DEVICE_PUT:
+        return jax.device_put(x, sharding)
+    union = program.union
+    # Every shard of a NamedSharding has the tile's shape, so the shards go in
+    # and come out as they are (no reshape, no copy); a device holding no
+    # source tile passes a cached stand-in.
+    shards = {s.device: s.data for s in x.addressable_shards}
+    pieces = [shards[d] if d in shards else program.stand_in(d) for d in union]
+    operand = jax.make_array_from_single_device_arrays(program.operand_shape, program.operand_sharding, pieces)
+    moved = program.fn(operand)
+    rows = {s.device: s.data for s in moved.addressable_shards}
+    tiles = [rows[d] for d in program.dst_devices]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, tiles)
+
+
+# Layout pairs that need no program (see `_plan`): nothing to move, or
+# handed to jax.device_put.
+_SAME, _DEVICE_PUT = object(), object()
+
+
+def _plan(x, sharding, schedule):
+    """The program moving arrays like `x` to `sharding` (once per layout
+    pair), or `_SAME` or `_DEVICE_PUT`."""
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+        return _SAME
     src_devices = list(x.sharding.mesh.devices.flat)
     dst_devices = list(sharding.mesh.devices.flat)
     union = src_devices + [d for d in dst_devices if d not in src_devices]
-    if any(d.platform != "cpu" for d in union) or x.size == 0:
-        if schedule == "auto" or x.size == 0:
-            return jax.device_put(x, sharding)
+    if any(d.platform != "cpu" for d in union) or x.size == 0 or x.ndim == 0:
+        if schedule == "auto" or x.size == 0 or x.ndim == 0:  # nothing to plan for a scalar
+            return _DEVICE_PUT
         raise NotImplementedError(
             f"commfuse.reshard(schedule={schedule!r}) runs on CPU devices; the CUDA path is not built yet "
             "(schedule='auto' falls back to jax.device_put)")
-    src_map = x.sharding.devices_indices_map(x.shape)
-    dst_map = sharding.devices_indices_map(x.shape)
 
     def flat_tiles(index_map):
         out = []
@@ -99,51 +127,40 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
                 out += [-1] * (2 * x.ndim)
         return out
 
-    src, dst = flat_tiles(src_map), flat_tiles(dst_map)
-    in_len = max(1, int(np.prod(x.sharding.shard_shape(x.shape))))
-    out_shape = sharding.shard_shape(x.shape)
-    out_len = max(1, int(np.prod(out_shape)))
-    key = (tuple(d.id for d in union), x.shape, x.dtype, tuple(src), tuple(dst), schedule)
-    program = _programs.get(key)
-    if program is None:
-        program = _programs[key] = _program(union, x.shape, x.dtype, src, dst, schedule, in_len, out_len)
-    program, umesh = program
-
-    shards = {s.device: s.data for s in x.addressable_shards}
-    pieces = []
-    for d in union:
-        if d in shards:
-            piece = shards[d].reshape(1, -1)
-            if piece.shape[1] < in_len:
-                piece = jax.numpy.pad(piece, ((0, 0), (0, in_len - piece.shape[1])))
-        else:
-            piece = jax.device_put(np.zeros((1, in_len), x.dtype), d)
-        pieces.append(piece)
-    operand = jax.make_array_from_single_device_arrays((len(union), in_len), NamedSharding(umesh, P(_AXIS)), pieces)
-    moved = program(operand)
-    rows = {s.device: s.data for s in moved.addressable_shards}
-    out_size = int(np.prod(out_shape))
-    tiles = [rows[d][0, :out_size].reshape(out_shape) for d in sharding.addressable_devices_indices_map(x.shape)]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, tiles)
+    src = flat_tiles(x.sharding.devices_indices_map(x.shape))
+    dst = flat_tiles(sharding.devices_indices_map(x.shape))
+    in_tile, out_tile = x.sharding.shard_shape(x.shape), sharding.shard_shape(x.shape)
+    program = _Program(union, x.shape, x.dtype, src, dst, schedule, in_tile, out_tile)
+    program.dst_devices = list(sharding.addressable_devices_indices_map(x.shape))
+    return program
 
 
-def _program(union, shape, dtype, src, dst, schedule, in_len, out_len):
-    """The jitted union program: one FFI call per device."""
-    umesh = Mesh(np.array(union), (_AXIS,))
-    attrs = dict(
-        devices=np.asarray([d.id for d in union], np.int64),
-        shape=np.asarray(shape, np.int64),
-        itemsize=np.int64(np.dtype(dtype).itemsize),
-        src=np.asarray(src, np.int64),
-        dst=np.asarray(dst, np.int64),
-        method=np.int64(METHODS[schedule]),
-        chunk_bytes=np.int64(CHUNK_BYTES),
-        site=np.int64(next(_sites)),
-    )
-    call = jax.ffi.ffi_call(_native.RESHARD_CPU_TARGET, jax.ShapeDtypeStruct((1, out_len), dtype),
-                            has_side_effect=True)
+class _Program:
+    """The jitted union program (one FFI call per device) of one layout pair:
+    the tiles stacked along dim 0 over the union's devices."""
 
-    def body(piece):
-        return call(piece, **attrs)
+    def __init__(self, union, shape, dtype, src, dst, schedule, in_tile, out_tile):
+        mesh = Mesh(np.array(union), (_AXIS,))
+        self.union = union
+        self.operand_shape = (len(union) * in_tile[0], *in_tile[1:])
+        self.operand_sharding = NamedSharding(mesh, P(_AXIS))
+        self._in_tile, self._dtype, self._stand_ins = in_tile, dtype, {}
+        attrs = dict(
+            devices=np.asarray([d.id for d in union], np.int64),
+            shape=np.asarray(shape, np.int64),
+            itemsize=np.int64(np.dtype(dtype).itemsize),
+            src=np.asarray(src, np.int64),
+            dst=np.asarray(dst, np.int64),
+            method=np.int64(METHODS[schedule]),
+            chunk_bytes=np.int64(CHUNK_BYTES),
+            site=np.int64(next(_sites)),
+        )
+        call = jax.ffi.ffi_call(_native.RESHARD_CPU_TARGET, jax.ShapeDtypeStruct(out_tile, dtype),
+                                has_side_effect=True)
+        self.fn = jax.jit(jax.shard_map(lambda tile: call(tile, **attrs), mesh=mesh, in_specs=P(_AXIS),
+                                        out_specs=P(_AXIS), check_vma=False))
 
-    return jax.jit(jax.shard_map(body, mesh=umesh, in_specs=P(_AXIS), out_specs=P(_AXIS), check_vma=False)), umesh
+    def stand_in(self, device):
+        if device not in self._stand_ins:
+            self._stand_ins[device] = jax.device_put(np.zeros(self._in_tile, self._dtype), device)
+        return self._stand_ins[device]

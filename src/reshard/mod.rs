@@ -116,6 +116,11 @@ impl Layout {
             ));
         }
         let whole = Region { start: vec![0; shape.len()], end: shape.clone() };
+        // Every byte count below is at most the whole array's.
+        let total = shape.iter().try_fold(itemsize, |acc, &d| acc.checked_mul(d));
+        if !total.is_some_and(|t| t <= isize::MAX as usize) {
+            return invalid(format!("x: shape {shape:?} of {itemsize}-byte items is too large to address"));
+        }
         for (name, tiles) in [("x", &src), ("sharding", &dst)] {
             for (rank, tile) in tiles.iter().enumerate() {
                 if let Some(t) = tile {
@@ -277,8 +282,13 @@ fn push(
     id
 }
 
-/// `total` bytes cut into ranges of at most `chunk` bytes, on item boundaries.
+/// The most chunks a piece is cut into (a smaller `chunk_bytes` is raised).
+pub const MAX_CHUNKS: usize = 1 << 12;
+
+/// `total` bytes cut into ranges of at most `chunk` bytes (at most
+/// `MAX_CHUNKS` of them), on item boundaries.
 fn chunk_ranges(total: usize, chunk: usize, itemsize: usize) -> Vec<Range<usize>> {
+    let chunk = chunk.max(total.div_ceil(MAX_CHUNKS));
     let chunk = (chunk / itemsize).max(1) * itemsize;
     (0..total.div_ceil(chunk)).map(|c| c * chunk..((c + 1) * chunk).min(total)).collect()
 }

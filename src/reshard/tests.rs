@@ -39,7 +39,7 @@ fn random_tiles(
 fn random_layout(rng: &mut StdRng) -> Layout {
     let ndim = rng.random_range(0..=3);
     let ranks = rng.random_range(1..=10);
-    let mut splits = |rng: &mut StdRng| -> Vec<usize> {
+    let splits = |rng: &mut StdRng| -> Vec<usize> {
         let mut left = ranks;
         (0..ndim)
             .map(|_| {
@@ -79,7 +79,7 @@ fn check(layout: &Layout, plan: &Plan, label: &str) {
     let mut dst: Vec<Option<Vec<u8>>> =
         layout.dst.iter().map(|t| t.as_ref().map(|t| vec![0; layout.bytes(t)])).collect();
     let mut writes: Vec<Vec<u32>> = dst.iter().map(|d| vec![0; d.as_ref().map_or(0, |d| d.len())]).collect();
-    let mut mark = |rank: usize, region: &Region, range: Range<usize>, writes: &mut Vec<Vec<u32>>| {
+    let mark = |rank: usize, region: &Region, range: Range<usize>, writes: &mut Vec<Vec<u32>>| {
         let tile = layout.dst[rank].as_ref().unwrap();
         let data = vec![1u8; range.len()];
         let mut hits = vec![0u8; layout.bytes(tile)];
@@ -203,6 +203,9 @@ fn broadcast_sends_each_piece_once_per_chain_and_direct_once_per_receiver() {
     assert_eq!(sent[..2], [256, 256]);
     assert_eq!(sent.iter().sum::<usize>(), 8 * 256, "every destination receives the tile once");
     assert_eq!(broadcast.rounds, 4 + 3, "4 chunks pipelined over chains of 4");
+    // A chunk size too small for the piece is raised to MAX_CHUNKS chunks.
+    let fine = plan(&layout, Method::Broadcast { chunk_bytes: 1 });
+    assert_eq!(fine.rounds, 64 + 3, "one 4-byte item per chunk, 64 of them");
     let (t_direct, t_broadcast) =
         (predicted_seconds(&direct, 10, 1e9, 0.0), predicted_seconds(&broadcast, 10, 1e9, 0.0));
     assert!(t_broadcast < t_direct / 2.0, "{t_broadcast} vs {t_direct}");
@@ -230,4 +233,7 @@ fn tiles_that_do_not_partition_the_array_are_refused_naming_the_argument() {
     assert!(err.to_string().contains("sharding:"), "{err}");
     let err = Layout::new(vec![8], 4, vec![tile(0, 9), None], vec![tile(0, 8), None]).unwrap_err();
     assert!(err.to_string().contains("not inside"), "{err}");
+    let huge = Region { start: vec![0, 0], end: vec![1 << 40, 1 << 40] };
+    let err = Layout::new(vec![1 << 40, 1 << 40], 4, vec![Some(huge.clone())], vec![Some(huge)]).unwrap_err();
+    assert!(err.to_string().contains("too large to address"), "{err}");
 }

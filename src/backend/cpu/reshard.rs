@@ -72,7 +72,8 @@ fn tiles(name: &str, flat: &[i64], ranks: usize, ndim: usize) -> Result<Vec<Opti
                 return Ok(None);
             }
             let dims = t.iter().map(|&v| usize::try_from(v)).collect::<std::result::Result<Vec<_>, _>>();
-            let dims = dims.map_err(|_| Error::InvalidArgument(format!("reshard: `{name}` of rank {r} is negative")))?;
+            let dims =
+                dims.map_err(|_| Error::InvalidArgument(format!("reshard: `{name}` of rank {r} is negative")))?;
             Ok(Some(Region { start: dims[..ndim].to_vec(), end: dims[ndim..].to_vec() }))
         })
         .collect()
@@ -130,8 +131,12 @@ impl ReshardCall {
         let ([input], [out]) = (args, rets) else {
             return Err(Error::InvalidArgument("reshard: the call has one operand and one result".into()));
         };
-        let participant =
-            transport::Participant { op: "reshard", rank: self.rank, timeout: self.timeout, interrupts: self.interrupts };
+        let participant = transport::Participant {
+            op: "reshard",
+            rank: self.rank,
+            timeout: self.timeout,
+            interrupts: self.interrupts,
+        };
         let endpoint = Endpoint::join(self.key.clone(), participant).with_link(self.link);
         let result = run_rank(&self.layout, &self.plan, self.rank, input, out, &endpoint);
         if let Err(e) = &result {
@@ -147,7 +152,14 @@ impl ReshardCall {
 /// Runs `rank`'s part of `plan`: its local copies, then its rounds (sends,
 /// then receives); a received chunk that this rank forwards later is kept
 /// and handed on as it is (no copy).
-pub fn run_rank(layout: &Layout, plan: &Plan, rank: usize, input: &[u8], out: &mut [u8], endpoint: &Endpoint) -> Result<()> {
+pub fn run_rank(
+    layout: &Layout,
+    plan: &Plan,
+    rank: usize,
+    input: &[u8],
+    out: &mut [u8],
+    endpoint: &Endpoint,
+) -> Result<()> {
     let itemsize = layout.itemsize;
     let src_tile = layout.src[rank].as_ref();
     let dst_tile = layout.dst[rank].as_ref();
@@ -187,7 +199,9 @@ pub fn run_rank(layout: &Layout, plan: &Plan, rank: usize, input: &[u8], out: &m
                 None => {
                     let from = src_tile.ok_or_else(|| no_tile("sends"))?;
                     let mut block = Block::new(m.bytes.len());
-                    endpoint.compute(|| reshard::pack(&m.region, from, itemsize, m.bytes.clone(), input, block.bytes_mut()))?;
+                    endpoint.compute(|| {
+                        reshard::pack(&m.region, from, itemsize, m.bytes.clone(), input, block.bytes_mut())
+                    })?;
                     Arc::new(block)
                 }
             };
@@ -203,4 +217,86 @@ pub fn run_rank(layout: &Layout, plan: &Plan, rank: usize, input: &[u8], out: &m
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Rows split over ranks 0 and 1, needed whole by ranks 2..n.
+    fn layout(n: usize) -> Layout {
+        let tile = |a, b| Some(Region { start: vec![a, 0], end: vec![b, 4] });
+        let src = (0..n).map(|r| match r {
+            0 => tile(0, 8),
+            1 => tile(8, 16),
+            _ => None,
+        });
+        let dst = (0..n).map(|r| if r >= 2 { tile(0, 16) } else { None });
+        Layout::new(vec![16, 4], 4, src.collect(), dst.collect()).unwrap()
+    }
+
+    /// Runs the ranks in `present` on threads; returns each one's output or error.
+    fn run(n: usize, method: Method, present: &[usize], site: i64) -> Vec<Result<Vec<u8>>> {
+        let layout = layout(n);
+        let plan = reshard::plan(&layout, method);
+        let global: Vec<u8> = (0..16 * 4 * 4).map(|b| (b % 251) as u8).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = present
+                .iter()
+                .map(|&rank| {
+                    let (layout, plan, global) = (&layout, &plan, &global);
+                    scope.spawn(move || {
+                        let input = match rank {
+                            0 => global[..128].to_vec(),
+                            1 => global[128..].to_vec(),
+                            _ => vec![0; 128],
+                        };
+                        let mut out = vec![0u8; 256];
+                        let key =
+                            SessionKey { group: (0..n as i64).map(|d| 700 + d).collect(), site, run: -3, sequence: 0 };
+                        let info = transport::Participant {
+                            op: "reshard",
+                            rank,
+                            timeout: Duration::from_millis(300),
+                            interrupts: crate::config::interrupts(),
+                        };
+                        let endpoint = Endpoint::join(key, info);
+                        let result = run_rank(layout, plan, rank, &input, &mut out, &endpoint);
+                        if let Err(e) = &result {
+                            endpoint.fail(e);
+                        }
+                        result.map(|()| out)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn every_destination_gets_the_whole_array_by_either_method() {
+        let global: Vec<u8> = (0..256).map(|b| (b % 251) as u8).collect();
+        for (i, method) in [Method::Direct, Method::Broadcast { chunk_bytes: 24 }].into_iter().enumerate() {
+            let outs = run(6, method, &[0, 1, 2, 3, 4, 5], 8100 + i as i64);
+            for (rank, out) in outs.into_iter().enumerate().skip(2) {
+                assert_eq!(out.unwrap(), global, "{method:?} rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_destination_that_never_arrives_ends_in_a_deadline_error_naming_it() {
+        // Rank 3 never runs: in a broadcast chain 2 -> 3 -> 4 the ranks after
+        // it wait for chunks it never forwards.
+        let outs = run(5, Method::Broadcast { chunk_bytes: 32 }, &[0, 1, 2, 4], 8200);
+        let errors: Vec<String> = outs.into_iter().filter_map(|r| r.err()).map(|e| e.to_string()).collect();
+        assert!(!errors.is_empty());
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("deadline exceeded") && e.contains("ranks [3] (devices [703]) never arrived")),
+            "{errors:?}"
+        );
+    }
 }

@@ -96,6 +96,9 @@ def test_overlapping_meshes_and_an_unchanged_sharding():
     dst = NamedSharding(b, P(None, "y"))
     _same(commfuse.reshard(x, dst), jax.device_put(x, dst), dst)
     assert commfuse.reshard(x, x.sharding) is x
+    # Equivalent (same devices, same tiles) under another mesh: the sharding asked for.
+    renamed = NamedSharding(Mesh(np.array(devices[:4]), ("z",)), P("z"))
+    _same(commfuse.reshard(x, renamed), jax.device_put(x, renamed), renamed)
 
 
 def test_bad_arguments_name_the_argument():
@@ -111,6 +114,8 @@ def test_bad_arguments_name_the_argument():
         commfuse.reshard(np.ones((4, 4)), NamedSharding(b, P()))
     with pytest.raises(ValueError, match="`schedule` must be one of"):
         commfuse.reshard(x, NamedSharding(b, P()), schedule="tree")
+    with pytest.raises(ValueError, match="`schedule` must be one of"):
+        commfuse.reshard(x, NamedSharding(b, P()), schedule=["direct"])
     with pytest.raises(TypeError, match="outside jit"):
         jax.jit(lambda v: commfuse.reshard(v, NamedSharding(b, P())))(x)
 

@@ -51,7 +51,7 @@ def _check(x, sharding, schedule):
         raise TypeError(f"commfuse.reshard: `x` must be sharded with a NamedSharding, got {type(x.sharding).__name__}")
     if not isinstance(sharding, NamedSharding):
         raise TypeError(f"commfuse.reshard: `sharding` must be a NamedSharding, got {type(sharding).__name__}")
-    if schedule not in METHODS:
+    if not isinstance(schedule, str) or schedule not in METHODS:
         raise ValueError(f"commfuse.reshard: `schedule` must be one of {sorted(METHODS)}, got {schedule!r}")
     try:
         sharding.shard_shape(x.shape)
@@ -73,7 +73,8 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
     when one is set). Runs on CPU devices; on other platforms `"auto"` falls
     back to `jax.device_put` and the explicit schedules raise.
     """
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
+    if (isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding)
+            or not isinstance(schedule, str)):
         _check(x, sharding, schedule)  # says which argument is wrong
     key = (x.sharding, sharding, x.shape, x.dtype, schedule)
     program = _programs.get(key)
@@ -81,7 +82,12 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
         _check(x, sharding, schedule)
         program = _programs[key] = _plan(x, sharding, schedule)
     if program is _SAME:
-        return x
+        # The same devices holding the same tiles: the shards stay, under the sharding asked for.
+        if x.sharding == sharding:
+            return x
+        shards = {s.device: s.data for s in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(x.shape)])
     if program is _DEVICE_PUT:
         return jax.device_put(x, sharding)
     union = program.union
@@ -107,6 +113,8 @@ def _plan(x, sharding, schedule):
     pair), or `_SAME` or `_DEVICE_PUT`."""
     if x.sharding.is_equivalent_to(sharding, x.ndim):
         return _SAME
+    if x.sharding.memory_kind != sharding.memory_kind:
+        return _DEVICE_PUT  # a move between memory kinds is XLA's
     src_devices = list(x.sharding.mesh.devices.flat)
     dst_devices = list(sharding.mesh.devices.flat)
     union = src_devices + [d for d in dst_devices if d not in src_devices]

@@ -52,7 +52,8 @@ impl Region {
     }
 
     fn contains(&self, other: &Region) -> bool {
-        (0..self.start.len()).all(|d| self.start[d] <= other.start[d] && other.end[d] <= self.end[d])
+        (0..self.start.len())
+            .all(|d| self.start[d] <= other.start[d] && other.start[d] <= other.end[d] && other.end[d] <= self.end[d])
     }
 
     /// The contiguous runs of `self` (inside `tile`) in row-major order:
@@ -133,10 +134,11 @@ impl Layout {
         // Replicas hold equal tiles; distinct tiles of a NamedSharding partition the array.
         for (name, tiles) in [("x", &src), ("sharding", &dst)] {
             let distinct: Vec<&Region> = distinct_tiles(tiles).into_keys().collect();
-            let covered: usize = distinct.iter().map(|t| t.elements()).sum();
+            // Tiles are inside the shape, whose size was checked: no sum can exceed `distinct.len()` x it.
+            let covered = distinct.iter().try_fold(0usize, |acc, t| acc.checked_add(t.elements()));
             let overlap =
                 distinct.iter().enumerate().any(|(i, a)| distinct[i + 1..].iter().any(|b| a.intersect(b).is_some()));
-            if covered != whole.elements() || overlap {
+            if covered != Some(whole.elements()) || overlap {
                 return invalid(format!("{name}: the tiles do not cover the array exactly once"));
             }
         }
@@ -289,7 +291,7 @@ pub const MAX_CHUNKS: usize = 1 << 12;
 /// `MAX_CHUNKS` of them), on item boundaries.
 fn chunk_ranges(total: usize, chunk: usize, itemsize: usize) -> Vec<Range<usize>> {
     let chunk = chunk.max(total.div_ceil(MAX_CHUNKS));
-    let chunk = (chunk / itemsize).max(1) * itemsize;
+    let chunk = chunk.div_ceil(itemsize).max(1) * itemsize;
     (0..total.div_ceil(chunk)).map(|c| c * chunk..((c + 1) * chunk).min(total)).collect()
 }
 

@@ -233,6 +233,9 @@ fn tiles_that_do_not_partition_the_array_are_refused_naming_the_argument() {
     assert!(err.to_string().contains("sharding:"), "{err}");
     let err = Layout::new(vec![8], 4, vec![tile(0, 9), None], vec![tile(0, 8), None]).unwrap_err();
     assert!(err.to_string().contains("not inside"), "{err}");
+    let inverted = Some(Region { start: vec![6], end: vec![2] });
+    let err = Layout::new(vec![8], 4, vec![tile(0, 8), None], vec![inverted, tile(0, 8)]).unwrap_err();
+    assert!(err.to_string().contains("not inside"), "{err}");
     let huge = Region { start: vec![0, 0], end: vec![1 << 40, 1 << 40] };
     let err = Layout::new(vec![1 << 40, 1 << 40], 4, vec![Some(huge.clone())], vec![Some(huge)]).unwrap_err();
     assert!(err.to_string().contains("too large to address"), "{err}");

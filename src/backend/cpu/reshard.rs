@@ -95,6 +95,9 @@ impl ReshardCall {
         let itemsize = usize::try_from(frame.attr_i64("itemsize")?)
             .map_err(|_| Error::InvalidArgument("reshard: negative itemsize".into()))?;
         let ranks = devices.len();
+        if (1..ranks).any(|i| devices[..i].contains(&devices[i])) {
+            return Err(Error::InvalidArgument(format!("reshard: attribute `devices` repeats a device: {devices:?}")));
+        }
         let src = tiles("src", frame.attr_i64_array("src")?, ranks, shape.len())?;
         let dst = tiles("dst", frame.attr_i64_array("dst")?, ranks, shape.len())?;
         let layout = Layout::new(shape, itemsize, src, dst)?;
@@ -138,7 +141,11 @@ impl ReshardCall {
             interrupts: self.interrupts,
         };
         let endpoint = Endpoint::join(self.key.clone(), participant).with_link(self.link);
-        let result = run_rank(&self.layout, &self.plan, self.rank, input, out, &endpoint);
+        // A panic fails the peers at once too, instead of leaving them to the deadline.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_rank(&self.layout, &self.plan, self.rank, input, out, &endpoint)
+        }))
+        .unwrap_or_else(|_| Err(Error::Internal("panic in commfuse reshard".into())));
         if let Err(e) = &result {
             endpoint.fail(e);
             if matches!(e, Error::DeadlineExceeded(_)) {

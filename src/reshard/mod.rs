@@ -134,7 +134,7 @@ impl Layout {
         // Replicas hold equal tiles; distinct tiles of a NamedSharding partition the array.
         for (name, tiles) in [("x", &src), ("sharding", &dst)] {
             let distinct: Vec<&Region> = distinct_tiles(tiles).into_keys().collect();
-            // Tiles are inside the shape, whose size was checked: no sum can exceed `distinct.len()` x it.
+            // Each tile is at most the (checked) whole; their sum may still overflow.
             let covered = distinct.iter().try_fold(0usize, |acc, t| acc.checked_add(t.elements()));
             let overlap =
                 distinct.iter().enumerate().any(|(i, a)| distinct[i + 1..].iter().any(|b| a.intersect(b).is_some()));
@@ -314,20 +314,22 @@ pub fn predicted_seconds(plan: &Plan, ranks: usize, bytes_per_s: f64, latency_s:
     total
 }
 
-/// The method `auto` runs: the one predicted faster (ties: direct, the simpler).
-pub fn choose(layout: &Layout, chunk_bytes: usize, bytes_per_s: f64, latency_s: f64) -> Method {
-    let direct = Method::Direct;
+/// The method `auto` runs, and its plan: the one predicted faster (ties:
+/// direct, the simpler).
+pub fn choose(layout: &Layout, chunk_bytes: usize, bytes_per_s: f64, latency_s: f64) -> (Method, Plan) {
+    let time = |p: &Plan| predicted_seconds(p, layout.ranks(), bytes_per_s, latency_s);
+    let direct = plan(layout, Method::Direct);
     let broadcast = Method::Broadcast { chunk_bytes };
-    let time = |m| predicted_seconds(&plan(layout, m), layout.ranks(), bytes_per_s, latency_s);
-    if time(broadcast) < time(direct) {
-        broadcast
+    let chained = plan(layout, broadcast);
+    if time(&chained) < time(&direct) {
+        (broadcast, chained)
     } else {
-        direct
+        (Method::Direct, direct)
     }
 }
 
 /// Copies bytes `range` of `region` packed out of `tile`'s row-major buffer
-/// (`tile_bytes`) into `out`, or (`unpack`) from `out` into it.
+/// (`tile_bytes`) into `out` (`unpack` is the reverse).
 pub fn pack(
     region: &Region,
     tile: &Region,
@@ -353,6 +355,25 @@ pub fn unpack(
     let tile_len = tile_bytes.len();
     for_runs(region, tile, itemsize, range, tile_len, data.len(), |packed, at, len| {
         tile_bytes[at..at + len].copy_from_slice(&data[packed..packed + len]);
+    })
+}
+
+/// Copies `region` from one rank's source tile to its destination tile
+/// (each `(tile, its row-major bytes)`), run by run, with no buffer between.
+pub fn copy_local(region: &Region, itemsize: usize, from: (&Region, &[u8]), to: (&Region, &mut [u8])) -> Result<()> {
+    let ((from_tile, from_bytes), (to_tile, to_bytes)) = (from, to);
+    let all = 0..region.elements() * itemsize;
+    let mut sources = vec![];
+    for_runs(region, from_tile, itemsize, all.clone(), from_bytes.len(), all.len(), |packed, at, len| {
+        sources.push((packed, at, len))
+    })?;
+    // Both tiles list the region's runs in the same row-major order and lengths.
+    let to_len = to_bytes.len();
+    let mut next = sources.into_iter();
+    for_runs(region, to_tile, itemsize, all.clone(), to_len, all.len(), |_, at, len| {
+        if let Some((_, src, _)) = next.next() {
+            to_bytes[at..at + len].copy_from_slice(&from_bytes[src..src + len]);
+        }
     })
 }
 

@@ -92,17 +92,8 @@ fn check(layout: &Layout, plan: &Plan, label: &str) {
         let tile =
             layout.src[c.rank].as_ref().unwrap_or_else(|| panic!("{label}: rank {} copies without a source", c.rank));
         let bytes = layout.bytes(&c.region);
-        let mut data = vec![0; bytes];
-        pack(&c.region, tile, layout.itemsize, 0..bytes, src[c.rank].as_ref().unwrap(), &mut data).unwrap();
-        unpack(
-            &c.region,
-            layout.dst[c.rank].as_ref().unwrap(),
-            layout.itemsize,
-            0..bytes,
-            &data,
-            dst[c.rank].as_mut().unwrap(),
-        )
-        .unwrap();
+        let to = (layout.dst[c.rank].as_ref().unwrap(), dst[c.rank].as_mut().unwrap().as_mut_slice());
+        copy_local(&c.region, layout.itemsize, (tile, src[c.rank].as_ref().unwrap()), to).unwrap();
         mark(c.rank, &c.region, 0..bytes, &mut writes);
     }
     let mut arrived: Vec<Option<Vec<u8>>> = vec![None; plan.moves.len()];
@@ -209,9 +200,10 @@ fn broadcast_sends_each_piece_once_per_chain_and_direct_once_per_receiver() {
     let (t_direct, t_broadcast) =
         (predicted_seconds(&direct, 10, 1e9, 0.0), predicted_seconds(&broadcast, 10, 1e9, 0.0));
     assert!(t_broadcast < t_direct / 2.0, "{t_broadcast} vs {t_direct}");
-    assert_eq!(choose(&layout, 64, 1e9, 0.0), Method::Broadcast { chunk_bytes: 64 });
+    let (picked, picked_plan) = choose(&layout, 64, 1e9, 0.0);
+    assert_eq!((picked, &picked_plan), (Method::Broadcast { chunk_bytes: 64 }, &broadcast));
     // Tiny pieces on links where latency dominates: one round of direct sends wins.
-    assert_eq!(choose(&layout, 64, 1e9, 1e-5), Method::Direct);
+    assert_eq!(choose(&layout, 64, 1e9, 1e-5), (Method::Direct, direct));
 }
 
 #[test]

@@ -177,13 +177,9 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
         recorded.append((a, s, moved))
         return moved
     jax.block_until_ready(pipe.step(p0, p1, xs_d, ys_d, recording)[:2])
-    replay = iter([])
-    def replayed(a, s):
-        return next(replay)
     def compute_only():
-        nonlocal replay
-        replay = iter([moved for _, _, moved in recorded])
-        return pipe.step(p0, p1, xs_d, ys_d, replayed)[:2]
+        moved = iter([m for _, _, m in recorded])  # each transfer's result, in the order the step asks
+        return pipe.step(p0, p1, xs_d, ys_d, lambda a, s: next(moved))[:2]
     t_compute = _median(compute_only, reps)
     t_transfers = _median(lambda: [reshard(a, s) for a, s, _ in recorded], reps)
     t_step = timings["commfuse.reshard"]

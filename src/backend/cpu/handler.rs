@@ -14,17 +14,34 @@ use crate::xla::Frame;
 /// One device's call of a fused op on the CPU backend.
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let call = CpuCall::decode(frame)?;
-    match frame.defer("commfuse collective matmul")? {
+    let names = Call::operand_names(frame);
+    run_off_xla_thread(frame, "commfuse collective matmul", &names, &["out", "workspace"], move |args, rets| {
+        call.run(args, rets)
+    })
+}
+
+/// Runs a decoded call on a thread of its own, finishing through XLA's
+/// future; in place on an XLA without FFI futures, on the operands and
+/// results named `operands` and `results` (for errors about them).
+pub fn run_off_xla_thread(
+    frame: &mut Frame<'_>,
+    name: &'static str,
+    operands: &[&str],
+    results: &[&str],
+    run: impl FnOnce(&[&[u8]], &mut [&mut [u8]]) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    match frame.defer(name)? {
         Some(deferred) => {
-            crate::exec::spawn_call(move || deferred.finish(|args, rets| call.run(args, rets)));
+            crate::exec::spawn_call(move || deferred.finish(run));
             Ok(())
         }
-        // An XLA without FFI futures: run here.
         None => {
-            let [first, second] = Call::operand_names(frame);
-            let args = [frame.arg_bytes(0, first)?, frame.arg_bytes(1, second)?];
-            let mut rets = [frame.ret_bytes(0, "out")?, frame.ret_bytes(1, "workspace")?];
-            call.run(&args, &mut rets)
+            let args = operands.iter().enumerate().map(|(i, n)| frame.arg_bytes(i, n)).collect::<Result<Vec<_>>>()?;
+            let mut rets = Vec::with_capacity(results.len());
+            for (i, n) in results.iter().enumerate() {
+                rets.push(frame.ret_bytes(i, n)?);
+            }
+            run(&args, &mut rets)
         }
     }
 }

@@ -32,17 +32,9 @@ const UNMODELLED_LINK: (f64, f64) = (10e9, 5e-6);
 /// One device's call of `commfuse.reshard`.
 pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
     let call = ReshardCall::decode(frame)?;
-    match frame.defer("commfuse reshard")? {
-        Some(deferred) => {
-            crate::exec::spawn_call(move || deferred.finish(|args, rets| call.run(args, rets)));
-            Ok(())
-        }
-        None => {
-            let input = frame.arg_bytes(0, "x")?;
-            let out = frame.ret_bytes(0, "out")?;
-            call.run(&[input], &mut [out])
-        }
-    }
+    super::handler::run_off_xla_thread(frame, "commfuse reshard", &["x"], &["out"], move |args, rets| {
+        call.run(args, rets)
+    })
 }
 
 struct ReshardCall {
@@ -106,19 +98,18 @@ impl ReshardCall {
             .filter(|&c| c > 0)
             .ok_or_else(|| Error::InvalidArgument("reshard: chunk_bytes must be positive".into()))?;
         let link = LinkModel::from_env()?;
-        let method = match frame.attr_i64("method")? {
-            DIRECT => Method::Direct,
-            BROADCAST => Method::Broadcast { chunk_bytes },
+        let plan = match frame.attr_i64("method")? {
+            DIRECT => reshard::plan(&layout, Method::Direct),
+            BROADCAST => reshard::plan(&layout, Method::Broadcast { chunk_bytes }),
             AUTO => {
                 let (rate, latency) = link.map_or(UNMODELLED_LINK, |l| (l.bytes_per_s, l.latency.as_secs_f64()));
-                reshard::choose(&layout, chunk_bytes, rate, latency)
+                reshard::choose(&layout, chunk_bytes, rate, latency).1
             }
             other => return Err(Error::InvalidArgument(format!("reshard: unknown method {other}"))),
         };
         let site = frame.attr_i64("site")?;
         let run = frame.run_id()?;
         let key = SessionKey { sequence: transport::next_sequence(device, site, run), group: devices, site, run };
-        let plan = reshard::plan(&layout, method);
         Ok(ReshardCall {
             layout,
             plan,
@@ -185,12 +176,7 @@ pub fn run_rank(
     let no_tile = |what: &str| Error::Internal(format!("reshard plan error: rank {rank} {what} without a tile"));
     for copy in plan.copies.iter().filter(|c| c.rank == rank) {
         let (from, to) = (src_tile.ok_or_else(|| no_tile("copies"))?, dst_tile.ok_or_else(|| no_tile("receives"))?);
-        let mut piece = vec![0u8; layout.bytes(&copy.region)];
-        let range = 0..piece.len();
-        endpoint.compute(|| -> Result<()> {
-            reshard::pack(&copy.region, from, itemsize, range.clone(), input, &mut piece)?;
-            reshard::unpack(&copy.region, to, itemsize, range.clone(), &piece, out)
-        })?;
+        endpoint.compute(|| reshard::copy_local(&copy.region, itemsize, (from, input), (to, &mut *out)))?;
     }
     let forwarded: std::collections::HashSet<usize> = plan.moves.iter().filter_map(|m| m.forwards).collect();
     let mut kept: HashMap<usize, Shared> = HashMap::new();

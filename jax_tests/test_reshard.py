@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import jax
@@ -128,3 +129,67 @@ def test_repeated_calls_reuse_one_program_and_stay_correct():
     for i, schedule in itertools.product(range(3), SCHEDULES):
         x = jax.device_put(np.full((6, 4), i, np.float32) + np.arange(4, dtype=np.float32), NamedSharding(a, P("x")))
         _same(commfuse.reshard(x, dst, schedule=schedule), jax.device_put(x, dst), dst)
+
+
+def test_started_transfers_complete_after_other_work_and_in_any_order():
+    """The pipeline pattern: start several transfers, compute on both
+    meshes, then take the results (not in the order started)."""
+    devices = jax.devices()
+    stage0 = Mesh(np.array(devices[:4]), ("tp",))
+    stage1 = Mesh(np.array(devices[4:12]).reshape(2, 4), ("dp", "tp"))
+    rng = np.random.default_rng(3)
+    xs = [jax.device_put(rng.standard_normal((32, 16), np.float32), NamedSharding(stage0, P("tp"))) for _ in range(3)]
+    dst = NamedSharding(stage1, P("dp"))
+    pending = [commfuse.reshard_start(x, dst, schedule=s) for x, s in zip(xs, ["direct", "broadcast", "auto"])]
+    busy1 = jax.jit(lambda a: a @ a.T, out_shardings=NamedSharding(stage1, P("dp")))
+    busy0 = jax.jit(lambda a: a @ a.T, out_shardings=NamedSharding(stage0, P("tp")))
+    jax.block_until_ready([busy1(jax.device_put(np.ones((64, 64), np.float32), dst)), busy0(xs[0])])
+    for i in (2, 0, 1):
+        moved = pending[i].result()
+        _same(moved, jax.device_put(xs[i], dst), dst)
+        assert pending[i].result() is moved  # the same array, not a second receive
+
+
+def test_a_dropped_handle_frees_what_its_senders_posted():
+    devices = jax.devices()
+    a = Mesh(np.array(devices[:2]), ("x",))
+    b = Mesh(np.array(devices[2:6]), ("y",))
+    x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), NamedSharding(a, P("x")))
+    dst = NamedSharding(b, P())
+    # Calling the finalizer frees the posted pieces now: one session dropped.
+    assert commfuse.reshard_start(x, dst)._abandon() == 1
+    # Dropping the handle runs it.
+    pending = commfuse.reshard_start(x, dst)
+    finalizer = pending._abandon
+    del pending
+    gc.collect()
+    assert not finalizer.alive
+    # A received transfer has nothing left to free.
+    pending = commfuse.reshard_start(x, dst)
+    _same(pending.result(), jax.device_put(x, dst), dst)
+    assert not pending._abandon.alive
+
+
+def test_the_trace_shows_each_devices_sends_and_receives(tmp_path):
+    from test_trace import lanes_by_device
+
+    devices = jax.devices()
+    a = Mesh(np.array(devices[:2]), ("x",))
+    b = Mesh(np.array(devices[2:6]), ("y",))
+    x = jax.device_put(np.arange(256.0, dtype=np.float32).reshape(16, 16), NamedSharding(a, P("x")))
+    dst = NamedSharding(b, P())
+    with commfuse.trace(tmp_path / "reshard.pftrace") as path:
+        jax.block_until_ready(commfuse.reshard(x, dst, schedule="direct"))
+    lanes, _ = lanes_by_device(path)
+    for device in devices[:2]:  # each source sends its 8 rows to each of the 4 destinations
+        slices = lanes[device.id]["comm"]
+        assert [s.name for s in slices if s.depth == 0] == ["reshard send"]
+        sends = [s for s in slices if s.name == "send"]
+        assert sorted(s.args["peer_device"] for s in sends) == [d.id for d in devices[2:6]]
+        assert all(s.args["bytes"] == 8 * 16 * 4 for s in sends)
+    for device in devices[2:6]:  # each destination receives both halves
+        slices = lanes[device.id]["comm"]
+        assert [s.name for s in slices if s.depth == 0] == ["reshard receive"]
+        recvs = [s for s in slices if s.name == "recv"]
+        assert sorted(s.args["peer_device"] for s in recvs) == [devices[0].id, devices[1].id]
+        assert sum(s.args["bytes"] for s in recvs) == x.nbytes

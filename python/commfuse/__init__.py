@@ -26,7 +26,7 @@ from ._matmul_all_reduce import matmul_all_reduce
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms
 from ._overlap import overlap
-from ._reshard import reshard
+from ._reshard import PendingReshard, reshard, reshard_start
 from ._trace import trace
 
 _interrupt.install()
@@ -42,6 +42,8 @@ __all__ = [
     "matmul_all_to_all",
     "overlap",
     "reshard",
+    "reshard_start",
+    "PendingReshard",
     "trace",
     "explain",
     "configure",

@@ -53,16 +53,20 @@ lib.commfuse_cuda_libraries.restype = ctypes.c_int64
 lib.commfuse_cuda_libraries.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_cuda_loads_during_execute.restype = ctypes.c_int64
 lib.commfuse_cuda_loads_during_execute.argtypes = []
+lib.commfuse_reshard_abandon.restype = ctypes.c_int64
+lib.commfuse_reshard_abandon.argtypes = [ctypes.c_int64, ctypes.c_uint32]
 
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
 
 CPU_TARGET = "commfuse_collective_matmul_cpu"
 CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
-RESHARD_CPU_TARGET = "commfuse_reshard_cpu"
+RESHARD_SEND_CPU_TARGET = "commfuse_reshard_send_cpu"
+RESHARD_RECEIVE_CPU_TARGET = "commfuse_reshard_receive_cpu"
 
 jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
-jax.ffi.register_ffi_target(RESHARD_CPU_TARGET, jax.ffi.pycapsule(getattr(lib, RESHARD_CPU_TARGET)), platform="cpu")
+for _target in (RESHARD_SEND_CPU_TARGET, RESHARD_RECEIVE_CPU_TARGET):
+    jax.ffi.register_ffi_target(_target, jax.ffi.pycapsule(getattr(lib, _target)), platform="cpu")
 
 
 def jax_cuda_major() -> int:

@@ -1,16 +1,25 @@
 """`commfuse.reshard`: move a sharded array to another mesh and layout.
 
-One program runs over the union of the two meshes' devices (source mesh
-first, then the destination's other devices, on a 1-D mesh of its own). Each
-device passes its source tile (a stand-in where it holds none) to one FFI
-call, `commfuse_reshard_cpu`; the Rust planner (`src/reshard/`) decides who
-sends which bytes to whom, and each device returns its destination tile. The tiles come from JAX's own `devices_indices_map`, so the result
-is laid out exactly as `jax.device_put(x, sharding)` lays it out.
+A reshard is two jitted programs, so that compute can run between them: a
+*send* program on the source mesh, in which each device posts the pieces of
+its shard that others need (FFI target `commfuse_reshard_send_cpu`; it waits
+for no one), and a *receive* program on the destination mesh, in which each
+device takes its pieces (forwarding a broadcast's chunks as they come) and
+returns its shard of the result (`commfuse_reshard_receive_cpu`). The Rust
+planner (`src/reshard/`) decides who sends which bytes to whom; the two
+programs meet through a call id passed to both. `reshard_start` runs the
+send program and returns a handle whose `result()` runs the receive
+program: a pipeline issues the send as soon as the array is computed and
+asks for the result when the next stage needs it, and the transfer travels
+while the stages compute. The tiles come from JAX's own
+`devices_indices_map`, so the result is laid out exactly as
+`jax.device_put(x, sharding)` lays it out.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import jax
 import numpy as np
@@ -26,6 +35,9 @@ METHODS = {"direct": 0, "broadcast": 1, "auto": 2}
 CHUNK_BYTES = 256 << 10
 _AXIS = "commfuse_reshard"
 _sites = itertools.count(1 << 32)
+_call_ids = itertools.count()
+# Compiled program pairs by layout pair (the oldest dropped beyond this many).
+_MAX_PROGRAMS = 256
 _programs: dict = {}
 
 
@@ -61,6 +73,58 @@ def _check(x, sharding, schedule):
         raise NotImplementedError("commfuse.reshard: every device of both meshes must be in this process")
 
 
+class PendingReshard:
+    """A reshard under way (`reshard_start`): the source devices have posted
+    their pieces; `result()` receives them on the destination devices."""
+
+    def __init__(self, receive, abandon=None):
+        self._receive, self._value = receive, None
+        # Unreceived pieces stay with the transport until the receive runs:
+        # a handle dropped without `result()` frees them (`_abandon`).
+        self._abandon = weakref.finalize(self, *abandon) if abandon else None
+
+    def result(self) -> jax.Array:
+        """The moved array (dispatched on the first call, asynchronously like
+        any JAX computation; the same array on later calls)."""
+        if self._receive is not None:
+            if self._abandon is not None:
+                self._abandon.detach()
+            self._value, self._receive = self._receive(), None
+        return self._value
+
+
+def reshard_start(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") -> PendingReshard:
+    """Starts moving `x` to `sharding`: the devices holding `x` post their
+    pieces now; `.result()` on the returned handle receives them (see
+    `reshard`). Between the two, the devices of both meshes are free to
+    compute: a pipeline calls this as soon as a stage's output is issued
+    and asks for the result when the next stage needs it. A handle dropped
+    without `result()` frees what its senders posted.
+    """
+    if (isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding)
+            or not isinstance(schedule, str)):
+        _check(x, sharding, schedule)  # says which argument is wrong
+    key = (x.sharding, sharding, x.shape, x.dtype, schedule)
+    program = _programs.get(key)
+    if program is None:
+        _check(x, sharding, schedule)
+        program = _plan(x, sharding, schedule)
+        if len(_programs) >= _MAX_PROGRAMS:
+            _programs.pop(next(iter(_programs)))  # the oldest
+        _programs[key] = program
+    if program is _SAME:
+        # The same devices holding the same tiles: the shards stay, under the sharding asked for.
+        if x.sharding == sharding:
+            return PendingReshard(lambda: x)
+        shards = {s.device: s.data for s in x.addressable_shards}
+        return PendingReshard(lambda: jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(x.shape)]))
+    if program is _DEVICE_PUT:
+        moved = jax.device_put(x, sharding)
+        return PendingReshard(lambda: moved)
+    return program.start(x)
+
+
 def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") -> jax.Array:
     """`x` moved to `sharding` (another mesh and/or layout); equal to
     `jax.device_put(x, sharding)`, with that sharding.
@@ -71,36 +135,10 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
     at the devices holding it, in chunks, so each holder sends it once per
     chain), or `"auto"` (the cost model's pick, on the link model's figures
     when one is set). Runs on CPU devices; on other platforms `"auto"` falls
-    back to `jax.device_put` and the explicit schedules raise.
+    back to `jax.device_put` and the explicit schedules raise. To overlap
+    the transfer with compute, use `reshard_start`.
     """
-    if (isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding)
-            or not isinstance(schedule, str)):
-        _check(x, sharding, schedule)  # says which argument is wrong
-    key = (x.sharding, sharding, x.shape, x.dtype, schedule)
-    program = _programs.get(key)
-    if program is None:
-        _check(x, sharding, schedule)
-        program = _programs[key] = _plan(x, sharding, schedule)
-    if program is _SAME:
-        # The same devices holding the same tiles: the shards stay, under the sharding asked for.
-        if x.sharding == sharding:
-            return x
-        shards = {s.device: s.data for s in x.addressable_shards}
-        return jax.make_array_from_single_device_arrays(
-            x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(x.shape)])
-    if program is _DEVICE_PUT:
-        return jax.device_put(x, sharding)
-    union = program.union
-    # Every shard of a NamedSharding has the tile's shape, so the shards go in
-    # and come out as they are (no reshape, no copy); a device holding no
-    # source tile passes a cached stand-in.
-    shards = {s.device: s.data for s in x.addressable_shards}
-    pieces = [shards[d] if d in shards else program.stand_in(d) for d in union]
-    operand = jax.make_array_from_single_device_arrays(program.operand_shape, program.operand_sharding, pieces)
-    moved = program.fn(operand)
-    rows = {s.device: s.data for s in moved.addressable_shards}
-    tiles = [rows[d] for d in program.dst_devices]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, tiles)
+    return reshard_start(x, sharding, schedule=schedule).result()
 
 
 # Layout pairs that need no program (see `_plan`): nothing to move, or
@@ -137,38 +175,57 @@ def _plan(x, sharding, schedule):
 
     src = flat_tiles(x.sharding.devices_indices_map(x.shape))
     dst = flat_tiles(sharding.devices_indices_map(x.shape))
-    in_tile, out_tile = x.sharding.shard_shape(x.shape), sharding.shard_shape(x.shape)
-    program = _Program(union, x.shape, x.dtype, src, dst, schedule, in_tile, out_tile)
-    program.dst_devices = list(sharding.addressable_devices_indices_map(x.shape))
-    return program
+    return _Program(x, sharding, schedule, union, src, dst)
 
 
 class _Program:
-    """The jitted union program (one FFI call per device) of one layout pair:
-    the tiles stacked along dim 0 over the union's devices."""
+    """The send and receive programs of one layout pair (each one FFI call
+    per device of its mesh), and the call ids that pair their runs."""
 
-    def __init__(self, union, shape, dtype, src, dst, schedule, in_tile, out_tile):
-        mesh = Mesh(np.array(union), (_AXIS,))
-        self.union = union
-        self.operand_shape = (len(union) * in_tile[0], *in_tile[1:])
-        self.operand_sharding = NamedSharding(mesh, P(_AXIS))
-        self._in_tile, self._dtype, self._stand_ins = in_tile, dtype, {}
+    def __init__(self, x, sharding, schedule, union, src, dst):
+        self.site = next(_sites)
         attrs = dict(
             devices=np.asarray([d.id for d in union], np.int64),
-            shape=np.asarray(shape, np.int64),
-            itemsize=np.int64(np.dtype(dtype).itemsize),
+            shape=np.asarray(x.shape, np.int64),
+            itemsize=np.int64(x.dtype.itemsize),
             src=np.asarray(src, np.int64),
             dst=np.asarray(dst, np.int64),
             method=np.int64(METHODS[schedule]),
             chunk_bytes=np.int64(CHUNK_BYTES),
-            site=np.int64(next(_sites)),
+            site=np.int64(self.site),
         )
-        call = jax.ffi.ffi_call(_native.RESHARD_CPU_TARGET, jax.ShapeDtypeStruct(out_tile, dtype),
+        send = jax.ffi.ffi_call(_native.RESHARD_SEND_CPU_TARGET, jax.ShapeDtypeStruct((1,), np.uint8),
                                 has_side_effect=True)
-        self.fn = jax.jit(jax.shard_map(lambda tile: call(tile, **attrs), mesh=mesh, in_specs=P(_AXIS),
-                                        out_specs=P(_AXIS), check_vma=False))
+        receive = jax.ffi.ffi_call(_native.RESHARD_RECEIVE_CPU_TARGET,
+                                   jax.ShapeDtypeStruct(sharding.shard_shape(x.shape), x.dtype), has_side_effect=True)
+        source, destination = x.sharding.mesh, sharding.mesh
+        # Each device passes its shard of `x` as it is and returns its shard
+        # of the result; the send program's result is a byte per device.
+        self._send = jax.jit(jax.shard_map(
+            lambda tile, call_id: send(tile, call_id, **attrs), mesh=source, in_specs=(x.sharding.spec, P()),
+            out_specs=P(tuple(source.axis_names)), check_vma=False))
+        self._receive = jax.jit(jax.shard_map(
+            lambda call_id: receive(call_id, **attrs), mesh=destination, in_specs=P(), out_specs=sharding.spec,
+            check_vma=False))
+        self._sharding = sharding
 
-    def stand_in(self, device):
-        if device not in self._stand_ins:
-            self._stand_ins[device] = jax.device_put(np.zeros(self._in_tile, self._dtype), device)
-        return self._stand_ins[device]
+    def start(self, x):
+        call_id = np.uint32(next(_call_ids) & 0xFFFF_FFFF)
+        sent = self._send(x, call_id)
+        return PendingReshard(lambda: self._received(call_id), (_abandon, sent, self.site, call_id))
+
+    def _received(self, call_id):
+        moved = self._receive(call_id)
+        if moved.sharding != self._sharding:  # the same layout, named as asked
+            moved = jax.make_array_from_single_device_arrays(
+                moved.shape, self._sharding, [s.data for s in moved.addressable_shards])
+        return moved
+
+
+def _abandon(sent, site, call_id):
+    """Frees what the send of call `call_id` posted, once it has run."""
+    try:
+        jax.block_until_ready(sent)
+    except Exception:  # the send failed: its error reached the receivers' session already
+        pass
+    return _native.lib.commfuse_reshard_abandon(site, int(call_id))

@@ -25,8 +25,11 @@ def trace(path):
     step, with its step id, op, call site and arguments: ``matmul``, ``add``,
     ``exchange`` (with a ``send`` or ``recv`` slice per transfer inside it,
     carrying the peer and the bytes), and ``wait`` where a step waited for a
-    step of the other lane; a slice named after the op spans each call. In
-    Perfetto each device is a process and each lane a thread.
+    step of the other lane; a slice named after the op spans each call. A
+    ``commfuse.reshard`` shows as a "reshard send" and a "reshard receive"
+    call on the comm lane of each device taking part, with a ``send`` or
+    ``recv`` slice per piece (peer device, bytes). In Perfetto each device is
+    a process and each lane a thread.
 
     JAX dispatches asynchronously: block on the results inside the block
     (``jax.block_until_ready``) so the runs are over before it ends. Recording

@@ -284,6 +284,15 @@ pub extern "C" fn commfuse_cuda_loads_during_execute() -> i64 {
     0
 }
 
+/// Drops what the send part of reshard call `call_id` at call site `site`
+/// posted for receivers that will never come (its Python handle was dropped
+/// without `result()`); returns how many sessions it dropped.
+#[no_mangle]
+pub extern "C" fn commfuse_reshard_abandon(site: i64, call_id: u32) -> i64 {
+    let dropped = catch_unwind(|| crate::backend::cpu::transport::abandon(site, call_id.into())).unwrap_or(0);
+    i64::try_from(dropped).unwrap_or(i64::MAX)
+}
+
 /// This host's single-thread f32 GEMM rate in GFLOP/s (measured once per
 /// process), which calibrates the cost model's `cpu_here` machine.
 #[no_mangle]

@@ -12,14 +12,24 @@ pub unsafe extern "C" fn commfuse_collective_matmul_cpu(frame: *mut sys::XLA_FFI
     unsafe { xla::handle_named("commfuse collective matmul", frame, crate::backend::cpu::handler::collective_matmul) }
 }
 
-/// `commfuse.reshard` on CPU devices (see `backend::cpu::reshard`).
+/// The send program of `commfuse.reshard` on CPU devices (see `backend::cpu::reshard`).
 ///
 /// # Safety
 /// Called by XLA with its call frame.
 #[no_mangle]
-pub unsafe extern "C" fn commfuse_reshard_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
+pub unsafe extern "C" fn commfuse_reshard_send_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
     // SAFETY: XLA passes a valid call frame for the duration of the call.
-    unsafe { xla::handle_named("commfuse reshard", frame, crate::backend::cpu::reshard::handler) }
+    unsafe { xla::handle_named("commfuse reshard send", frame, crate::backend::cpu::reshard::send_handler) }
+}
+
+/// The receive program of `commfuse.reshard` on CPU devices.
+///
+/// # Safety
+/// Called by XLA with its call frame.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_reshard_receive_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA passes a valid call frame for the duration of the call.
+    unsafe { xla::handle_named("commfuse reshard receive", frame, crate::backend::cpu::reshard::receive_handler) }
 }
 
 /// The CUDA handler: the same op on a GPU (see `backend::cuda`).

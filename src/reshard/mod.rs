@@ -358,25 +358,6 @@ pub fn unpack(
     })
 }
 
-/// Copies `region` from one rank's source tile to its destination tile
-/// (each `(tile, its row-major bytes)`), run by run, with no buffer between.
-pub fn copy_local(region: &Region, itemsize: usize, from: (&Region, &[u8]), to: (&Region, &mut [u8])) -> Result<()> {
-    let ((from_tile, from_bytes), (to_tile, to_bytes)) = (from, to);
-    let all = 0..region.elements() * itemsize;
-    let mut sources = vec![];
-    for_runs(region, from_tile, itemsize, all.clone(), from_bytes.len(), all.len(), |packed, at, len| {
-        sources.push((packed, at, len))
-    })?;
-    // Both tiles list the region's runs in the same row-major order and lengths.
-    let to_len = to_bytes.len();
-    let mut next = sources.into_iter();
-    for_runs(region, to_tile, itemsize, all.clone(), to_len, all.len(), |_, at, len| {
-        if let Some((_, src, _)) = next.next() {
-            to_bytes[at..at + len].copy_from_slice(&from_bytes[src..src + len]);
-        }
-    })
-}
-
 /// Calls `copy(offset in the range's data, offset in the tile, length)` for
 /// each contiguous run, in bytes, after checking every offset is in bounds.
 fn for_runs(

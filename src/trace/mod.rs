@@ -411,3 +411,71 @@ impl Drop for LaneLog<'_> {
         events.append(&mut lane_events);
     }
 }
+
+/// The slices of one call that runs no plan (`commfuse.reshard`'s send and
+/// receive parts): a call slice on the comm lane with a "send" or "recv"
+/// slice per transfer, handed to the global buffer when it drops.
+pub struct Transfers {
+    device: i64,
+    rank: usize,
+    op: &'static str,
+    call: u64,
+    start_ns: u64,
+    args: Vec<(&'static str, Value)>,
+    events: Vec<Event>,
+}
+
+impl Transfers {
+    /// `None` (after one relaxed load) unless recording is on; `args` go on the call slice.
+    pub fn begin(device: i64, rank: usize, op: &'static str, args: Vec<(&'static str, Value)>) -> Option<Transfers> {
+        if !ENABLED.load(Ordering::Relaxed) {
+            return None;
+        }
+        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        if !ENABLED.load(Ordering::SeqCst) {
+            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        Some(Transfers { device, rank, op, call, start_ns: now_ns(), args, events: Vec::new() })
+    }
+
+    /// One transfer (`Kind::Send` or `Kind::Recv`) from `started` to `ended`.
+    pub fn transfer(&mut self, kind: Kind, started: Instant, ended: Instant, args: Vec<(&'static str, Value)>) {
+        let start_ns = ns(started);
+        self.events.push(Event {
+            device: self.device,
+            rank: self.rank,
+            lane: Lane::Comm,
+            kind,
+            op: self.op,
+            call: self.call,
+            step: None,
+            start_ns,
+            end_ns: ns(ended).max(start_ns),
+            args,
+        });
+    }
+}
+
+impl Drop for Transfers {
+    fn drop(&mut self) {
+        let call = Event {
+            device: self.device,
+            rank: self.rank,
+            lane: Lane::Comm,
+            kind: Kind::Call,
+            op: self.op,
+            call: self.call,
+            step: None,
+            start_ns: self.start_ns,
+            end_ns: now_ns().max(self.events.iter().map(|e| e.end_ns).max().unwrap_or(0)),
+            args: std::mem::take(&mut self.args),
+        };
+        let mut events = crate::sync::lock(&EVENTS);
+        events.push(call);
+        events.append(&mut self.events);
+        drop(events);
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+    }
+}

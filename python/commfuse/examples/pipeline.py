@@ -11,10 +11,13 @@ Run as ``python -m commfuse.examples.pipeline [--steps 4] [--microbatches 4]``
 - Stage 1 runs on devices 4-11, a 2x4 mesh ``(dp, tp)``: the activation
   arrives sharded by rows over ``dp`` and replicated over ``tp`` (what its
   column-parallel first weight needs), and the loss is computed there.
-- The activation of microbatch i+1 is resharded (stage 0 -> stage 1) and the
-  gradient of microbatch i sent back (stage 1 -> stage 0) while the other
-  stage computes: JAX dispatches asynchronously, so each transfer is issued
-  right after the compute it depends on and runs beside the next one.
+- Each transfer is started (``commfuse.reshard_start``: the source devices
+  post their pieces) as soon as the array it moves is issued, and received
+  (``.result()``) only when the next stage needs it: the gradient of
+  microbatch i travels while stage 0 computes the forward of microbatch
+  i+1, and that activation travels while stage 0 computes the backward of
+  microbatch i. Only the first activation and the last gradient of a step
+  have nothing to hide behind (the pipeline's fill and drain).
 
 It prints the losses against a single-device reference of the same model and
 update, the step time with ``commfuse.reshard`` and with ``jax.device_put``,
@@ -98,24 +101,36 @@ class Pipeline:
         ys = [jax.device_put(y, self.y1) for y in ys]
         return put(params0, self.params0), put(params1, self.params1), xs, ys
 
-    def step(self, params0, params1, xs, ys, move):
-        """One training step over the microbatches, one forward one backward:
-        stage 0 computes microbatch i+1 while stage 1 computes microbatch i."""
+    def step(self, params0, params1, xs, ys, start):
+        """One training step over the microbatches, one forward one backward.
+        `start(array, sharding)` starts a transfer and returns a handle whose
+        `result()` is the moved array (`commfuse.reshard_start`)."""
         m = len(xs)
         grads0 = grads1 = None
         losses = []
-        incoming = move(self.forward0(params0, xs[0]), self.act1)
+        activation = start(self.forward0(params0, xs[0]), self.act1)
         for i in range(m):
-            loss, g1, gh = self.forward_backward1(params1, incoming, ys[i])
-            if i + 1 < m:  # stage 0 computes microbatch i+1 while stage 1 computes microbatch i
-                incoming = move(self.forward0(params0, xs[i + 1]), self.act1)
-            g0 = self.backward0(params0, xs[i], move(gh, self.act0))
+            loss, g1, gh = self.forward_backward1(params1, activation.result(), ys[i])
+            gradient = start(gh, self.act0)  # travels during stage 0's forward of microbatch i+1
+            if i + 1 < m:  # travels during stage 0's backward of microbatch i
+                activation = start(self.forward0(params0, xs[i + 1]), self.act1)
+            g0 = self.backward0(params0, xs[i], gradient.result())
             losses.append(loss)
             add = lambda acc, g: g if acc is None else jax.tree.map(jnp.add, acc, g)
             grads0, grads1 = add(grads0, g0), add(grads1, g1)
         params0 = self.sgd(params0, grads0, m)
         params1 = self.sgd(params1, grads1, m)
         return params0, params1, float(np.mean([float(v) for v in losses]))
+
+
+class Moved:
+    """A transfer that is already done (`jax.device_put`, or a replay)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def result(self):
+        return self.array
 
 
 def _median(fn, reps):
@@ -151,7 +166,8 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
     params0, params1 = init(rng)
     xs, ys = data(rng, microbatches)
     pipe = Pipeline(devices)
-    reshard = lambda a, s: commfuse.reshard(a, s)
+    reshard = lambda a, s: commfuse.reshard_start(a, s)
+    device_put = lambda a, s: Moved(jax.device_put(a, s))
     p0, p1, xs_d, ys_d = pipe.place(params0, params1, xs, ys)
     r0, r1 = params0, params1
     out(f"stage 0: mesh {dict(pipe.mesh0.shape)} activations {pipe.act0.spec}; stage 1: mesh {dict(pipe.mesh1.shape)} "
@@ -164,7 +180,7 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
         out(f"step {s}: loss {loss:.6f}  reference {ref:.6f}  rel diff {abs(loss - ref) / abs(ref):.1e}")
 
     timings = {}
-    for name, move in (("commfuse.reshard", reshard), ("jax.device_put", jax.device_put)):
+    for name, move in (("commfuse.reshard", reshard), ("jax.device_put", device_put)):
         timings[name] = _median(lambda move=move: pipe.step(p0, p1, xs_d, ys_d, move)[:2], reps)
         out(f"step time with {name:17s} {timings[name] * 1e3:8.1f} ms (median of {reps})")
     out(f"ratio reshard / device_put: {timings['commfuse.reshard'] / timings['jax.device_put']:.2f}")
@@ -173,21 +189,26 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
     # (compute only), and the step's transfers alone, in the same order.
     recorded = []
     def recording(a, s):
-        moved = reshard(a, s)
+        moved = reshard(a, s).result()
         recorded.append((a, s, moved))
-        return moved
+        return Moved(moved)
     jax.block_until_ready(pipe.step(p0, p1, xs_d, ys_d, recording)[:2])
     def compute_only():
         moved = iter([m for _, _, m in recorded])  # each transfer's result, in the order the step asks
-        return pipe.step(p0, p1, xs_d, ys_d, lambda a, s: next(moved))[:2]
+        return pipe.step(p0, p1, xs_d, ys_d, lambda a, s: Moved(next(moved)))[:2]
     t_compute = _median(compute_only, reps)
-    t_transfers = _median(lambda: [reshard(a, s) for a, s, _ in recorded], reps)
+    t_transfers = _median(lambda: [commfuse.reshard(a, s) for a, s, _ in recorded], reps)
     t_step = timings["commfuse.reshard"]
     hidden = (t_compute + t_transfers - t_step) / t_transfers
     out(f"compute only {t_compute * 1e3:.1f} ms, the step's {len(recorded)} transfers alone {t_transfers * 1e3:.1f} ms, "
         f"together {t_step * 1e3:.1f} ms: {max(hidden, 0.0):.0%} of the transfer time hidden behind compute")
     timings.update(compute_only=t_compute, transfers_only=t_transfers, hidden=hidden)
     if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        transfers = os.path.join(trace_dir, "reshard.pftrace")
+        with commfuse.trace(transfers):
+            jax.block_until_ready(pipe.step(p0, p1, xs_d, ys_d, reshard)[:2])
+        out(f"each transfer's send and receive slices of one step (commfuse.trace, Perfetto): {transfers}")
         try:
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 jax.block_until_ready(pipe.step(p0, p1, xs_d, ys_d, reshard)[:2])

@@ -3,10 +3,18 @@
 //! deadlines naming the ranks that did not arrive, failures ending the
 //! peers' waits).
 //!
-//! The call has one operand and one result, each a flat buffer: the
-//! device's source tile (row-major, then padding) and its destination tile.
-//! Devices of the union that hold no source tile pass padding only; those
-//! that need no destination tile get theirs back untouched.
+//! A reshard is two XLA programs, so that a pipeline's compute can run
+//! between them: the *send* program on the source mesh (`send_handler`:
+//! operands the device's source tile and the call id, result a one-byte
+//! token) posts every piece the device holds and returns at once; the
+//! *receive* program on the destination mesh (`receive_handler`: operand
+//! the call id, result the device's destination tile) takes its pieces,
+//! forwarding the chunks of a broadcast chain as they come. The two meet in
+//! one transport session keyed by the call site and the call id, in which
+//! each device's send part and receive part are ranks of their own (senders
+//! first): a sender leaves once it posted, its messages wait for the
+//! receivers. A piece a device keeps (it is in both meshes) goes from its
+//! send part to its receive part like any other.
 #![forbid(unsafe_code)]
 
 use super::transport::{self, link::LinkModel, Block, Endpoint, SessionKey, Shared};
@@ -14,10 +22,13 @@ use crate::error::{Error, Result};
 use crate::exec::Wait;
 use crate::plan::{Direction, Tag};
 use crate::reshard::{self, Layout, Method, Plan, Region};
+use crate::trace::{self, Kind, Value};
 use crate::xla::Frame;
-use std::collections::HashMap;
+use std::collections::hash_map::{Entry, HashMap};
+use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// The attribute `method`: how Python names the methods.
 pub const DIRECT: i64 = 0;
@@ -29,19 +40,89 @@ pub const AUTO: i64 = 2;
 /// transfers when no link model is set (a memory copy's rate).
 const UNMODELLED_LINK: (f64, f64) = (10e9, 5e-6);
 
-/// One device's call of `commfuse.reshard`.
-pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
-    let call = ReshardCall::decode(frame)?;
-    super::handler::run_off_xla_thread(frame, "commfuse reshard", &["x"], &["out"], move |args, rets| {
-        call.run(args, rets)
+/// Which program a call belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Send,
+    Receive,
+}
+
+/// One device's call of a reshard's send program.
+pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
+    let call = ReshardCall::decode(frame, Part::Send)?;
+    super::handler::run_off_xla_thread(frame, "commfuse reshard send", &["x", "call_id"], &["sent"], move |a, r| {
+        call.run(a, r)
     })
 }
 
-struct ReshardCall {
+/// One device's call of a reshard's receive program.
+pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
+    let call = ReshardCall::decode(frame, Part::Receive)?;
+    super::handler::run_off_xla_thread(frame, "commfuse reshard receive", &["call_id"], &["out"], move |a, r| {
+        call.run(a, r)
+    })
+}
+
+/// The transport's ranks of one reshard: the send part of each device
+/// holding a source tile, then the receive part of each device needing a
+/// destination tile.
+#[derive(Debug, Clone)]
+pub struct Parties {
+    /// Per rank of the layout: its send part's transport rank, if it has one.
+    pub send: Vec<Option<usize>>,
+    pub receive: Vec<Option<usize>>,
+    /// Per transport rank: its device.
+    pub devices: Vec<i64>,
+}
+
+impl Parties {
+    pub fn new(layout: &Layout, devices: &[i64]) -> Parties {
+        let mut parties =
+            Parties { send: vec![None; devices.len()], receive: vec![None; devices.len()], devices: vec![] };
+        for (part, tiles) in [(&mut parties.send, &layout.src), (&mut parties.receive, &layout.dst)] {
+            for (rank, tile) in tiles.iter().enumerate() {
+                if tile.is_some() {
+                    part[rank] = Some(parties.devices.len());
+                    parties.devices.push(devices[rank]);
+                }
+            }
+        }
+        parties
+    }
+
+    fn of(&self, part: Part, rank: usize) -> Option<usize> {
+        match part {
+            Part::Send => self.send[rank],
+            Part::Receive => self.receive[rank],
+        }
+    }
+}
+
+/// What every device of one reshard works out from the attributes alike.
+struct Planned {
     layout: Layout,
+    method: Method,
     plan: Plan,
+    parties: Parties,
+}
+
+/// Plans by their attributes (and the link model `auto` decides on): each
+/// device of a call, and every later call of the same reshard, finds the
+/// plan built once. Emptied when it holds `PLANS_KEPT`.
+type PlanKey = (Vec<i64>, Vec<i64>, i64, Vec<i64>, Vec<i64>, i64, i64, Option<(u64, u128)>);
+const PLANS_KEPT: usize = 64;
+
+fn plans() -> &'static std::sync::Mutex<HashMap<PlanKey, Arc<Planned>>> {
+    static PLANS: std::sync::OnceLock<std::sync::Mutex<HashMap<PlanKey, Arc<Planned>>>> = std::sync::OnceLock::new();
+    PLANS.get_or_init(Default::default)
+}
+
+struct ReshardCall {
+    part: Part,
+    planned: Arc<Planned>,
     rank: usize,
-    key: SessionKey,
+    device: i64,
+    site: i64,
     link: Option<LinkModel>,
     timeout: std::time::Duration,
     interrupts: u64,
@@ -71,50 +152,88 @@ fn tiles(name: &str, flat: &[i64], ranks: usize, ndim: usize) -> Result<Vec<Opti
         .collect()
 }
 
+/// Checks the attributes (`key`) and plans the reshard they describe.
+fn make_plan(key: &PlanKey, link: Option<LinkModel>) -> Result<Planned> {
+    let (devices, shape, itemsize, src, dst, method, chunk_bytes, _) = key;
+    let shape: Vec<usize> = shape
+        .iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::InvalidArgument(format!("reshard: negative dim in shape {shape:?}")))?;
+    let itemsize =
+        usize::try_from(*itemsize).map_err(|_| Error::InvalidArgument("reshard: negative itemsize".into()))?;
+    let ranks = devices.len();
+    if (1..ranks).any(|i| devices[..i].contains(&devices[i])) {
+        return Err(Error::InvalidArgument(format!("reshard: attribute `devices` repeats a device: {devices:?}")));
+    }
+    let src = tiles("src", src, ranks, shape.len())?;
+    let dst = tiles("dst", dst, ranks, shape.len())?;
+    let layout = Layout::new(shape, itemsize, src, dst)?;
+    let parties = Parties::new(&layout, devices);
+    let chunk_bytes = usize::try_from(*chunk_bytes)
+        .ok()
+        .filter(|&c| c > 0)
+        .ok_or_else(|| Error::InvalidArgument("reshard: chunk_bytes must be positive".into()))?;
+    let (method, plan) = match *method {
+        DIRECT => (Method::Direct, reshard::plan(&layout, Method::Direct)),
+        BROADCAST => {
+            let method = Method::Broadcast { chunk_bytes };
+            (method, reshard::plan(&layout, method))
+        }
+        AUTO => {
+            let (rate, latency) = link.map_or(UNMODELLED_LINK, |l| (l.bytes_per_s, l.latency.as_secs_f64()));
+            reshard::choose(&layout, chunk_bytes, rate, latency)
+        }
+        other => return Err(Error::InvalidArgument(format!("reshard: unknown method {other}"))),
+    };
+    Ok(Planned { layout, method, plan, parties })
+}
+
 impl ReshardCall {
-    fn decode(frame: &Frame<'_>) -> Result<ReshardCall> {
+    fn decode(frame: &Frame<'_>, part: Part) -> Result<ReshardCall> {
         let devices = frame.attr_i64_array("devices")?.to_vec();
         let device = i64::from(frame.device_ordinal()?);
         let rank = devices.iter().position(|&d| d == device).ok_or_else(|| {
             Error::InvalidArgument(format!("reshard: device {device} is not among the devices {devices:?}"))
         })?;
-        let shape = frame.attr_i64_array("shape")?;
-        let shape: Vec<usize> = shape
-            .iter()
-            .map(|&d| usize::try_from(d))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| Error::InvalidArgument(format!("reshard: negative dim in shape {shape:?}")))?;
-        let itemsize = usize::try_from(frame.attr_i64("itemsize")?)
-            .map_err(|_| Error::InvalidArgument("reshard: negative itemsize".into()))?;
-        let ranks = devices.len();
-        if (1..ranks).any(|i| devices[..i].contains(&devices[i])) {
-            return Err(Error::InvalidArgument(format!("reshard: attribute `devices` repeats a device: {devices:?}")));
-        }
-        let src = tiles("src", frame.attr_i64_array("src")?, ranks, shape.len())?;
-        let dst = tiles("dst", frame.attr_i64_array("dst")?, ranks, shape.len())?;
-        let layout = Layout::new(shape, itemsize, src, dst)?;
-        let chunk_bytes = usize::try_from(frame.attr_i64("chunk_bytes")?)
-            .ok()
-            .filter(|&c| c > 0)
-            .ok_or_else(|| Error::InvalidArgument("reshard: chunk_bytes must be positive".into()))?;
         let link = LinkModel::from_env()?;
-        let plan = match frame.attr_i64("method")? {
-            DIRECT => reshard::plan(&layout, Method::Direct),
-            BROADCAST => reshard::plan(&layout, Method::Broadcast { chunk_bytes }),
-            AUTO => {
-                let (rate, latency) = link.map_or(UNMODELLED_LINK, |l| (l.bytes_per_s, l.latency.as_secs_f64()));
-                reshard::choose(&layout, chunk_bytes, rate, latency).1
+        let attrs = |name| frame.attr_i64_array(name).map(<[i64]>::to_vec);
+        let key: PlanKey = (
+            devices.clone(),
+            attrs("shape")?,
+            frame.attr_i64("itemsize")?,
+            attrs("src")?,
+            attrs("dst")?,
+            frame.attr_i64("method")?,
+            frame.attr_i64("chunk_bytes")?,
+            link.map(|l| (l.bytes_per_s.to_bits(), l.latency.as_nanos())),
+        );
+        let cached = crate::sync::lock(plans()).get(&key).cloned();
+        let planned = match cached {
+            Some(planned) => planned,
+            None => {
+                let planned = Arc::new(make_plan(&key, link)?);
+                let mut plans = crate::sync::lock(plans());
+                if plans.len() >= PLANS_KEPT {
+                    plans.clear();
+                }
+                plans.insert(key, planned.clone());
+                planned
             }
-            other => return Err(Error::InvalidArgument(format!("reshard: unknown method {other}"))),
         };
-        let site = frame.attr_i64("site")?;
-        let run = frame.run_id()?;
-        let key = SessionKey { sequence: transport::next_sequence(device, site, run), group: devices, site, run };
+        if planned.parties.of(part, rank).is_none() {
+            let what = match part {
+                Part::Send => "holds no tile of `x` but runs the send program",
+                Part::Receive => "needs no tile of the result but runs the receive program",
+            };
+            return Err(Error::InvalidArgument(format!("reshard: device {device} {what}")));
+        }
         Ok(ReshardCall {
-            layout,
-            plan,
+            part,
+            planned,
             rank,
-            key,
+            device,
+            site: frame.attr_i64("site")?,
             link,
             timeout: crate::config::timeout()?,
             interrupts: crate::config::interrupts(),
@@ -122,19 +241,44 @@ impl ReshardCall {
     }
 
     fn run(self, args: &[&[u8]], rets: &mut [&mut [u8]]) -> Result<()> {
-        let ([input], [out]) = (args, rets) else {
-            return Err(Error::InvalidArgument("reshard: the call has one operand and one result".into()));
+        let (input, id, out): (&[u8], &[u8], &mut [u8]) = match (self.part, args, rets) {
+            (Part::Send, [x, id], [sent]) => (x, id, sent),
+            (Part::Receive, [id], [out]) => (&[], id, out),
+            _ => return Err(Error::InvalidArgument("reshard: unexpected operands or results".into())),
         };
-        let participant = transport::Participant {
-            op: "reshard",
-            rank: self.rank,
-            timeout: self.timeout,
-            interrupts: self.interrupts,
+        let call_id = <[u8; 4]>::try_from(id).map(u32::from_ne_bytes).map_err(|_| {
+            Error::InvalidArgument(format!("reshard: operand `call_id` must be one uint32, got {} bytes", id.len()))
+        })?;
+        let party = self.planned.parties.of(self.part, self.rank).expect("checked by decode");
+        let op = match self.part {
+            Part::Send => "reshard send",
+            Part::Receive => "reshard receive",
         };
-        let endpoint = Endpoint::join(self.key.clone(), participant).with_link(self.link);
+        let key = SessionKey {
+            group: self.planned.parties.devices.clone(),
+            site: self.site,
+            run: call_id.into(),
+            sequence: 0,
+        };
+        let participant =
+            transport::Participant { op, rank: party, timeout: self.timeout, interrupts: self.interrupts };
+        let endpoint = Endpoint::join(key, participant).with_link(self.link);
+        let Planned { layout, method, plan, parties } = &*self.planned;
+        let method = match *method {
+            Method::Direct => "direct".to_string(),
+            Method::Broadcast { chunk_bytes } => format!("broadcast ({chunk_bytes}-byte chunks)"),
+        };
+        let args =
+            vec![("site", Value::I(self.site)), ("call_id", Value::U(call_id.into())), ("method", Value::S(method))];
+        let mut transfers = Transfers { log: trace::Transfers::begin(self.device, party, op, args), parties };
         // A panic fails the peers at once too, instead of leaving them to the deadline.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_rank(&self.layout, &self.plan, self.rank, input, out, &endpoint)
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self.part {
+            Part::Send => {
+                send_part(layout, plan, parties, self.rank, input, &endpoint, &mut transfers)?;
+                out.fill(1);
+                Ok(())
+            }
+            Part::Receive => receive_part(layout, plan, parties, self.rank, out, &endpoint, &mut transfers),
         }))
         .unwrap_or_else(|_| Err(Error::Internal("panic in commfuse reshard".into())));
         if let Err(e) = &result {
@@ -147,63 +291,142 @@ impl ReshardCall {
     }
 }
 
-/// Runs `rank`'s part of `plan`: its local copies, then its rounds (sends,
-/// then receives); a received chunk that this rank forwards later is kept
-/// and handed on as it is (no copy).
-pub fn run_rank(
+/// The trace of one call's transfers (when a trace is being recorded).
+pub struct Transfers<'p> {
+    log: Option<trace::Transfers>,
+    parties: &'p Parties,
+}
+
+impl Transfers<'_> {
+    fn record(&mut self, kind: Kind, peer: usize, id: Tag, bytes: usize, started: Instant) {
+        if let Some(log) = &mut self.log {
+            let args = vec![
+                ("peer_device", Value::I(self.parties.devices[peer])),
+                ("piece", Value::S(format!("{:?}#{}", id.direction, id.step).to_lowercase())),
+                ("bytes", Value::U(bytes as u64)),
+            ];
+            log.transfer(kind, started, Instant::now(), args);
+        }
+    }
+}
+
+/// A move's tag; a kept piece (`Plan::copies`) is tagged by its index.
+fn move_tag(id: usize) -> Tag {
+    Tag { direction: Direction::Forward, step: id }
+}
+
+fn kept_tag(index: usize) -> Tag {
+    Tag { direction: Direction::Backward, step: index }
+}
+
+fn too_small(name: &str, rank: usize, have: usize, layout: &Layout, tile: &Region) -> Error {
+    Error::InvalidArgument(format!(
+        "reshard: `{name}` of rank {rank} has {have} bytes, its tile needs {}",
+        layout.bytes(tile)
+    ))
+}
+
+fn plan_error(rank: usize, what: &str) -> Error {
+    Error::Internal(format!("reshard plan error: rank {rank} {what}"))
+}
+
+/// `rank`'s send part: packs and posts every piece it sends from its source
+/// tile (`input`), the pieces it keeps included, and returns without
+/// waiting for anyone. A piece going to several receivers is packed once.
+pub fn send_part(
     layout: &Layout,
     plan: &Plan,
+    parties: &Parties,
     rank: usize,
     input: &[u8],
+    endpoint: &Endpoint,
+    transfers: &mut Transfers<'_>,
+) -> Result<()> {
+    let tile = layout.src[rank].as_ref().ok_or_else(|| plan_error(rank, "sends without a source tile"))?;
+    if layout.bytes(tile) > input.len() {
+        return Err(too_small("x", rank, input.len(), layout, tile));
+    }
+    let receiver = |to: usize| parties.receive[to].ok_or_else(|| plan_error(to, "receives without a tile"));
+    let mut packed: HashMap<(Region, Range<usize>), Shared> = HashMap::new();
+    let mut post = |region: &Region, bytes: &Range<usize>, to: usize, tag: Tag| -> Result<()> {
+        let started = Instant::now();
+        let block = match packed.entry((region.clone(), bytes.clone())) {
+            Entry::Occupied(block) => block.get().clone(),
+            Entry::Vacant(slot) => {
+                let mut block = Block::new(bytes.len());
+                endpoint.compute(|| {
+                    reshard::pack(region, tile, layout.itemsize, bytes.clone(), input, block.bytes_mut())
+                })?;
+                slot.insert(Arc::new(block)).clone()
+            }
+        };
+        endpoint.send(to, tag, block, started);
+        transfers.record(Kind::Send, to, tag, bytes.len(), started);
+        Ok(())
+    };
+    let mut mine: Vec<&reshard::Move> = plan.moves.iter().filter(|m| m.from == rank && m.forwards.is_none()).collect();
+    mine.sort_by_key(|m| (m.round, m.id));
+    for m in mine {
+        post(&m.region, &m.bytes, receiver(m.to)?, move_tag(m.id))?;
+    }
+    for (index, kept) in plan.copies.iter().enumerate().filter(|(_, c)| c.rank == rank) {
+        post(&kept.region, &(0..layout.bytes(&kept.region)), receiver(rank)?, kept_tag(index))?;
+    }
+    Ok(())
+}
+
+/// `rank`'s receive part: takes every piece of its destination tile
+/// (`out`), in rounds, and forwards the chunks it passes on in a broadcast
+/// chain (the very blocks it received, no copy).
+pub fn receive_part(
+    layout: &Layout,
+    plan: &Plan,
+    parties: &Parties,
+    rank: usize,
     out: &mut [u8],
     endpoint: &Endpoint,
+    transfers: &mut Transfers<'_>,
 ) -> Result<()> {
-    let itemsize = layout.itemsize;
-    let src_tile = layout.src[rank].as_ref();
-    let dst_tile = layout.dst[rank].as_ref();
-    let too_small = |name: &str, have: usize, tile: &Region| {
-        Error::InvalidArgument(format!(
-            "reshard: `{name}` of rank {rank} has {have} bytes, its tile needs {}",
-            layout.bytes(tile)
-        ))
-    };
-    if let Some(t) = src_tile.filter(|t| layout.bytes(t) > input.len()) {
-        return Err(too_small("x", input.len(), t));
+    let tile = layout.dst[rank].as_ref().ok_or_else(|| plan_error(rank, "receives without a tile"))?;
+    if layout.bytes(tile) > out.len() {
+        return Err(too_small("out", rank, out.len(), layout, tile));
     }
-    if let Some(t) = dst_tile.filter(|t| layout.bytes(t) > out.len()) {
-        return Err(too_small("out", out.len(), t));
-    }
-    let no_tile = |what: &str| Error::Internal(format!("reshard plan error: rank {rank} {what} without a tile"));
-    for copy in plan.copies.iter().filter(|c| c.rank == rank) {
-        let (from, to) = (src_tile.ok_or_else(|| no_tile("copies"))?, dst_tile.ok_or_else(|| no_tile("receives"))?);
-        endpoint.compute(|| reshard::copy_local(&copy.region, itemsize, (from, input), (to, &mut *out)))?;
+    let cancelled = AtomicBool::new(false);
+    let wait = Wait::unwatched(&cancelled);
+    let take =
+        |from: usize, tag: Tag, region: &Region, bytes: Range<usize>, out: &mut [u8], transfers: &mut Transfers<'_>| {
+            let started = Instant::now();
+            let (block, _) = endpoint.recv(from, tag, bytes.len(), &wait)?;
+            endpoint.compute(|| reshard::unpack(region, tile, layout.itemsize, bytes.clone(), block.bytes(), out))?;
+            transfers.record(Kind::Recv, from, tag, bytes.len(), started);
+            Ok::<_, Error>(block)
+        };
+    let sender = |part: Option<usize>, rank: usize| part.ok_or_else(|| plan_error(rank, "sends without a tile"));
+    for (index, kept) in plan.copies.iter().enumerate().filter(|(_, c)| c.rank == rank) {
+        let bytes = 0..layout.bytes(&kept.region);
+        take(sender(parties.send[rank], rank)?, kept_tag(index), &kept.region, bytes, out, transfers)?;
     }
     let forwarded: std::collections::HashSet<usize> = plan.moves.iter().filter_map(|m| m.forwards).collect();
     let mut kept: HashMap<usize, Shared> = HashMap::new();
-    let cancelled = AtomicBool::new(false);
-    let tag = |id: usize| Tag { direction: Direction::Forward, step: id };
-    let mut mine: Vec<&reshard::Move> = plan.moves.iter().filter(|m| m.from == rank || m.to == rank).collect();
-    // By round; in a round the sends first (each receive of the round is matched by a send of it).
+    let mut mine: Vec<&reshard::Move> =
+        plan.moves.iter().filter(|m| m.to == rank || (m.from == rank && m.forwards.is_some())).collect();
+    // By round; in a round the forwards first (each receive of the round is
+    // matched by a send of it, and a forward needs only earlier rounds).
     mine.sort_by_key(|m| (m.round, m.from != rank, m.id));
     for m in mine {
         if m.from == rank {
-            let block = match m.forwards {
-                Some(id) => kept.remove(&id).ok_or_else(|| no_tile("forwards a chunk it did not receive"))?,
-                None => {
-                    let from = src_tile.ok_or_else(|| no_tile("sends"))?;
-                    let mut block = Block::new(m.bytes.len());
-                    endpoint.compute(|| {
-                        reshard::pack(&m.region, from, itemsize, m.bytes.clone(), input, block.bytes_mut())
-                    })?;
-                    Arc::new(block)
-                }
-            };
-            endpoint.send(m.to, tag(m.id), block, std::time::Instant::now());
+            let started = Instant::now();
+            let id = m.forwards.expect("filtered");
+            let block = kept.remove(&id).ok_or_else(|| plan_error(rank, "forwards a chunk it did not receive"))?;
+            let to = parties.receive[m.to].ok_or_else(|| plan_error(m.to, "receives without a tile"))?;
+            endpoint.send(to, move_tag(m.id), block, started);
+            transfers.record(Kind::Send, to, move_tag(m.id), m.bytes.len(), started);
         } else {
-            let to = dst_tile.ok_or_else(|| no_tile("receives"))?;
-            let wait = Wait::unwatched(&cancelled);
-            let (block, _) = endpoint.recv(m.from, tag(m.id), m.bytes.len(), &wait)?;
-            endpoint.compute(|| reshard::unpack(&m.region, to, itemsize, m.bytes.clone(), block.bytes(), out))?;
+            let from = match m.forwards {
+                Some(_) => sender(parties.receive[m.from], m.from)?,
+                None => sender(parties.send[m.from], m.from)?,
+            };
+            let block = take(from, move_tag(m.id), &m.region, m.bytes.clone(), out, transfers)?;
             if forwarded.contains(&m.id) {
                 kept.insert(m.id, block);
             }
@@ -217,7 +440,8 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// Rows split over ranks 0 and 1, needed whole by ranks 2..n.
+    /// Rows split over ranks 0 and 1, needed whole by ranks 1..n (rank 1
+    /// keeps its own rows and receives the others).
     fn layout(n: usize) -> Layout {
         let tile = |a, b| Some(Region { start: vec![a, 0], end: vec![b, 4] });
         let src = (0..n).map(|r| match r {
@@ -225,57 +449,76 @@ mod tests {
             1 => tile(8, 16),
             _ => None,
         });
-        let dst = (0..n).map(|r| if r >= 2 { tile(0, 16) } else { None });
+        let dst = (0..n).map(|r| if r >= 1 { tile(0, 16) } else { None });
         Layout::new(vec![16, 4], 4, src.collect(), dst.collect()).unwrap()
     }
 
-    /// Runs the ranks in `present` on threads; returns each one's output or error.
-    fn run(n: usize, method: Method, present: &[usize], site: i64) -> Vec<Result<Vec<u8>>> {
+    /// Runs the send and receive parts of the ranks in `present` on threads
+    /// (senders first, then receivers, each after `stagger`); returns each
+    /// receiver's output or error, by rank.
+    fn run(n: usize, method: Method, present: &[usize], site: i64) -> Vec<(usize, Result<Vec<u8>>)> {
         let layout = layout(n);
         let plan = reshard::plan(&layout, method);
+        let devices: Vec<i64> = (0..n as i64).map(|d| 700 + d).collect();
+        let parties = Parties::new(&layout, &devices);
         let global: Vec<u8> = (0..16 * 4 * 4).map(|b| (b % 251) as u8).collect();
+        let join = |part: Part, rank: usize| {
+            let key = SessionKey { group: parties.devices.clone(), site, run: 5, sequence: 0 };
+            let info = transport::Participant {
+                op: "reshard",
+                rank: parties.of(part, rank).unwrap(),
+                timeout: Duration::from_millis(300),
+                interrupts: crate::config::interrupts(),
+            };
+            Endpoint::join(key, info)
+        };
         std::thread::scope(|scope| {
+            for &rank in present.iter().filter(|&&r| r < 2) {
+                let endpoint = join(Part::Send, rank);
+                let input = &global[rank * 128..(rank + 1) * 128];
+                let mut log = Transfers { log: None, parties: &parties };
+                send_part(&layout, &plan, &parties, rank, input, &endpoint, &mut log).unwrap();
+            }
             let handles: Vec<_> = present
                 .iter()
+                .filter(|&&r| r >= 1)
                 .map(|&rank| {
-                    let (layout, plan, global) = (&layout, &plan, &global);
-                    scope.spawn(move || {
-                        let input = match rank {
-                            0 => global[..128].to_vec(),
-                            1 => global[128..].to_vec(),
-                            _ => vec![0; 128],
-                        };
+                    let (layout, plan, parties, join) = (&layout, &plan, &parties, &join);
+                    let handle = scope.spawn(move || {
                         let mut out = vec![0u8; 256];
-                        let key =
-                            SessionKey { group: (0..n as i64).map(|d| 700 + d).collect(), site, run: -3, sequence: 0 };
-                        let info = transport::Participant {
-                            op: "reshard",
-                            rank,
-                            timeout: Duration::from_millis(300),
-                            interrupts: crate::config::interrupts(),
-                        };
-                        let endpoint = Endpoint::join(key, info);
-                        let result = run_rank(layout, plan, rank, &input, &mut out, &endpoint);
+                        let endpoint = join(Part::Receive, rank);
+                        let mut log = Transfers { log: None, parties };
+                        let result = receive_part(layout, plan, parties, rank, &mut out, &endpoint, &mut log);
                         if let Err(e) = &result {
                             endpoint.fail(e);
                         }
                         result.map(|()| out)
-                    })
+                    });
+                    (rank, handle)
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+            handles.into_iter().map(|(rank, h)| (rank, h.join().unwrap())).collect()
         })
     }
 
     #[test]
-    fn every_destination_gets_the_whole_array_by_either_method() {
+    fn senders_post_and_leave_before_receivers_come_and_every_receiver_gets_the_whole_array() {
         let global: Vec<u8> = (0..256).map(|b| (b % 251) as u8).collect();
         for (i, method) in [Method::Direct, Method::Broadcast { chunk_bytes: 24 }].into_iter().enumerate() {
             let outs = run(6, method, &[0, 1, 2, 3, 4, 5], 8100 + i as i64);
-            for (rank, out) in outs.into_iter().enumerate().skip(2) {
+            assert_eq!(outs.len(), 5);
+            for (rank, out) in outs {
                 assert_eq!(out.unwrap(), global, "{method:?} rank {rank}");
             }
         }
+    }
+
+    #[test]
+    fn parties_are_the_senders_then_the_receivers() {
+        let parties = Parties::new(&layout(4), &[10, 11, 12, 13]);
+        assert_eq!(parties.devices, vec![10, 11, 11, 12, 13]);
+        assert_eq!(parties.send, vec![Some(0), Some(1), None, None]);
+        assert_eq!(parties.receive, vec![None, Some(2), Some(3), Some(4)]);
     }
 
     #[test]
@@ -283,12 +526,12 @@ mod tests {
         // Rank 3 never runs: in a broadcast chain 2 -> 3 -> 4 the ranks after
         // it wait for chunks it never forwards.
         let outs = run(5, Method::Broadcast { chunk_bytes: 32 }, &[0, 1, 2, 4], 8200);
-        let errors: Vec<String> = outs.into_iter().filter_map(|r| r.err()).map(|e| e.to_string()).collect();
+        let errors: Vec<String> = outs.into_iter().filter_map(|(_, r)| r.err()).map(|e| e.to_string()).collect();
         assert!(!errors.is_empty());
         assert!(
             errors
                 .iter()
-                .any(|e| e.contains("deadline exceeded") && e.contains("ranks [3] (devices [703]) never arrived")),
+                .any(|e| e.contains("deadline exceeded") && e.contains("ranks [4] (devices [703]) never arrived")),
             "{errors:?}"
         );
     }

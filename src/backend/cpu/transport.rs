@@ -387,6 +387,16 @@ impl Drop for Endpoint {
     }
 }
 
+/// Drops the sessions of call site `site` and run `run` that nobody is in:
+/// messages posted by ranks that only send (the send part of a reshard)
+/// for receivers that will never come. Returns how many it dropped.
+pub fn abandon(site: i64, run: i64) -> usize {
+    let mut registry = lock(registry());
+    let before = registry.len();
+    registry.retain(|key, session| key.site != site || key.run != run || lock(&session.state).active > 0);
+    before - registry.len()
+}
+
 /// Message buffers, reused across calls so the hot path does not allocate
 /// once the pool holds enough of them. Words keep them 8-byte aligned. The
 /// pool keeps at most 256 buffers and 1 GiB in all: a process that once
@@ -627,6 +637,20 @@ mod tests {
             assert!(lock(registry()).contains_key(&key(3)));
         }
         assert!(!lock(registry()).contains_key(&key(3)));
+    }
+
+    #[test]
+    fn an_abandoned_session_drops_the_messages_its_senders_left() {
+        let key = SessionKey { site: 3317, ..key(0) };
+        let sender = Endpoint::join(key.clone(), info(0));
+        sender.send_copy(1, tag(0), &[7; 64], Instant::now());
+        drop(sender);
+        assert!(lock(registry()).contains_key(&key), "the message waits for its receiver");
+        let receiving = Endpoint::join(key.clone(), info(1));
+        assert_eq!(abandon(3317, key.run), 0, "a session someone is in stays");
+        drop(receiving);
+        assert_eq!(abandon(3317, key.run), 1);
+        assert!(!lock(registry()).contains_key(&key));
     }
 
     #[test]

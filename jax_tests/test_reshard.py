@@ -157,13 +157,16 @@ def test_a_dropped_handle_frees_what_its_senders_posted():
     x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), NamedSharding(a, P("x")))
     dst = NamedSharding(b, P())
     # Calling the finalizer frees the posted pieces now: one session dropped.
-    assert commfuse.reshard_start(x, dst)._abandon() == 1
-    # Dropping the handle runs it.
+    pending = commfuse.reshard_start(x, dst)
+    assert pending._abandon() == 1
+    # Dropping the handle runs it: afterwards there is nothing left to drop.
     pending = commfuse.reshard_start(x, dst)
     finalizer = pending._abandon
-    del pending
+    _, _, (sent, site, call_id), _ = finalizer.peek()
+    del pending, sent
     gc.collect()
     assert not finalizer.alive
+    assert commfuse._native.lib.commfuse_reshard_abandon(site, int(call_id)) == 0
     # A received transfer has nothing left to free.
     pending = commfuse.reshard_start(x, dst)
     _same(pending.result(), jax.device_put(x, dst), dst)
@@ -193,3 +196,14 @@ def test_the_trace_shows_each_devices_sends_and_receives(tmp_path):
         recvs = [s for s in slices if s.name == "recv"]
         assert sorted(s.args["peer_device"] for s in recvs) == [devices[0].id, devices[1].id]
         assert sum(s.args["bytes"] for s in recvs) == x.nbytes
+
+
+def test_meshes_with_explicit_axes():
+    """`jax.make_mesh`'s default axis types (Explicit in JAX >= 0.7)."""
+    devices = jax.devices()
+    a = jax.make_mesh((4,), ("x",), devices=devices[:4])
+    b = jax.make_mesh((2, 4), ("dp", "tp"), devices=devices[4:12])
+    x = jax.device_put(np.random.default_rng(5).standard_normal((64, 8), np.float32), NamedSharding(a, P("x")))
+    for spec in [P("dp"), P(None, "tp"), P(("dp", "tp"))]:
+        dst = NamedSharding(b, spec)
+        _same(commfuse.reshard(x, dst), jax.device_put(x, dst), dst)

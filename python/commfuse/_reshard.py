@@ -19,6 +19,7 @@ while the stages compute. The tiles come from JAX's own
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 
 import jax
@@ -79,18 +80,22 @@ class PendingReshard:
 
     def __init__(self, receive, abandon=None):
         self._receive, self._value = receive, None
+        self._lock = threading.Lock()  # one receive, whichever thread asks first
         # Unreceived pieces stay with the transport until the receive runs:
         # a handle dropped without `result()` frees them (`_abandon`).
         self._abandon = weakref.finalize(self, *abandon) if abandon else None
+        if self._abandon is not None:
+            self._abandon.atexit = False  # at exit there is nothing left to free
 
     def result(self) -> jax.Array:
         """The moved array (dispatched on the first call, asynchronously like
         any JAX computation; the same array on later calls)."""
-        if self._receive is not None:
-            if self._abandon is not None:
-                self._abandon.detach()
-            self._value, self._receive = self._receive(), None
-        return self._value
+        with self._lock:
+            if self._receive is not None:
+                self._value, self._receive = self._receive(), None
+                if self._abandon is not None:
+                    self._abandon.detach()
+            return self._value
 
 
 def reshard_start(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") -> PendingReshard:
@@ -99,7 +104,8 @@ def reshard_start(x: jax.Array, sharding: NamedSharding, *, schedule: str = "aut
     `reshard`). Between the two, the devices of both meshes are free to
     compute: a pipeline calls this as soon as a stage's output is issued
     and asks for the result when the next stage needs it. A handle dropped
-    without `result()` frees what its senders posted.
+    without `result()` frees what its senders posted (waiting, where it is
+    dropped, for the send program to have run).
     """
     if (isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding)
             or not isinstance(schedule, str)):
@@ -226,6 +232,6 @@ def _abandon(sent, site, call_id):
     """Frees what the send of call `call_id` posted, once it has run."""
     try:
         jax.block_until_ready(sent)
-    except Exception:  # the send failed: its error reached the receivers' session already
+    except Exception:  # the send failed: nothing to keep for receivers that will not come either
         pass
     return _native.lib.commfuse_reshard_abandon(site, int(call_id))

@@ -1,14 +1,14 @@
 //! Cross-mesh resharding: moving an array from one set of devices and
 //! layout to another (`commfuse.reshard`).
 //!
-//! The program runs over the union of the two meshes' devices; rank i is
-//! the i-th device of that union. Each rank holds at most one source tile
+//! Rank i is the i-th device of the union of the two meshes' devices. Each rank holds at most one source tile
 //! and needs at most one destination tile (boxes of the global array, as
 //! JAX's `devices_indices_map` gives them). A *piece* is the intersection
 //! of a distinct destination tile with a distinct source tile; every rank
 //! needing that destination tile needs the piece. The planner decides, for
 //! every piece and every rank that needs it, where its bytes come from:
-//! - a rank that holds the source tile copies the piece locally;
+//! - a rank that holds the source tile keeps the piece (`Plan::copies`: no
+//!   transfer, a memory copy);
 //! - `Direct`: otherwise one holder sends it the whole piece (the holder with
 //!   the fewest bytes to send so far: senders balanced);
 //! - `Broadcast`: the ranks needing the piece are split into as many chains
@@ -21,7 +21,9 @@
 //! in each its sends, then its receives. A send in round t carries what the
 //! rank held at the start or received in a round before t, and every receive
 //! of round t is matched by a send of round t, so the rounds complete one by
-//! one and nothing can deadlock (for NCCL: one group per round).
+//! one and nothing can deadlock (for NCCL: one group per round). Sends that
+//! need no receive first (from the holders) may also all be posted at once,
+//! ahead of the rounds: the CPU backend's send program does that.
 //!
 //! Pure code: every rank computes the same plan from the same attributes.
 #![forbid(unsafe_code)]

@@ -133,6 +133,17 @@ pub struct Endpoint {
     session: Arc<Session>,
     info: Participant,
     link: Option<link::LinkModel>,
+    /// Where the ranks sit on the link model's devices, when a device has
+    /// more than one rank in the session (`with_link_positions`).
+    positions: Option<Arc<LinkPositions>>,
+}
+
+/// The devices the link model connects, in ring order, and per rank of a
+/// session the index of its device among them.
+#[derive(Debug)]
+pub struct LinkPositions {
+    pub devices: Vec<i64>,
+    pub of_rank: Vec<usize>,
 }
 
 fn registry() -> &'static Mutex<HashMap<SessionKey, Arc<Session>>> {
@@ -187,12 +198,20 @@ impl Endpoint {
             state.mark(info.rank, now);
         }
         session.delivered.notify_all();
-        Endpoint { key, session, info, link: None }
+        Endpoint { key, session, info, link: None, positions: None }
     }
 
     /// Throttles this endpoint's sends by `link` (see `link`); `None` is full speed.
     pub fn with_link(mut self, link: Option<link::LinkModel>) -> Endpoint {
         self.link = link;
+        self
+    }
+
+    /// The link model sees rank r on device `positions.devices[positions.of_rank[r]]`
+    /// instead of on the session group's device r (a reshard's send and
+    /// receive parts of one device share its ports).
+    pub fn with_link_positions(mut self, positions: Arc<LinkPositions>) -> Endpoint {
+        self.positions = Some(positions);
         self
     }
 
@@ -223,10 +242,19 @@ impl Endpoint {
     pub fn send(&self, to: usize, tag: Tag, block: Shared, ready: Instant) {
         let now = Instant::now();
         let posted = ready.min(now);
-        let arrival = self.link.map(|l| l.arrival(posted, &self.key.group, self.info.rank, to, block.len()));
+        let (devices, from, to_at) = match &self.positions {
+            Some(p) => (&p.devices, p.of_rank[self.info.rank], p.of_rank[to]),
+            None => (&self.key.group, self.info.rank, to),
+        };
+        // A message to a rank on the same device is a memory copy, not a transfer.
+        let linked = self.link.filter(|_| devices[from] != devices[to_at]);
+        let arrival = linked.map(|l| l.arrival(posted, devices, from, to_at, block.len()));
         let message = Message { block, arrival };
         let mut state = lock(&self.session.state);
         state.mark(self.info.rank, now);
+        if state.failure.is_some() {
+            return; // nobody will read it (the block drops outside the lock)
+        }
         let previous = state.mailbox.insert((to, self.info.rank, tag), message);
         drop(state);
         // A stale message (only after a failure) is dropped outside the lock.
@@ -372,13 +400,15 @@ impl Drop for Endpoint {
         let mut state = lock(&self.session.state);
         state.active -= 1;
         state.left += 1;
-        // Done when every rank came and went, or, after a failure, when those
-        // who came have gone (a late rank then meets a new session and times
-        // out on its own). A rank that only sends may leave before its peers
-        // arrive: its messages must wait for them.
-        if state.left == self.key.group.len() || (state.failure.is_some() && state.active == 0) {
-            // Unread messages remain only after a failure; their blocks go
-            // back to the pool as they drop.
+        // A rank that only sends may leave before its peers arrive: its
+        // messages wait for them. After a failure nobody will read them: they
+        // go once those who came have gone, but the session stays (empty)
+        // until every rank came and went, so a late rank meets the failure at
+        // once instead of a new session it would wait in until the deadline.
+        if state.failure.is_some() && state.active == 0 {
+            state.mailbox.clear();
+        }
+        if state.left == self.key.group.len() {
             state.mailbox.clear();
             if registry.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.session)) {
                 registry.remove(&self.key);
@@ -654,20 +684,40 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_session_is_removed_when_its_ranks_left() {
+    fn a_failed_session_stays_until_every_rank_came_and_a_late_rank_fails_at_once() {
         let cancelled = AtomicBool::new(false);
+        let wait = Wait::unwatched(&cancelled);
         {
             let a = Endpoint::join(key(4), info(0));
-            let wait = Wait::unwatched(&cancelled);
             assert!(a.recv_into(1, tag(0), &mut [0u8; 4], &wait).is_err());
         }
-        assert!(!lock(registry()).contains_key(&key(4)));
+        assert!(lock(registry()).contains_key(&key(4)), "ranks 1 and 2 have not come yet");
+        let late = Endpoint::join(key(4), info(1));
+        late.send_copy(2, tag(0), &[1; 4], Instant::now()); // dropped: nobody will read it
+        let started = Instant::now();
+        let error = late.recv_into(0, tag(1), &mut [0u8; 4], &wait).unwrap_err().to_string();
+        assert!(error.contains("rank 0 (device 10) failed first"), "{error}");
+        assert!(started.elapsed() < info(1).timeout, "at once, not after the deadline");
+        drop(late);
+        drop(Endpoint::join(key(4), info(2)));
+        assert!(!lock(registry()).contains_key(&key(4)), "every rank came and went");
     }
 
     /// Posts `sends` (from, to) of `bytes` each at once over a fresh group of
     /// `n` devices under `link`, and returns when each receive completed.
     fn timed_sends(link: &str, group: Vec<i64>, sends: &[(usize, usize)], bytes: usize) -> Vec<Duration> {
+        timed_sends_at(link, group, None, sends, bytes)
+    }
+
+    fn timed_sends_at(
+        link: &str,
+        group: Vec<i64>,
+        positions: Option<LinkPositions>,
+        sends: &[(usize, usize)],
+        bytes: usize,
+    ) -> Vec<Duration> {
         let model = link::LinkModel::parse(link).unwrap();
+        let positions = positions.map(Arc::new);
         let key = SessionKey { group: group.clone(), site: 77, run: 1, sequence: 0 };
         let ends: Vec<Endpoint> = (0..group.len())
             .map(|r| {
@@ -677,7 +727,11 @@ mod tests {
                     timeout: Duration::from_secs(10),
                     interrupts: crate::config::interrupts(),
                 };
-                Endpoint::join(key.clone(), info).with_link(model)
+                let end = Endpoint::join(key.clone(), info).with_link(model);
+                match &positions {
+                    Some(p) => end.with_link_positions(p.clone()),
+                    None => end,
+                }
             })
             .collect();
         let data = vec![7u8; bytes];
@@ -712,6 +766,16 @@ mod tests {
     fn a_throttled_transfer_takes_latency_plus_bytes_over_bandwidth() {
         let t = timed_sends(LINK, vec![3000, 3001], &[(0, 1)], BYTES);
         within(t[0], 90.0, "one transfer");
+    }
+
+    #[test]
+    fn ranks_on_one_device_exchange_without_the_link_and_share_its_ports() {
+        // Ranks 0 and 2 are device 3100, rank 1 is device 3101: 0 -> 2 is a
+        // memory copy; 0 -> 1 and 2 -> 1 share device 3100's out port.
+        let positions = LinkPositions { devices: vec![3100, 3101], of_rank: vec![0, 1, 0] };
+        let t = timed_sends_at(LINK, vec![3100, 3101, 3100], Some(positions), &[(0, 2), (0, 1), (2, 1)], BYTES);
+        assert!(t[0] < Duration::from_millis(30), "a copy on one device took {:?}", t[0]);
+        within(t[2], 170.0, "two transfers through one out port");
     }
 
     #[test]

@@ -133,14 +133,17 @@ class Moved:
         return self.array
 
 
-def _median(fn, reps):
-    """Median wall time of `fn()` (blocked on its result) after one warm-up."""
-    times = []
+def _timed(fns, reps):
+    """Wall times of each `fns[name]()` (blocked on its result), `reps` of
+    each after one warm-up, the functions taking turns so that a machine
+    getting busier or quieter meanwhile affects them alike."""
+    times = {name: [] for name in fns}
     for _ in range(reps + 1):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t)
+    return {name: t[1:] for name, t in times.items()}
 
 
 def reference_step(params0, params1, xs, ys):
@@ -179,12 +182,6 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
         losses.append((loss, ref))
         out(f"step {s}: loss {loss:.6f}  reference {ref:.6f}  rel diff {abs(loss - ref) / abs(ref):.1e}")
 
-    timings = {}
-    for name, move in (("commfuse.reshard", reshard), ("jax.device_put", device_put)):
-        timings[name] = _median(lambda move=move: pipe.step(p0, p1, xs_d, ys_d, move)[:2], reps)
-        out(f"step time with {name:17s} {timings[name] * 1e3:8.1f} ms (median of {reps})")
-    out(f"ratio reshard / device_put: {timings['commfuse.reshard'] / timings['jax.device_put']:.2f}")
-
     # Overlap, measured: the same step with every transfer already done
     # (compute only), and the step's transfers alone, in the same order.
     recorded = []
@@ -196,13 +193,24 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
     def compute_only():
         moved = iter([m for _, _, m in recorded])  # each transfer's result, in the order the step asks
         return pipe.step(p0, p1, xs_d, ys_d, lambda a, s: Moved(next(moved)))[:2]
-    t_compute = _median(compute_only, reps)
-    t_transfers = _median(lambda: [commfuse.reshard(a, s) for a, s, _ in recorded], reps)
-    t_step = timings["commfuse.reshard"]
-    hidden = (t_compute + t_transfers - t_step) / t_transfers
-    out(f"compute only {t_compute * 1e3:.1f} ms, the step's {len(recorded)} transfers alone {t_transfers * 1e3:.1f} ms, "
-        f"together {t_step * 1e3:.1f} ms: {max(hidden, 0.0):.0%} of the transfer time hidden behind compute")
-    timings.update(compute_only=t_compute, transfers_only=t_transfers, hidden=hidden)
+    runs = _timed({
+        "commfuse.reshard": lambda: pipe.step(p0, p1, xs_d, ys_d, reshard)[:2],
+        "jax.device_put": lambda: pipe.step(p0, p1, xs_d, ys_d, device_put)[:2],
+        "compute_only": compute_only,
+        "transfers_only": lambda: [commfuse.reshard(a, s) for a, s, _ in recorded],
+    }, reps)
+    timings = {name: statistics.median(t) for name, t in runs.items()}
+    for name in ("commfuse.reshard", "jax.device_put"):
+        out(f"step time with {name:17s} {timings[name] * 1e3:8.1f} ms (median of {reps})")
+    out(f"ratio reshard / device_put: {timings['commfuse.reshard'] / timings['jax.device_put']:.2f}")
+    # The time the transfers add to the step, each step against the
+    # compute-only run next to it (the pairs cancel the machine's drift).
+    exposed = statistics.median(s - c for s, c in zip(runs["commfuse.reshard"], runs["compute_only"]))
+    hidden = 1 - exposed / timings["transfers_only"]
+    out(f"compute only {timings['compute_only'] * 1e3:.1f} ms, the step's {len(recorded)} transfers alone "
+        f"{timings['transfers_only'] * 1e3:.1f} ms, the step {exposed * 1e3:.1f} ms longer than its compute: "
+        f"{max(hidden, 0.0):.0%} of the transfer time hidden behind compute")
+    timings["hidden"] = hidden
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         transfers = os.path.join(trace_dir, "reshard.pftrace")

@@ -16,7 +16,8 @@ def test_two_stage_pipeline_trains_like_one_device():
     for loss, reference in losses:
         np.testing.assert_allclose(loss, reference, rtol=1e-5)
     assert losses[-1][0] < losses[0][0], "the loss goes down"
-    # The overlap figure is a share of the transfer time (negative only when noise makes the step beat its compute).
-    assert timings["hidden"] <= 1.0
+    # The reported overlap is the share of the transfers' time that the step
+    # did not add to its compute (no bound: noise can push it past 0 or 1).
+    assert abs(timings["hidden"] - (1 - timings["exposed"] / timings["transfers_only"])) < 1e-9
     assert any("of the transfer time hidden behind compute" in line for line in lines)
     assert sum(line.startswith("step time with") for line in lines) == 2

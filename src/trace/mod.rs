@@ -222,6 +222,21 @@ impl CallLabel {
     }
 }
 
+/// The number of a new recorded call, counted in flight until its events
+/// are handed in (the caller's drop ends it); `None`, after one relaxed
+/// load, unless recording is on.
+fn begin_call() -> Option<u64> {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return None;
+    }
+    IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+    if !ENABLED.load(Ordering::SeqCst) {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        return None;
+    }
+    Some(CALLS.fetch_add(1, Ordering::Relaxed))
+}
+
 /// One run of a plan being recorded: the executor's observer.
 pub struct Recording {
     label: CallLabel,
@@ -236,15 +251,7 @@ impl Recording {
     /// `None` (after one relaxed load) unless recording is on; `label` is
     /// only asked for when it is.
     pub fn begin(plan: &Plan, label: impl FnOnce() -> CallLabel) -> Option<Recording> {
-        if !ENABLED.load(Ordering::Relaxed) {
-            return None;
-        }
-        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
-        if !ENABLED.load(Ordering::SeqCst) {
-            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
-            return None;
-        }
-        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let call = begin_call()?;
         Some(Recording {
             label: label(),
             call,
@@ -428,15 +435,7 @@ pub struct Transfers {
 impl Transfers {
     /// `None` (after one relaxed load) unless recording is on; `args` go on the call slice.
     pub fn begin(device: i64, rank: usize, op: &'static str, args: Vec<(&'static str, Value)>) -> Option<Transfers> {
-        if !ENABLED.load(Ordering::Relaxed) {
-            return None;
-        }
-        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
-        if !ENABLED.load(Ordering::SeqCst) {
-            IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
-            return None;
-        }
-        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let call = begin_call()?;
         Some(Transfers { device, rank, op, call, start_ns: now_ns(), args, events: Vec::new() })
     }
 

@@ -210,7 +210,7 @@ def run(steps=4, microbatches=4, reps=3, trace_dir="pipeline_trace", out=print):
     out(f"compute only {timings['compute_only'] * 1e3:.1f} ms, the step's {len(recorded)} transfers alone "
         f"{timings['transfers_only'] * 1e3:.1f} ms, the step {exposed * 1e3:.1f} ms longer than its compute: "
         f"{max(hidden, 0.0):.0%} of the transfer time hidden behind compute")
-    timings["hidden"] = hidden
+    timings.update(exposed=exposed, hidden=hidden)
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         transfers = os.path.join(trace_dir, "reshard.pftrace")

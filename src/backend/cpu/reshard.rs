@@ -25,6 +25,7 @@ use crate::reshard::{self, Layout, Method, Plan, Region};
 use crate::trace::{self, Kind, Value};
 use crate::xla::Frame;
 use std::collections::hash_map::{Entry, HashMap};
+use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -107,11 +108,21 @@ impl Parties {
 }
 
 /// What every device of one reshard works out from the attributes alike.
-struct Planned {
+pub struct Planned {
     layout: Layout,
     method: Method,
     plan: Plan,
     parties: Parties,
+    /// The moves whose chunks their receivers forward (broadcast chains).
+    forwarded: HashSet<usize>,
+}
+
+impl Planned {
+    pub fn new(layout: Layout, method: Method, plan: Plan, devices: &[i64]) -> Planned {
+        let parties = Parties::new(&layout, devices);
+        let forwarded = plan.moves.iter().filter_map(|m| m.forwards).collect();
+        Planned { layout, method, plan, parties, forwarded }
+    }
 }
 
 /// Plans by their attributes (and the link model `auto` decides on): each
@@ -177,7 +188,6 @@ fn make_plan(key: &PlanKey, link: Option<LinkModel>) -> Result<Planned> {
     let src = tiles("src", src, ranks, shape.len())?;
     let dst = tiles("dst", dst, ranks, shape.len())?;
     let layout = Layout::new(shape, itemsize, src, dst)?;
-    let parties = Parties::new(&layout, devices);
     let chunk_bytes = usize::try_from(*chunk_bytes)
         .ok()
         .filter(|&c| c > 0)
@@ -194,7 +204,7 @@ fn make_plan(key: &PlanKey, link: Option<LinkModel>) -> Result<Planned> {
         }
         other => return Err(Error::InvalidArgument(format!("reshard: unknown method {other}"))),
     };
-    Ok(Planned { layout, method, plan, parties })
+    Ok(Planned::new(layout, method, plan, devices))
 }
 
 impl ReshardCall {
@@ -257,7 +267,7 @@ impl ReshardCall {
         let call_id = <[u8; 4]>::try_from(id).map(u32::from_ne_bytes).map_err(|_| {
             Error::InvalidArgument(format!("reshard: operand `call_id` must be one uint32, got {} bytes", id.len()))
         })?;
-        let Planned { layout, method, plan, parties } = &*self.planned;
+        let parties = &self.planned.parties;
         let party = parties.of(self.part, self.rank).expect("checked by decode");
         let op = match self.part {
             Part::Send => "reshard send",
@@ -268,21 +278,22 @@ impl ReshardCall {
             transport::Participant { op, rank: party, timeout: self.timeout, interrupts: self.interrupts };
         let endpoint =
             Endpoint::join(key, participant).with_link(self.link).with_link_positions(parties.positions.clone());
-        let method = match *method {
+        let method = match self.planned.method {
             Method::Direct => "direct".to_string(),
             Method::Broadcast { chunk_bytes } => format!("broadcast ({chunk_bytes}-byte chunks)"),
         };
         let args =
             vec![("site", Value::I(self.site)), ("call_id", Value::U(call_id.into())), ("method", Value::S(method))];
-        let mut transfers = Transfers { log: trace::Transfers::begin(self.device, party, op, args), parties };
+        let mut log =
+            TransferLog { trace: trace::Transfers::begin(self.device, party, op, args), devices: &parties.devices };
         // A panic fails the peers at once too, instead of leaving them to the deadline.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self.part {
             Part::Send => {
-                send_part(layout, plan, parties, self.rank, input, &endpoint, &mut transfers)?;
+                send_part(&self.planned, self.rank, input, &endpoint, &mut log)?;
                 out.fill(1);
                 Ok(())
             }
-            Part::Receive => receive_part(layout, plan, parties, self.rank, out, &endpoint, &mut transfers),
+            Part::Receive => receive_part(&self.planned, self.rank, out, &endpoint, &mut log),
         }))
         .unwrap_or_else(|_| Err(Error::Internal("panic in commfuse reshard".into())));
         if let Err(e) = &result {
@@ -295,21 +306,22 @@ impl ReshardCall {
     }
 }
 
-/// The trace of one call's transfers (when a trace is being recorded).
-pub struct Transfers<'p> {
-    log: Option<trace::Transfers>,
-    parties: &'p Parties,
+/// One call's transfers in the trace (when a trace is being recorded).
+pub struct TransferLog<'p> {
+    trace: Option<trace::Transfers>,
+    /// Per transport rank, its device (`Parties::devices`).
+    devices: &'p [i64],
 }
 
-impl Transfers<'_> {
+impl TransferLog<'_> {
     fn record(&mut self, kind: Kind, peer: usize, id: Tag, bytes: usize, started: Instant) {
-        if let Some(log) = &mut self.log {
+        if let Some(trace) = &mut self.trace {
             let args = vec![
-                ("peer_device", Value::I(self.parties.devices[peer])),
+                ("peer_device", Value::I(self.devices[peer])),
                 ("piece", Value::S(format!("{:?}#{}", id.direction, id.step).to_lowercase())),
                 ("bytes", Value::U(bytes as u64)),
             ];
-            log.transfer(kind, started, Instant::now(), args);
+            trace.transfer(kind, started, Instant::now(), args);
         }
     }
 }
@@ -338,14 +350,13 @@ fn plan_error(rank: usize, what: &str) -> Error {
 /// tile (`input`), the pieces it keeps included, and returns without
 /// waiting for anyone. A piece going to several receivers is packed once.
 pub fn send_part(
-    layout: &Layout,
-    plan: &Plan,
-    parties: &Parties,
+    planned: &Planned,
     rank: usize,
     input: &[u8],
     endpoint: &Endpoint,
-    transfers: &mut Transfers<'_>,
+    log: &mut TransferLog<'_>,
 ) -> Result<()> {
+    let Planned { layout, plan, parties, .. } = planned;
     let tile = layout.src[rank].as_ref().ok_or_else(|| plan_error(rank, "sends without a source tile"))?;
     if layout.bytes(tile) > input.len() {
         return Err(too_small("x", rank, input.len(), layout, tile));
@@ -365,7 +376,7 @@ pub fn send_part(
             }
         };
         endpoint.send(to, tag, block, started);
-        transfers.record(Kind::Send, to, tag, bytes.len(), started);
+        log.record(Kind::Send, to, tag, bytes.len(), started);
         Ok(())
     };
     // The kept pieces first: the receive part takes them first.
@@ -384,14 +395,13 @@ pub fn send_part(
 /// (`out`), in rounds, and forwards the chunks it passes on in a broadcast
 /// chain (the very blocks it received, no copy).
 pub fn receive_part(
-    layout: &Layout,
-    plan: &Plan,
-    parties: &Parties,
+    planned: &Planned,
     rank: usize,
     out: &mut [u8],
     endpoint: &Endpoint,
-    transfers: &mut Transfers<'_>,
+    log: &mut TransferLog<'_>,
 ) -> Result<()> {
+    let Planned { layout, plan, parties, forwarded, .. } = planned;
     let tile = layout.dst[rank].as_ref().ok_or_else(|| plan_error(rank, "receives without a tile"))?;
     if layout.bytes(tile) > out.len() {
         return Err(too_small("out", rank, out.len(), layout, tile));
@@ -399,19 +409,18 @@ pub fn receive_part(
     let cancelled = AtomicBool::new(false);
     let wait = Wait::unwatched(&cancelled);
     let take =
-        |from: usize, tag: Tag, region: &Region, bytes: Range<usize>, out: &mut [u8], transfers: &mut Transfers<'_>| {
+        |from: usize, tag: Tag, region: &Region, bytes: Range<usize>, out: &mut [u8], log: &mut TransferLog<'_>| {
             let started = Instant::now();
             let (block, _) = endpoint.recv(from, tag, bytes.len(), &wait)?;
             endpoint.compute(|| reshard::unpack(region, tile, layout.itemsize, bytes.clone(), block.bytes(), out))?;
-            transfers.record(Kind::Recv, from, tag, bytes.len(), started);
+            log.record(Kind::Recv, from, tag, bytes.len(), started);
             Ok::<_, Error>(block)
         };
     let sender = |part: Option<usize>, rank: usize| part.ok_or_else(|| plan_error(rank, "sends without a tile"));
     for (index, kept) in plan.copies.iter().enumerate().filter(|(_, c)| c.rank == rank) {
         let bytes = 0..layout.bytes(&kept.region);
-        take(sender(parties.send[rank], rank)?, kept_tag(index), &kept.region, bytes, out, transfers)?;
+        take(sender(parties.send[rank], rank)?, kept_tag(index), &kept.region, bytes, out, log)?;
     }
-    let forwarded: std::collections::HashSet<usize> = plan.moves.iter().filter_map(|m| m.forwards).collect();
     let mut kept: HashMap<usize, Shared> = HashMap::new();
     let mut mine: Vec<&reshard::Move> =
         plan.moves.iter().filter(|m| m.to == rank || (m.from == rank && m.forwards.is_some())).collect();
@@ -425,13 +434,13 @@ pub fn receive_part(
             let block = kept.remove(&id).ok_or_else(|| plan_error(rank, "forwards a chunk it did not receive"))?;
             let to = parties.receive[m.to].ok_or_else(|| plan_error(m.to, "receives without a tile"))?;
             endpoint.send(to, move_tag(m.id), block, started);
-            transfers.record(Kind::Send, to, move_tag(m.id), m.bytes.len(), started);
+            log.record(Kind::Send, to, move_tag(m.id), m.bytes.len(), started);
         } else {
             let from = match m.forwards {
                 Some(_) => sender(parties.receive[m.from], m.from)?,
                 None => sender(parties.send[m.from], m.from)?,
             };
-            let block = take(from, move_tag(m.id), &m.region, m.bytes.clone(), out, transfers)?;
+            let block = take(from, move_tag(m.id), &m.region, m.bytes.clone(), out, log)?;
             if forwarded.contains(&m.id) {
                 kept.insert(m.id, block);
             }
@@ -465,7 +474,8 @@ mod tests {
         let layout = layout(n);
         let plan = reshard::plan(&layout, method);
         let devices: Vec<i64> = (0..n as i64).map(|d| 700 + d).collect();
-        let parties = Parties::new(&layout, &devices);
+        let planned = Planned::new(layout, method, plan, &devices);
+        let parties = &planned.parties;
         let global: Vec<u8> = (0..16 * 4 * 4).map(|b| (b % 251) as u8).collect();
         let join = |part: Part, rank: usize| {
             let key = SessionKey { group: parties.devices.clone(), site, run: 5, sequence: 0 };
@@ -481,19 +491,19 @@ mod tests {
             for &rank in present.iter().filter(|&&r| r < 2) {
                 let endpoint = join(Part::Send, rank);
                 let input = &global[rank * 128..(rank + 1) * 128];
-                let mut log = Transfers { log: None, parties: &parties };
-                send_part(&layout, &plan, &parties, rank, input, &endpoint, &mut log).unwrap();
+                let mut log = TransferLog { trace: None, devices: &parties.devices };
+                send_part(&planned, rank, input, &endpoint, &mut log).unwrap();
             }
             let handles: Vec<_> = present
                 .iter()
                 .filter(|&&r| r >= 1)
                 .map(|&rank| {
-                    let (layout, plan, parties, join) = (&layout, &plan, &parties, &join);
+                    let (planned, join) = (&planned, &join);
                     let handle = scope.spawn(move || {
                         let mut out = vec![0u8; 256];
                         let endpoint = join(Part::Receive, rank);
-                        let mut log = Transfers { log: None, parties };
-                        let result = receive_part(layout, plan, parties, rank, &mut out, &endpoint, &mut log);
+                        let mut log = TransferLog { trace: None, devices: &planned.parties.devices };
+                        let result = receive_part(planned, rank, &mut out, &endpoint, &mut log);
                         if let Err(e) = &result {
                             endpoint.fail(e);
                         }

@@ -207,3 +207,78 @@ def test_meshes_with_explicit_axes():
     for spec in [P("dp"), P(None, "tp"), P(("dp", "tp"))]:
         dst = NamedSharding(b, spec)
         _same(commfuse.reshard(x, dst), jax.device_put(x, dst), dst)
+
+
+def test_gpu_receives_run_in_the_order_of_their_sends_whichever_result_is_asked_first():
+    # The GPU path's ordering (`_Pairing`), with programs that record the
+    # receives they run: NCCL pairs transfers in the order they were posted,
+    # so a later result first receives the earlier ones; a dropped handle
+    # is received (drained) too; a failed receive fails its own handle only.
+    from commfuse import _reshard
+    received = []
+
+    class Program:
+        def _receive(self, call_id):
+            received.append(int(call_id))
+            if call_id == 3:
+                raise RuntimeError("receive 3 failed")
+            return jax.numpy.full((2,), int(call_id))
+
+        def _received(self, moved):
+            return moved
+
+    pairing = _reshard._Pairing()
+    transfers = [_reshard._Transfer(Program(), jax.numpy.zeros(1), i) for i in range(5)]
+    pairing.pending.extend(transfers)
+    handles = [_reshard.PendingReshard(lambda t=t: pairing.take(t), (pairing.drop, t)) for t in transfers]
+    assert int(handles[2].result()[0]) == 2
+    assert received == [0, 1, 2]
+    assert int(handles[0].result()[0]) == 0 and int(handles[2].result()[1]) == 2
+    assert received == [0, 1, 2]
+    handles[1] = None  # received already: dropping it receives nothing more
+    gc.collect()
+    assert received == [0, 1, 2]
+    handles[4] = None  # not received yet: dropping it drains 3 and 4
+    gc.collect()
+    assert received == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="receive 3 failed"):
+        handles[3].result()
+    assert not pairing.pending
+
+
+def _gpu_meshes(count):
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2 * count:
+        pytest.skip(f"needs {2 * count} GPUs: two meshes of {count} that share no device (found {len(gpus)})")
+    return Mesh(np.array(gpus[:count]), ("a",)), Mesh(np.array(gpus[count:2 * count]), ("b",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["direct", "broadcast", "auto"])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_reshard_between_gpu_meshes_equals_device_put(schedule, count):
+    source, destination = _gpu_meshes(count)
+    rng = np.random.default_rng(count)
+    for dtype in (np.float32, jax.numpy.bfloat16, np.int32):
+        host = rng.standard_normal((16 * count, 24)).astype(dtype)
+        x = jax.device_put(host, NamedSharding(source, P("a", None)))
+        for spec in (P(None, "b"), P(), P("b", None)):
+            to = NamedSharding(destination, spec)
+            got = commfuse.reshard(x, to, schedule=schedule)
+            assert got.sharding == to
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.device_put(x, to)))
+
+
+@pytest.mark.gpu
+def test_gpu_reshards_taken_out_of_order_and_overlapping_meshes():
+    source, destination = _gpu_meshes(1)
+    xs = [jax.device_put(np.full((8, 4), i, np.float32), NamedSharding(source, P())) for i in range(3)]
+    pending = [commfuse.reshard_start(x, NamedSharding(destination, P())) for x in xs]
+    for i in (2, 0, 1):
+        np.testing.assert_array_equal(np.asarray(pending[i].result()), np.full((8, 4), i, np.float32))
+    gpus = jax.devices("gpu")
+    a, b = Mesh(np.array(gpus[:2]), ("a",)), Mesh(np.array(gpus[1::-1]), ("a",))
+    x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), NamedSharding(a, P("a")))
+    np.testing.assert_array_equal(np.asarray(commfuse.reshard(x, NamedSharding(b, P("a")))), np.asarray(x))
+    with pytest.raises(NotImplementedError, match="must not share devices"):
+        commfuse.reshard(x, NamedSharding(b, P("a")), schedule="direct")

@@ -205,6 +205,17 @@ def check_rust(tests: str | None) -> None:
                     300, log="rust_device.log")
     row("Rust device test: every op kind on GPU 0 vs the CPU backend, bit for bit",
         "PASS" if code == 0 else "FAIL", tail(out))
+    try:
+        gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")
+    except (OSError, subprocess.SubprocessError):
+        gpus = 0
+    label = "Rust device tests on all local GPUs: every op kind, and reshard layouts between two halves"
+    if gpus < 2:
+        row(label, "N/A", f"needs 2 or more GPUs, found {gpus}")
+        return
+    code, out = run([tests, "--include-ignored", "--test-threads", "1", "backend::cuda::enqueue::tests::all_local",
+                     "backend::cuda::reshard::tests::gpus_move"], 600, log="rust_multi_gpu.log")
+    row(label, "PASS" if code == 0 else "FAIL", tail(out))
 
 
 def main() -> int:

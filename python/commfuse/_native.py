@@ -63,6 +63,12 @@ CUDA_TARGET = "commfuse_collective_matmul_cuda"
 
 RESHARD_SEND_CPU_TARGET = "commfuse_reshard_send_cpu"
 RESHARD_RECEIVE_CPU_TARGET = "commfuse_reshard_receive_cpu"
+# `commfuse.reshard` on GPUs: its three programs (src/backend/cuda/reshard.rs).
+RESHARD_CONNECT_CUDA_TARGET = "commfuse_reshard_connect_cuda"
+RESHARD_SEND_CUDA_TARGET = "commfuse_reshard_send_cuda"
+RESHARD_RECEIVE_CUDA_TARGET = "commfuse_reshard_receive_cuda"
+# Every CUDA handler runs in both stages, registered together on first use.
+CUDA_TARGETS = (CUDA_TARGET, RESHARD_CONNECT_CUDA_TARGET, RESHARD_SEND_CUDA_TARGET, RESHARD_RECEIVE_CUDA_TARGET)
 
 jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
 for _target in (RESHARD_SEND_CPU_TARGET, RESHARD_RECEIVE_CPU_TARGET):
@@ -117,7 +123,8 @@ _cuda_registered = False
 
 
 def cuda_target() -> str:
-    """The CUDA handler's target name, registered for platform "CUDA" on first use.
+    """The CUDA handler's target name, registered for platform "CUDA" on
+    first use with the others of `CUDA_TARGETS`.
 
     Called when an op is lowered for CUDA, not at import: asking JAX for its
     GPUs initialises its backends, which must not happen before a user's
@@ -138,13 +145,14 @@ def cuda_target() -> str:
             raise NotImplementedError(f"JAX has no CUDA backend ({e})") from e
         if not gpus:
             raise NotImplementedError("JAX sees no GPU")
-        try:
-            # INITIALIZE sets up each device (kernels compiled to CUBIN and
-            # loaded) before the executable runs; EXECUTE runs the op.
-            handler = jax.ffi.pycapsule(getattr(lib, CUDA_TARGET))
-            jax.ffi.register_ffi_target(CUDA_TARGET, {"initialize": handler, "execute": handler}, platform="CUDA")
-        except Exception as e:  # an old jaxlib, a missing CUDA plugin: say so at lowering
-            raise NotImplementedError(f"registering {CUDA_TARGET} for CUDA failed: {e}") from e
+        for target in CUDA_TARGETS:
+            try:
+                # INITIALIZE sets up each device (kernels compiled to CUBIN and
+                # loaded) before the executable runs; EXECUTE runs the op.
+                handler = jax.ffi.pycapsule(getattr(lib, target))
+                jax.ffi.register_ffi_target(target, {"initialize": handler, "execute": handler}, platform="CUDA")
+            except Exception as e:  # an old jaxlib, a missing CUDA plugin: say so at lowering
+                raise NotImplementedError(f"registering {target} for CUDA failed: {e}") from e
         _cuda_registered = True
         return CUDA_TARGET
 

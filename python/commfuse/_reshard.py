@@ -14,10 +14,20 @@ asks for the result when the next stage needs it, and the transfer travels
 while the stages compute. The tiles come from JAX's own
 `devices_indices_map`, so the result is laid out exactly as
 `jax.device_put(x, sharding)` lays it out.
+
+On GPUs (one process, meshes without a common device) the programs are
+`commfuse_reshard_send_cuda` and `commfuse_reshard_receive_cuda` over NCCL,
+after a one-time *connect* program over the union of the meshes' devices
+(`src/backend/cuda/reshard.rs`). The send program returns `staging`, the
+packed pieces its sends read after the program has finished; it is kept
+until the receive's result is ready. NCCL pairs transfers in the order they
+are posted, so the receives of one pair of meshes run in the order of their
+sends: `result()` of a later reshard first receives the earlier ones.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import weakref
@@ -29,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _native
 
-# The attribute `method` (src/backend/cpu/reshard.rs: DIRECT, BROADCAST, AUTO).
+# The attribute `method` (src/reshard/attrs.rs: DIRECT, BROADCAST, AUTO).
 METHODS = {"direct": 0, "broadcast": 1, "auto": 2}
 # Chunk size of a broadcast: small enough that a chain of 8 pipelines well,
 # large enough that per-message costs stay small.
@@ -140,9 +150,10 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
     (a piece needed by several devices travels along pipelined chains rooted
     at the devices holding it, in chunks, so each holder sends it once per
     chain), or `"auto"` (the cost model's pick, on the link model's figures
-    when one is set). Runs on CPU devices; on other platforms `"auto"` falls
-    back to `jax.device_put` and the explicit schedules raise. To overlap
-    the transfer with compute, use `reshard_start`.
+    when one is set). Runs on CPU devices, and on GPUs of one process between
+    meshes without a common device (NCCL); elsewhere `"auto"` falls back to
+    `jax.device_put` and the explicit schedules raise, saying why. To
+    overlap the transfer with compute, use `reshard_start`.
     """
     return reshard_start(x, sharding, schedule=schedule).result()
 
@@ -162,12 +173,16 @@ def _plan(x, sharding, schedule):
     src_devices = list(x.sharding.mesh.devices.flat)
     dst_devices = list(sharding.mesh.devices.flat)
     union = src_devices + [d for d in dst_devices if d not in src_devices]
-    if any(d.platform != "cpu" for d in union) or x.size == 0 or x.ndim == 0:
-        if schedule == "auto" or x.size == 0 or x.ndim == 0:  # nothing to plan for a scalar
+    if x.size == 0 or x.ndim == 0:  # nothing to plan
+        return _DEVICE_PUT
+    platforms = {d.platform for d in union}
+    program = _CpuProgram if platforms == {"cpu"} else _CudaProgram
+    why = _why_not_cuda(src_devices, dst_devices, platforms) if program is _CudaProgram else None
+    if why is not None:
+        if schedule == "auto":
             return _DEVICE_PUT
         raise NotImplementedError(
-            f"commfuse.reshard(schedule={schedule!r}) runs on CPU devices; the CUDA path is not built yet "
-            "(schedule='auto' falls back to jax.device_put)")
+            f"commfuse.reshard(schedule={schedule!r}): {why} (schedule='auto' falls back to jax.device_put)")
 
     def flat_tiles(index_map):
         out = []
@@ -181,16 +196,31 @@ def _plan(x, sharding, schedule):
 
     src = flat_tiles(x.sharding.devices_indices_map(x.shape))
     dst = flat_tiles(sharding.devices_indices_map(x.shape))
-    return _Program(x, sharding, schedule, union, src, dst)
+    return program(x, sharding, schedule, union, src, dst)
+
+
+def _why_not_cuda(src_devices, dst_devices, platforms):
+    """Why the GPU programs cannot move between these meshes, or None."""
+    if platforms != {"gpu"}:
+        return f"runs on CPU devices or on GPUs, not between {sorted(platforms)} devices"
+    shared = [d.id for d in dst_devices if d in src_devices]
+    if shared:
+        return f"on GPUs the two meshes must not share devices (they share {shared})"
+    try:
+        _native.cuda_target()  # registers the reshard's CUDA handlers too
+    except NotImplementedError as e:
+        return f"the CUDA backend is not available: {e}"
+    return None
 
 
 class _Program:
-    """The send and receive programs of one layout pair (each one FFI call
-    per device of its mesh), and the call ids that pair their runs."""
+    """What the send and receive programs of one layout pair share: their
+    attributes and the relabelling of the result."""
 
     def __init__(self, x, sharding, schedule, union, src, dst):
         self.site = next(_sites)
-        attrs = dict(
+        self._sharding = sharding
+        self.attrs = dict(
             devices=np.asarray([d.id for d in union], np.int64),
             shape=np.asarray(x.shape, np.int64),
             itemsize=np.int64(x.dtype.itemsize),
@@ -200,6 +230,21 @@ class _Program:
             chunk_bytes=np.int64(CHUNK_BYTES),
             site=np.int64(self.site),
         )
+
+    def _received(self, moved):
+        if moved.sharding != self._sharding:  # the same layout, named as asked
+            moved = jax.make_array_from_single_device_arrays(
+                moved.shape, self._sharding, [s.data for s in moved.addressable_shards])
+        return moved
+
+
+class _CpuProgram(_Program):
+    """The CPU programs (each one FFI call per device of its mesh), and the
+    call ids that pair their runs."""
+
+    def __init__(self, x, sharding, schedule, union, src, dst):
+        super().__init__(x, sharding, schedule, union, src, dst)
+        attrs = self.attrs
         send = jax.ffi.ffi_call(_native.RESHARD_SEND_CPU_TARGET, jax.ShapeDtypeStruct((1,), np.uint8),
                                 has_side_effect=True)
         receive = jax.ffi.ffi_call(_native.RESHARD_RECEIVE_CPU_TARGET,
@@ -213,19 +258,118 @@ class _Program:
         self._receive = jax.jit(jax.shard_map(
             lambda call_id: receive(call_id, **attrs), mesh=destination, in_specs=P(), out_specs=sharding.spec,
             check_vma=False))
-        self._sharding = sharding
 
     def start(self, x):
         call_id = np.uint32(next(_call_ids) & 0xFFFF_FFFF)
         sent = self._send(x, call_id)
-        return PendingReshard(lambda: self._received(call_id), (_abandon, sent, self.site, call_id))
+        return PendingReshard(lambda: self._received(self._receive(call_id)), (_abandon, sent, self.site, call_id))
 
-    def _received(self, call_id):
-        moved = self._receive(call_id)
-        if moved.sharding != self._sharding:  # the same layout, named as asked
-            moved = jax.make_array_from_single_device_arrays(
-                moved.shape, self._sharding, [s.data for s in moved.addressable_shards])
-        return moved
+
+class _CudaProgram(_Program):
+    """The GPU programs of one layout pair (see the module docstring)."""
+
+    def __init__(self, x, sharding, schedule, union, src, dst):
+        super().__init__(x, sharding, schedule, union, src, dst)
+        attrs = self.attrs
+        self._union = tuple(d.id for d in union)
+        union_mesh = Mesh(np.array(union), (_AXIS,))
+        connect = jax.ffi.ffi_call(_native.RESHARD_CONNECT_CUDA_TARGET, jax.ShapeDtypeStruct((1,), np.uint8),
+                                   has_side_effect=True)
+        self._connect = jax.jit(jax.shard_map(
+            lambda token: connect(token, **attrs), mesh=union_mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+            check_vma=False))
+        self._union_sharding = NamedSharding(union_mesh, P(_AXIS))
+        tile = jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
+        out_tile = jax.ShapeDtypeStruct(sharding.shard_shape(x.shape), x.dtype)
+        # The send program returns `staging` (shaped like its tile); the
+        # receive program's `staging` is a temporary of its program.
+        send = jax.ffi.ffi_call(_native.RESHARD_SEND_CUDA_TARGET, tile, has_side_effect=True)
+        receive = jax.ffi.ffi_call(_native.RESHARD_RECEIVE_CUDA_TARGET, (out_tile, out_tile), has_side_effect=True)
+        self._send = jax.jit(jax.shard_map(
+            lambda t, call_id: send(t, call_id, **attrs), mesh=x.sharding.mesh, in_specs=(x.sharding.spec, P()),
+            out_specs=x.sharding.spec, check_vma=False))
+        self._receive = jax.jit(jax.shard_map(
+            lambda call_id: receive(call_id, **attrs)[0], mesh=sharding.mesh, in_specs=P(),
+            out_specs=sharding.spec, check_vma=False))
+
+    def start(self, x):
+        pairing = _pairing(self._union)
+        with pairing.lock:
+            if not pairing.connected:
+                token = jax.device_put(np.zeros(len(self._union), np.uint8), self._union_sharding)
+                jax.block_until_ready(self._connect(token))  # once per pair of meshes
+                pairing.connected = True
+            call_id = np.uint32(next(_call_ids) & 0xFFFF_FFFF)
+            transfer = _Transfer(self, self._send(x, call_id), call_id)
+            pairing.pending.append(transfer)
+        return PendingReshard(lambda: pairing.take(transfer), (pairing.drop, transfer))
+
+
+class _Transfer:
+    """One reshard started on GPUs: its program, the send's `staging`, the
+    call id, and its result once received."""
+
+    __slots__ = ("program", "staging", "call_id", "value")
+
+    def __init__(self, program, staging, call_id):
+        self.program, self.staging, self.call_id, self.value = program, staging, call_id, None
+
+
+class _Pairing:
+    """The started reshards between one union of GPU meshes (one NCCL
+    communicator), received in the order they were sent."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.connected = False
+        self.pending = collections.deque()
+
+    def take(self, transfer):
+        """`transfer`'s result, after receiving every reshard sent before it."""
+        with self.lock:
+            while transfer.value is None:
+                first = self.pending.popleft()
+                try:
+                    first.value = first.program._received(first.program._receive(first.call_id))
+                    _keep_until_ready(first.staging, first.value)
+                except Exception as e:  # raised by the handle it belongs to
+                    first.value = e
+                first.staging = None
+            value, transfer.value = transfer.value, None
+            if isinstance(value, Exception):
+                raise value
+            return value
+
+    def drop(self, transfer):
+        """Receives (and drops) a reshard whose handle was dropped, so its
+        sends do not wait for receivers that never come."""
+        try:
+            self.take(transfer)
+        except Exception:  # the receive failed: nothing more to drain
+            pass
+
+
+_pairings: dict = {}
+_pairings_lock = threading.Lock()
+
+
+def _pairing(union):
+    with _pairings_lock:
+        return _pairings.setdefault(union, _Pairing())
+
+
+# Send programs' `staging` with their receive's result: each kept until that
+# result is ready (its receives are done, so the sends have read it).
+_in_flight = collections.deque()
+_MAX_IN_FLIGHT = 64
+
+
+def _keep_until_ready(staging, received):
+    while _in_flight and _in_flight[0][1].is_ready():
+        _in_flight.popleft()
+    if len(_in_flight) >= _MAX_IN_FLIGHT:
+        jax.block_until_ready(_in_flight.popleft()[1])
+    _in_flight.append((staging, received))
 
 
 def _abandon(sent, site, call_id):

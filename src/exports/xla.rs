@@ -51,3 +51,38 @@ pub unsafe extern "C" fn commfuse_collective_matmul_cuda(
         )
     }
 }
+
+/// The CUDA handlers of `commfuse.reshard`'s three programs (see `backend::cuda::reshard`).
+macro_rules! reshard_cuda_export {
+    ($(#[$doc:meta])* $name:ident, $label:literal, $handler:path) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// Called by XLA with its call frame.
+        #[cfg(feature = "cuda")]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
+            // SAFETY: XLA passes a valid call frame for the duration of the call.
+            unsafe { xla::handle_stages($label, frame, xla::Stages::InitializeAndExecute, $handler) }
+        }
+    };
+}
+
+reshard_cuda_export!(
+    /// Connects the union's communicator (once per pair of meshes).
+    commfuse_reshard_connect_cuda,
+    "commfuse reshard connect (CUDA)",
+    crate::backend::cuda::reshard::connect_handler
+);
+reshard_cuda_export!(
+    /// The send program on the source mesh's GPUs.
+    commfuse_reshard_send_cuda,
+    "commfuse reshard send (CUDA)",
+    crate::backend::cuda::reshard::send_handler
+);
+reshard_cuda_export!(
+    /// The receive program on the destination mesh's GPUs.
+    commfuse_reshard_receive_cuda,
+    "commfuse reshard receive (CUDA)",
+    crate::backend::cuda::reshard::receive_handler
+);

@@ -28,8 +28,10 @@
 //! Pure code: every rank computes the same plan from the same attributes.
 #![forbid(unsafe_code)]
 
+pub mod attrs;
+pub mod device;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -53,14 +55,14 @@ impl Region {
         start.iter().zip(&end).all(|(s, e)| s < e).then_some(Region { start, end })
     }
 
-    fn contains(&self, other: &Region) -> bool {
+    pub(crate) fn contains(&self, other: &Region) -> bool {
         (0..self.start.len())
             .all(|d| self.start[d] <= other.start[d] && other.start[d] <= other.end[d] && other.end[d] <= self.end[d])
     }
 
     /// The contiguous runs of `self` (inside `tile`) in row-major order:
     /// `(offset in self's packed elements, offset in tile's elements, length)`.
-    fn runs(&self, tile: &Region) -> Vec<(usize, usize, usize)> {
+    pub(crate) fn runs(&self, tile: &Region) -> Vec<(usize, usize, usize)> {
         let ndim = self.start.len();
         if ndim == 0 {
             return vec![(0, 0, 1)];

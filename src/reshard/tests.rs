@@ -36,7 +36,7 @@ fn random_tiles(
     out
 }
 
-fn random_layout(rng: &mut StdRng) -> Layout {
+pub(crate) fn random_layout(rng: &mut StdRng) -> Layout {
     let ndim = rng.random_range(0..=3);
     let ranks = rng.random_range(1..=10);
     let splits = |rng: &mut StdRng| -> Vec<usize> {
@@ -63,7 +63,7 @@ fn random_layout(rng: &mut StdRng) -> Layout {
 
 /// The tile of `rank` filled from the global array whose element i holds
 /// bytes derived from i.
-fn filled(layout: &Layout, tile: &Region) -> Vec<u8> {
+pub(crate) fn filled(layout: &Layout, tile: &Region) -> Vec<u8> {
     let whole = Region { start: vec![0; layout.shape.len()], end: layout.shape.clone() };
     let global: Vec<u8> = (0..whole.elements() * layout.itemsize).map(|b| (b % 251) as u8).collect();
     let mut out = vec![0; layout.bytes(tile)];

@@ -43,8 +43,8 @@ pub struct DeviceBuffer<'a> {
     pub bytes: usize,
 }
 
-/// A raw result in device memory of any whole-byte type (typically a `uint8`
-/// workspace), for GPU handlers.
+/// A raw operand or result in device memory of any whole-byte type (a
+/// `uint8` workspace, an array a reshard moves as bytes), for GPU handlers.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceBytes<'a> {
     pub dims: &'a [i64],
@@ -494,6 +494,14 @@ impl<'a> Frame<'a> {
         let (ptr, bytes) = self.bytes(&raw, dtype.size(), Side::Result, name)?;
         self.claim(i, name, ptr, bytes)?;
         Ok(DeviceBuffer { dtype, dims: raw.dims, addr: ptr as u64, bytes })
+    }
+
+    /// Operand `i` in device memory as raw bytes of any whole-byte type.
+    pub fn device_arg_bytes(&self, i: usize, name: &str) -> Result<DeviceBytes<'a>> {
+        let raw = self.raw_buffer(Side::Operand, i, name)?;
+        let size = whole_bytes(&raw, Side::Operand, name)?;
+        let (ptr, bytes) = self.bytes(&raw, size, Side::Operand, name)?;
+        Ok(DeviceBytes { dims: raw.dims, addr: ptr as u64, bytes })
     }
 
     /// Result `i` in device memory as raw bytes of any whole-byte type

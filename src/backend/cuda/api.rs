@@ -74,6 +74,7 @@ functions! {
         memcpy_htod = "cuMemcpyHtoD_v2": fn(cu::CUdeviceptr, *const c_void, usize) -> cu::CUresult;
         memcpy_dtoh = "cuMemcpyDtoH_v2": fn(*mut c_void, cu::CUdeviceptr, usize) -> cu::CUresult;
         memset_d8_async = "cuMemsetD8Async": fn(cu::CUdeviceptr, u8, usize, cu::CUstream) -> cu::CUresult;
+        memcpy_2d_async = "cuMemcpy2DAsync_v2": fn(*const cu::CUDA_MEMCPY2D, cu::CUstream) -> cu::CUresult;
     }
 }
 
@@ -376,6 +377,38 @@ pub unsafe fn zero_async(addr: u64, bytes: usize, stream: cu::CUstream) -> Resul
     }
     // SAFETY: the caller's contract.
     check_cu(unsafe { (driver()?.memset_d8_async)(addr, 0, bytes, stream) }, "cuMemsetD8Async")
+}
+
+/// Enqueues one device-to-device 2-D copy on `stream` (a copy engine's work).
+///
+/// # Safety
+/// Every row of the copy lies in device memory alive until the stream
+/// passes it, and `stream` is live in the current context.
+pub unsafe fn copy_2d_async(copy: &crate::reshard::device::Copy2d, stream: cu::CUstream) -> Result<()> {
+    if copy.width == 0 || copy.height == 0 {
+        return Ok(());
+    }
+    let device = cu::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+    let params = cu::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: device,
+        srcHost: std::ptr::null(),
+        srcDevice: copy.src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: copy.src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: device,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: copy.dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: copy.dst_pitch,
+        WidthInBytes: copy.width,
+        Height: copy.height,
+    };
+    // SAFETY: the caller's contract; `params` outlives the call (the driver copies it).
+    check_cu(unsafe { (driver()?.memcpy_2d_async)(&params, stream) }, "cuMemcpy2DAsync")
 }
 
 /// # Safety

@@ -17,22 +17,48 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Identifies one communicator: the group's global device ids in rank order.
+/// Identifies one communicator: the group's global device ids in rank
+/// order, and what it carries.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CommKey {
     pub devices: Vec<i64>,
+    pub purpose: Purpose,
+}
+
+/// What a communicator carries. NCCL pairs point-to-point transfers in the
+/// order each rank posts them, so traffic that ranks post in different
+/// orders relative to each other must not share a communicator: a
+/// reshard's sends are posted by its send program, whenever the source
+/// mesh runs it, while a fused op of the same devices posts in step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Purpose {
+    FusedOps,
+    Reshard,
 }
 
 impl CommKey {
     pub fn of(group: &Group) -> CommKey {
-        CommKey { devices: group.devices.clone() }
+        CommKey::fused_ops(group.devices.clone())
+    }
+
+    pub fn fused_ops(devices: Vec<i64>) -> CommKey {
+        CommKey { devices, purpose: Purpose::FusedOps }
+    }
+
+    /// The communicator of reshards over the union `devices` of two meshes.
+    pub fn reshard(devices: Vec<i64>) -> CommKey {
+        CommKey { devices, purpose: Purpose::Reshard }
     }
 
     /// The key under which the group's NCCL unique id is published in the
     /// distributed key-value store (multi-process): the same on every member.
     pub fn store_key(&self) -> String {
         let ids: Vec<String> = self.devices.iter().map(|d| d.to_string()).collect();
-        format!("commfuse/nccl_id/{}", ids.join("_"))
+        let kind = match self.purpose {
+            Purpose::FusedOps => "nccl_id",
+            Purpose::Reshard => "reshard_nccl_id",
+        };
+        format!("commfuse/{kind}/{}", ids.join("_"))
     }
 
     /// Ranks of this group's devices that live in this process, given the
@@ -367,6 +393,10 @@ mod tests {
         // Same devices in another rank order is another communicator.
         assert_ne!(key(&[0, 1], 4), key(&[1, 0], 4));
         assert_eq!(key(&[1], 4).store_key(), "commfuse/nccl_id/0_4_2_6");
+        // A reshard over the same devices has a communicator of its own.
+        let reshard = CommKey::reshard(key(&[1], 4).devices);
+        assert_ne!(reshard, key(&[1], 4));
+        assert_eq!(reshard.store_key(), "commfuse/reshard_nccl_id/0_4_2_6");
     }
 
     #[test]
@@ -567,7 +597,7 @@ mod tests {
         assert_eq!(p.id(&a).unwrap(), ia);
         assert_eq!(p.id(&b).unwrap(), ib);
         // Another group, or the same devices in another order, has no id.
-        let e = p.id(&CommKey { devices: vec![0, 2, 4, 6] }).unwrap_err();
+        let e = p.id(&CommKey::fused_ops(vec![0, 2, 4, 6])).unwrap_err();
         assert!(matches!(e, Error::Unimplemented(_)) && e.message().contains("nccl_ids"), "{e}");
         assert!(matches!(p.id(&key(&[0], 3)), Err(Error::InvalidArgument(_))));
         let bad = Placement { ids: &ids[1..], ..p.clone() };

@@ -36,6 +36,9 @@ pub struct Device {
     pub capability: (i32, i32),
     /// The compute and the communication stream.
     lanes: [Stream; 2],
+    /// The stream of reshard sends, which wait for receivers outside the
+    /// send program (`backend::cuda::reshard`).
+    reshard_sends: Stream,
     events: Vec<Event>,
     blas: Vec<BlasHandle>,
     /// The cuBLASLt handle of the fp8 GEMMs (created at the device's first).
@@ -139,6 +142,7 @@ impl Device {
             multiprocessors,
             capability: (major, minor),
             lanes: [Stream::new()?, Stream::new()?],
+            reshard_sends: Stream::new()?,
             events: Vec::new(),
             blas: Vec::new(),
             lt: None,
@@ -162,6 +166,11 @@ impl Device {
     /// Internal stream `lane`: 0 computes, 1 communicates.
     pub fn lane_stream(&self, lane: usize) -> Option<dsys::CUstream> {
         self.lanes.get(lane).map(Stream::raw)
+    }
+
+    /// The stream of reshard sends.
+    pub fn reshard_send_stream(&self) -> dsys::CUstream {
+        self.reshard_sends.raw()
     }
 
     /// At least `n` events (created on the first call that needs them).

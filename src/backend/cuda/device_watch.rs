@@ -213,7 +213,7 @@ mod tests {
     /// (no GPU or NCCL needed).
     #[test]
     fn a_group_tells_the_watchdog_its_devices_and_its_local_ranks_calls() {
-        let key = CommKey { devices: vec![5, 1, 7] };
+        let key = CommKey::fused_ops(vec![5, 1, 7]);
         let group = Arc::new(GroupComms::without_communicators(key, vec![Some(0), None, Some(1)]));
         assert_eq!(group.devices(), &[5, 1, 7]);
         assert_eq!((group.count_call(2), group.count_call(2), group.count_call(0)), (0, 1, 0));

@@ -216,7 +216,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(60);
         let device = device::bind(stream as *mut c_void).unwrap();
         let comms = (n > 1).then(|| {
-            let key = CommKey { devices: (0..n as i64).collect() };
+            let key = CommKey::fused_ops((0..n as i64).collect());
             let members: Vec<Option<i32>> = (0..n as i32).map(Some).collect();
             let d = device.lock().unwrap();
             nccl_group::group_comms(&key, &members, None, &d, deadline).unwrap()

@@ -66,6 +66,8 @@ pub mod nccl;
 #[allow(unsafe_code)]
 pub mod nccl_group;
 #[cfg(feature = "cuda")]
+pub mod reshard;
+#[cfg(feature = "cuda")]
 pub mod stream_issue;
 #[cfg(feature = "cuda")]
 pub mod watchdog;

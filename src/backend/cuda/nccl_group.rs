@@ -104,6 +104,11 @@ impl GroupComms {
         Ok(())
     }
 
+    /// Whether rank `rank` has been connected to every peer (`connect`).
+    pub fn is_connected(&self, rank: usize) -> bool {
+        self.connected.get(rank).is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
     /// Counts a call of `rank` enqueued on the group; returns its number (from 0).
     pub fn count_call(&self, rank: usize) -> u64 {
         self.issued.get(rank).map_or(0, |c| c.fetch_add(1, Ordering::AcqRel))

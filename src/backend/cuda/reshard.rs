@@ -1,0 +1,413 @@
+//! `commfuse.reshard` on GPUs (one process; meshes without a common
+//! device): three programs, each one FFI call per device, over NCCL
+//! send/receive on a communicator of the union of the two meshes' devices
+//! (`CommKey::reshard`: its own, see `communicators::Purpose`).
+//!
+//! - *connect* (the union's devices, once per pair of meshes): INITIALIZE
+//!   creates the communicator and connects every pair of ranks, the one
+//!   host wait that needs peers (see `handler`'s module comment), so that
+//!   the send and receive programs only enqueue.
+//! - *send* (the source mesh): packs the pieces of `x` others need into
+//!   `staging` on XLA's stream (copy engines), then posts them in one NCCL
+//!   group on the device's reshard stream, forked from XLA's with an event
+//!   and not joined back: the sends complete only when the receivers run,
+//!   and XLA's stream must go on computing meanwhile. The sends read only
+//!   `staging`, a result of the program that Python holds until the
+//!   receive program's result is ready (`python/commfuse/_reshard.py`).
+//! - *receive* (the destination mesh): on XLA's stream, one NCCL group per
+//!   round (forwarding a broadcast chain's chunks), then the copies into
+//!   `out`.
+//!
+//! Both enqueue what `reshard::device` lowers; the watchdog bounds every
+//! group on the device, as for the fused ops.
+#![deny(unsafe_code)]
+
+use super::api::{self, require};
+use super::communicators::CommKey;
+use super::device::{self, Device};
+use super::device_watch::{self, CallWatch};
+use super::libs::Lib;
+use super::lowering::{check_same_device, poll_until};
+use super::nccl::{self, P2p};
+use super::nccl_group::{self, probe, GroupComms};
+use crate::error::{Error, Result};
+use crate::reshard::attrs::Attrs;
+use crate::reshard::device::{check_disjoint, receive_side, send_side, Buffer, Copy2d, Transfer};
+use crate::reshard::{Layout, Plan};
+use crate::xla::{Frame, Stage};
+use cudarc::nccl::sys as nsys;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+/// Bytes per second and seconds per message `auto` decides on between
+/// GPUs: NVLink-class point-to-point (assumed, not yet measured here).
+const GPU_LINK: (f64, f64) = (150e9, 15e-6);
+
+/// The connect program (see the module comment).
+pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
+    let attrs = Attrs::decode(frame)?;
+    let stream = frame.stream()?;
+    match frame.stage() {
+        Stage::Initialize => {
+            require(&[Lib::Driver, Lib::Nvrtc, Lib::Nccl])?;
+            let dev = device::bind(stream)?;
+            let deadline = Instant::now() + crate::config::timeout()?;
+            let (rank, comms) = union_comms(frame, &attrs, &dev, deadline)?;
+            let mut d = crate::sync::lock(&dev);
+            let connected = comms.connect(rank, &mut d, stream, deadline);
+            if connected.is_err() {
+                comms.abort_rank(rank);
+                nccl_group::evict(&comms.key, &comms);
+            }
+            connected
+        }
+        Stage::Execute => {
+            let token = frame.device_ret_bytes(0, "connected")?;
+            let dev = device::bind_for_execute(stream)?;
+            let d = crate::sync::lock(&dev);
+            d.make_current()?;
+            // SAFETY: `token` is this call's result on this device, alive
+            // until XLA's (live) stream passes the memset.
+            #[allow(unsafe_code)]
+            unsafe {
+                api::zero_async(token.addr, token.bytes, stream as _)
+            }
+        }
+    }
+}
+
+/// The send program (see the module comment).
+pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
+    if frame.stage() == Stage::Initialize {
+        return device::bind(frame.stream()?).map(drop);
+    }
+    let call = ReshardCall::decode(frame)?;
+    let x = frame.device_arg_bytes(0, "x")?;
+    let staging = frame.device_ret_bytes(0, "staging")?;
+    let side = send_side(
+        &call.planned.layout,
+        &call.planned.plan,
+        call.rank,
+        Buffer { addr: x.addr, bytes: x.bytes },
+        Buffer { addr: staging.addr, bytes: staging.bytes },
+    )?;
+    let xla = frame.stream()?;
+    call.enqueue(frame, "reshard send", xla, |d, comm| {
+        for copy in &side.pack {
+            copy_on(copy, xla)?;
+        }
+        if side.sends.is_empty() {
+            return Ok(None);
+        }
+        // The reshard stream waits for the packing, then sends on its own.
+        let sends = d.reshard_send_stream() as *mut c_void;
+        d.reserve_events(1)?;
+        let packed = d.event(0).ok_or_else(|| Error::Internal("no event 0".into()))?;
+        #[allow(unsafe_code)]
+        // SAFETY: the event and both streams are this device's, its context
+        // current; a later record of the event does not affect this wait.
+        unsafe {
+            api::event_record(packed, xla as _, "cuEventRecord")?;
+            api::stream_wait_event(sends as _, packed)?;
+        }
+        comm.watched(d, sends, |comm| comm.exchange(sends, &side.sends, &[]))
+    })
+}
+
+/// The receive program (see the module comment).
+pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
+    if frame.stage() == Stage::Initialize {
+        return device::bind(frame.stream()?).map(drop);
+    }
+    let call = ReshardCall::decode(frame)?;
+    let out = frame.device_ret_bytes(0, "out")?;
+    let staging = frame.device_ret_bytes(1, "staging")?;
+    let side = receive_side(
+        &call.planned.layout,
+        &call.planned.plan,
+        call.rank,
+        Buffer { addr: out.addr, bytes: out.bytes },
+        Buffer { addr: staging.addr, bytes: staging.bytes },
+    )?;
+    let xla = frame.stream()?;
+    call.enqueue(frame, "reshard receive", xla, |d, comm| {
+        let watch = if side.rounds.is_empty() {
+            None
+        } else {
+            comm.watched(d, xla, |comm| side.rounds.iter().try_for_each(|r| comm.exchange(xla, &r.sends, &r.recvs)))?
+        };
+        for copy in &side.unpack {
+            copy_on(copy, xla)?;
+        }
+        Ok(watch)
+    })
+}
+
+/// A plan worked out once per attribute set.
+struct Planned {
+    layout: Layout,
+    plan: Plan,
+}
+
+/// Emptied when it holds this many plans.
+const PLANS_KEPT: usize = 64;
+
+fn planned(attrs: &Attrs) -> Result<Arc<Planned>> {
+    static PLANS: OnceLock<Mutex<HashMap<Attrs, Arc<Planned>>>> = OnceLock::new();
+    let plans = PLANS.get_or_init(Default::default);
+    if let Some(p) = crate::sync::lock(plans).get(attrs) {
+        return Ok(Arc::clone(p));
+    }
+    let (layout, _, plan) = attrs.plan(GPU_LINK)?;
+    check_disjoint(&layout, &attrs.devices)?;
+    let p = Arc::new(Planned { layout, plan });
+    let mut plans = crate::sync::lock(plans);
+    if plans.len() >= PLANS_KEPT {
+        plans.clear();
+    }
+    plans.insert(attrs.clone(), Arc::clone(&p));
+    Ok(p)
+}
+
+/// The union's communicators (created on first use; all in this process)
+/// and this device's rank in them.
+fn union_comms(
+    frame: &Frame<'_>,
+    attrs: &Attrs,
+    dev: &Mutex<Device>,
+    deadline: Instant,
+) -> Result<(usize, Arc<GroupComms>)> {
+    let ordinal = frame.device_ordinal()?;
+    let rank = attrs.rank_of(i64::from(ordinal))?;
+    let d = crate::sync::lock(dev);
+    check_same_device(ordinal, d.ordinal)?;
+    let count = device::device_count()?;
+    let members = attrs
+        .devices
+        .iter()
+        .map(|&id| match i32::try_from(id) {
+            Ok(o) if (0..count).contains(&o) => Ok(Some(o)),
+            _ => Err(Error::Unimplemented(format!(
+                "reshard between devices of several processes (device {id} is not one of this process's {count})"
+            ))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let comms = nccl_group::group_comms(&CommKey::reshard(attrs.devices.clone()), &members, None, &d, deadline)?;
+    Ok((rank, comms))
+}
+
+/// One device's call of the send or receive program.
+struct ReshardCall {
+    attrs: Attrs,
+    planned: Arc<Planned>,
+    rank: usize,
+    site: i64,
+    deadline: Instant,
+    timeout: std::time::Duration,
+}
+
+impl ReshardCall {
+    fn decode(frame: &Frame<'_>) -> Result<ReshardCall> {
+        let attrs = Attrs::decode(frame)?;
+        let rank = attrs.rank_of(i64::from(frame.device_ordinal()?))?;
+        let planned = planned(&attrs)?;
+        let timeout = crate::config::timeout()?;
+        let deadline = Instant::now() + timeout;
+        Ok(ReshardCall { attrs, planned, rank, site: frame.attr_i64("site")?, deadline, timeout })
+    }
+
+    /// Runs `body` with the device locked and current and its communicator;
+    /// `body` returns the watch of the NCCL groups it enqueued and the
+    /// stream they end on, which go to the watchdog. A communicator that
+    /// failed is aborted and evicted, as the fused ops do.
+    fn enqueue(
+        &self,
+        frame: &Frame<'_>,
+        op: &'static str,
+        xla: *mut c_void,
+        body: impl FnOnce(&mut Device, &Comm<'_>) -> Result<Option<(CallWatch, *mut c_void)>>,
+    ) -> Result<()> {
+        require(&[Lib::Driver, Lib::Nccl])?;
+        let dev = device::bind_for_execute(xla)?;
+        device_watch::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
+        let (rank, comms) = union_comms(frame, &self.attrs, &dev, self.deadline)?;
+        if !comms.is_connected(rank) {
+            return Err(Error::Internal(
+                "the reshard's communicators are not connected (commfuse.reshard runs its connect program first)"
+                    .into(),
+            ));
+        }
+        let comm = Comm { comms: &comms, comm: comms.rank(rank)?, failed: Cell::new(false), deadline: self.deadline };
+        let mut d = crate::sync::lock(&dev);
+        d.make_current()?;
+        let result = match body(&mut d, &comm) {
+            Ok(Some((watch, stream))) => watch.submit(stream, op, self.site, rank, self.timeout),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if comm.failed.get() {
+            comms.abort_rank(rank);
+            nccl_group::evict(&comms.key, &comms);
+        }
+        result
+    }
+}
+
+/// A call's communicator of the union.
+struct Comm<'a> {
+    comms: &'a Arc<GroupComms>,
+    comm: nsys::ncclComm_t,
+    /// Set when an NCCL group failed or timed out: the call aborts the communicator.
+    failed: Cell<bool>,
+    deadline: Instant,
+}
+
+impl Comm<'_> {
+    /// Runs `groups` (the call's NCCL groups on `stream`) under a device-side
+    /// watch; returns the watch to submit, or gives its events back.
+    fn watched(
+        &self,
+        d: &Device,
+        stream: *mut c_void,
+        groups: impl FnOnce(&Self) -> Result<()>,
+    ) -> Result<Option<(CallWatch, *mut c_void)>> {
+        let watch = CallWatch::begin(d, stream, self.comms, 0)?;
+        match groups(self) {
+            Ok(()) => Ok(Some((watch, stream))),
+            Err(e) => {
+                watch.cancel();
+                Err(e)
+            }
+        }
+    }
+
+    /// One NCCL group of sends and receives on `stream`, waited for (host
+    /// side, bounded) until NCCL has taken it.
+    fn exchange(&self, stream: *mut c_void, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+        let p2p = |t: &Transfer| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer };
+        let (sends, recvs): (Vec<P2p>, Vec<P2p>) = (sends.iter().map(p2p).collect(), recvs.iter().map(p2p).collect());
+        let comm = self.comm;
+        #[allow(unsafe_code)]
+        // SAFETY: `comm` is this device's live communicator of the union and
+        // `stream` a stream of this device; the addresses are inside the
+        // call's buffers: a receive's until XLA's stream passes the group, a
+        // send's in `staging`, which Python keeps until the receivers finished.
+        let posted = unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, &sends, &recvs) };
+        let taken = posted.and_then(|()| {
+            #[allow(unsafe_code)]
+            // SAFETY: `comm` is live.
+            poll_until(self.deadline, "a reshard's NCCL group (a peer may not have joined)", || unsafe {
+                probe(comm, "reshard")
+            })
+        });
+        if taken.is_err() {
+            self.failed.set(true);
+        }
+        taken
+    }
+}
+
+fn copy_on(copy: &Copy2d, stream: *mut c_void) -> Result<()> {
+    #[allow(unsafe_code)]
+    // SAFETY: the lowering placed every row inside this call's operand and
+    // results (checked against their sizes), alive until XLA's stream, on
+    // which the copy runs, passes it; the device's context is current.
+    unsafe {
+        api::copy_2d_async(copy, stream as _)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::handles::{Context, DeviceMemory, Stream};
+    use crate::reshard::tests::filled;
+    use crate::reshard::{plan, Method, Region};
+    use std::time::Duration;
+
+    /// Rank `rank`'s part of `layout` on CUDA device `rank`, as the handlers
+    /// enqueue it (without XLA: the test's own stream and memory); returns
+    /// its destination tile, if it has one.
+    fn run_rank(layout: &Layout, plan: &Plan, rank: usize) -> Option<Vec<u8>> {
+        let context = Context::primary(rank as i32).unwrap();
+        context.make_current().unwrap();
+        let stream = Stream::new().unwrap();
+        let xla = stream.raw() as *mut c_void;
+        let dev = device::bind(xla).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let members: Vec<Option<i32>> = (0..layout.ranks() as i32).map(Some).collect();
+        let key = CommKey::reshard((0..layout.ranks() as i64).collect());
+        let comms = nccl_group::group_comms(&key, &members, None, &crate::sync::lock(&dev), deadline).unwrap();
+        comms.connect(rank, &mut crate::sync::lock(&dev), xla, deadline).unwrap();
+        let comm = Comm { comms: &comms, comm: comms.rank(rank).unwrap(), failed: Cell::new(false), deadline };
+        let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
+        let buffer = |m: &DeviceMemory| Buffer { addr: m.addr(), bytes: m.bytes() };
+        let mut kept = vec![];
+        if let Some(tile) = &layout.src[rank] {
+            let (x, staging) = (memory(&filled(layout, tile)), memory(&vec![0xee; layout.bytes(tile)]));
+            let side = send_side(layout, plan, rank, buffer(&x), buffer(&staging)).unwrap();
+            side.pack.iter().for_each(|c| copy_on(c, xla).unwrap());
+            comm.exchange(xla, &side.sends, &[]).unwrap();
+            kept.extend([x, staging]);
+        }
+        let out = layout.dst[rank].as_ref().map(|tile| {
+            let (out, staging) = (memory(&vec![0xee; layout.bytes(tile)]), memory(&vec![0xee; layout.bytes(tile)]));
+            let side = receive_side(layout, plan, rank, buffer(&out), buffer(&staging)).unwrap();
+            side.rounds.iter().for_each(|r| comm.exchange(xla, &r.sends, &r.recvs).unwrap());
+            side.unpack.iter().for_each(|c| copy_on(c, xla).unwrap());
+            kept.push(staging);
+            out
+        });
+        #[allow(unsafe_code)]
+        // SAFETY: the test's live stream; the test (not the hot path) waits for it.
+        unsafe { api::stream_synchronize(xla as _) }.unwrap();
+        out.map(|o| o.read(o.bytes()).unwrap())
+    }
+
+    /// Rows over the first half of the local GPUs to columns, rows and
+    /// replicas over the second half, each method, one thread per GPU (as
+    /// XLA runs them); every tile as the planner's.
+    #[test]
+    #[ignore = "needs 2 or more CUDA GPUs: scripts/gpu_device_check.sh runs it where there are"]
+    fn gpus_move_layouts_as_the_planner_says() {
+        require(&[Lib::Driver, Lib::Nccl, Lib::Nvrtc]).unwrap();
+        let half = (device::device_count().unwrap() / 2).min(4) as usize;
+        assert!(half >= 1, "this test needs 2 or more CUDA GPUs");
+        let (rows, cols) = (16 * half, 8 * half);
+        let tile = |r: (usize, usize), c: (usize, usize)| Some(Region { start: vec![r.0, c.0], end: vec![r.1, c.1] });
+        let split = |i: usize, of: usize, n: usize| (i * n / of, (i + 1) * n / of);
+        let src: Vec<_> =
+            (0..half).map(|i| tile(split(i, half, rows), (0, cols))).chain((0..half).map(|_| None)).collect();
+        let dsts: [Vec<Option<Region>>; 3] = [
+            (0..half).map(|i| tile((0, rows), split(i, half, cols))).collect(),
+            (0..half).map(|i| tile(split(i, half, rows), (0, cols))).collect(),
+            (0..half).map(|_| tile((0, rows), (0, cols))).collect(),
+        ];
+        for dst in dsts {
+            let dst: Vec<_> = (0..half).map(|_| None).chain(dst).collect();
+            let layout = Layout::new(vec![rows, cols], 4, src.clone(), dst).unwrap();
+            for method in [Method::Direct, Method::Broadcast { chunk_bytes: 256 }] {
+                let plan = plan(&layout, method);
+                let outs: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..2 * half)
+                        .map(|r| {
+                            s.spawn({
+                                let (layout, plan) = (&layout, &plan);
+                                move || run_rank(layout, plan, r)
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (rank, out) in outs.into_iter().enumerate() {
+                    if let Some(tile) = &layout.dst[rank] {
+                        assert!(out.unwrap() == filled(&layout, tile), "{method:?}: rank {rank} of {layout:?}");
+                    }
+                }
+            }
+        }
+    }
+}

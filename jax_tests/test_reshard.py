@@ -213,11 +213,14 @@ def test_gpu_receives_run_in_the_order_of_their_sends_whichever_result_is_asked_
     # The GPU path's ordering (`_Pairing`), with programs that record the
     # receives they run: NCCL pairs transfers in the order they were posted,
     # so a later result first receives the earlier ones; a dropped handle
-    # is received (drained) too; a failed receive fails its own handle only.
+    # is received (drained) too; a failed receive fails its own handle and,
+    # as its sends may still be posted, every reshard sent after it.
     from commfuse import _reshard
     received = []
 
     class Program:
+        _union = (-1, -2)  # no such communicator: the abort finds none
+
         def _receive(self, call_id):
             received.append(int(call_id))
             if call_id == 3:
@@ -228,9 +231,13 @@ def test_gpu_receives_run_in_the_order_of_their_sends_whichever_result_is_asked_
             return moved
 
     pairing = _reshard._Pairing()
-    transfers = [_reshard._Transfer(Program(), jax.numpy.zeros(1), i) for i in range(5)]
-    pairing.pending.extend(transfers)
-    handles = [_reshard.PendingReshard(lambda t=t: pairing.take(t), (pairing.drop, t)) for t in transfers]
+
+    def start(ids):
+        transfers = [_reshard._Transfer(Program(), jax.numpy.zeros(1), i) for i in ids]
+        pairing.pending.extend(transfers)
+        return [_reshard.PendingReshard(lambda t=t: pairing.take(t), (pairing.drop, t)) for t in transfers]
+
+    handles = start(range(5))
     assert int(handles[2].result()[0]) == 2
     assert received == [0, 1, 2]
     assert int(handles[0].result()[0]) == 0 and int(handles[2].result()[1]) == 2
@@ -238,12 +245,24 @@ def test_gpu_receives_run_in_the_order_of_their_sends_whichever_result_is_asked_
     handles[1] = None  # received already: dropping it receives nothing more
     gc.collect()
     assert received == [0, 1, 2]
-    handles[4] = None  # not received yet: dropping it drains 3 and 4
-    gc.collect()
-    assert received == [0, 1, 2, 3, 4]
-    with pytest.raises(RuntimeError, match="receive 3 failed"):
-        handles[3].result()
-    assert not pairing.pending
+    with pytest.raises(RuntimeError, match="not received: an earlier reshard between these meshes failed"):
+        handles[4].result()
+    assert received == [0, 1, 2, 3] and not pairing.pending
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="receive 3 failed"):
+            handles[3].result()
+
+    # A handle dropped while the lock is held (a collection inside `take`
+    # on this thread) neither waits for the lock nor receives out of order:
+    # the holder drains it once it lets go.
+    handles = start((5, 6))
+    with pairing.lock:
+        handles[1] = None
+        gc.collect()
+        assert received == [0, 1, 2, 3]
+    pairing._drain()  # what `take` does after releasing the lock
+    assert received == [0, 1, 2, 3, 5, 6]
+    assert int(handles[0].result()[0]) == 5
 
 
 def _gpu_meshes(count):
@@ -282,3 +301,11 @@ def test_gpu_reshards_taken_out_of_order_and_overlapping_meshes():
     np.testing.assert_array_equal(np.asarray(commfuse.reshard(x, NamedSharding(b, P("a")))), np.asarray(x))
     with pytest.raises(NotImplementedError, match="must not share devices"):
         commfuse.reshard(x, NamedSharding(b, P("a")), schedule="direct")
+
+
+def test_no_gpu_reshard_communicator_exists_where_none_was_connected():
+    # The C ABI Python asks before a GPU reshard (`_CudaProgram.start`);
+    # here, with no GPU, no communicator was made for any union.
+    from commfuse import _native
+    assert _native.reshard_cuda_connected([0, 1]) is False
+    assert _native.reshard_cuda_connected([]) is False

@@ -430,6 +430,164 @@ pub fn check_frame_case(case: FrameCase, handler: Handler) -> std::result::Resul
     Ok(outcome)
 }
 
+/// A frame case for the CPU handlers of `commfuse.reshard`'s send or
+/// receive program: a valid call of a small reshard whose other devices
+/// never come (this device holding and needing a tile), then (sometimes)
+/// mutations of its attributes and buffers and structural corruptions.
+/// What it must get, besides what every frame must (no panic, only the
+/// library's codes, no INTERNAL for a well-formed frame): a valid send
+/// succeeds (it posts and goes on), a valid receive ends in
+/// DEADLINE_EXCEEDED (its pieces never come).
+#[derive(Debug)]
+pub struct ReshardCase {
+    pub call: Call,
+    pub corruptions: Vec<Corruption>,
+    pub mutated: bool,
+    pub send: bool,
+}
+
+/// Call sites of the reshard cases, above any the other tests use.
+static RESHARD_SITES: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(1 << 48);
+/// The call id every reshard case passes.
+const RESHARD_CALL_ID: u32 = 7;
+
+/// A reshard frame case from `u` (see [`ReshardCase`]).
+pub fn reshard_case(u: &mut Unstructured) -> Result<ReshardCase> {
+    let send = u.arbitrary::<bool>()?;
+    let ranks = u.int_in_range(1usize..=4)?;
+    let at = u.int_in_range(0..=ranks - 1)?;
+    let devices: Vec<i64> =
+        (0..ranks).map(|q| if q == at { i64::from(synthetic::DEVICE_ORDINAL) } else { 4000 + q as i64 }).collect();
+    let (rows, cols) = ((ranks * u.int_in_range(1usize..=4)?) as i64, i64::from(u.int_in_range(1u8..=4)?));
+    let itemsize = *u.choose(&[1i64, 2, 4, 8])?;
+    // Each side: the array on every rank, or its rows split over the ranks.
+    let tiles = |u: &mut Unstructured| -> Result<(Vec<i64>, i64)> {
+        let split = u.arbitrary::<bool>()?;
+        let per = if split { rows / ranks as i64 } else { rows };
+        let flat =
+            (0..ranks as i64).flat_map(|q| if split { [q * per, 0, (q + 1) * per, cols] } else { [0, 0, rows, cols] });
+        Ok((flat.collect(), per * cols * itemsize))
+    };
+    let ((src, src_bytes), (dst, dst_bytes)) = (tiles(u)?, tiles(u)?);
+    let call_id = (sys::XLA_FFI_DataType_U32, vec![]);
+    let (args, rets) = if send {
+        (vec![(U8, vec![src_bytes]), call_id], vec![(U8, vec![1])])
+    } else {
+        (vec![call_id], vec![(U8, vec![dst_bytes])])
+    };
+    let attrs = vec![
+        ("devices", Attr::I64s(devices)),
+        ("shape", Attr::I64s(vec![rows, cols])),
+        ("itemsize", Attr::I64(itemsize)),
+        ("src", Attr::I64s(src)),
+        ("dst", Attr::I64s(dst)),
+        ("method", Attr::I64(i64::from(u.int_in_range(0u8..=2)?))),
+        ("chunk_bytes", Attr::I64(i64::from(u.int_in_range(1u8..=64)?))),
+        // A site of its own per case: no case meets another's transport session.
+        ("site", Attr::I64(RESHARD_SITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed))),
+    ];
+    let mut case =
+        ReshardCase { call: Call { args, rets, attrs, ..Call::default() }, corruptions: vec![], mutated: false, send };
+    if u.ratio(1u8, 2)? {
+        for _ in 0..u.int_in_range(1u8..=3)? {
+            if u.arbitrary::<bool>()? {
+                mutate(u, &mut case.call)?;
+            } else {
+                let i = u.int_in_range(0..=case.call.attrs.len() - 1)?;
+                case.call.attrs[i].1 = match &case.call.attrs[i].1 {
+                    Attr::I64s(values) if !values.is_empty() && u.arbitrary::<bool>()? => {
+                        let mut values = values.clone();
+                        let j = u.int_in_range(0..=values.len() - 1)?;
+                        values[j] = interesting(u)?;
+                        Attr::I64s(values)
+                    }
+                    Attr::I64s(_) => {
+                        Attr::I64s((0..u.int_in_range(0u8..=9)?).map(|_| interesting(u)).collect::<Result<_>>()?)
+                    }
+                    _ => Attr::I64(interesting(u)?),
+                };
+            }
+        }
+        case.mutated = true;
+    }
+    if u.ratio(1u8, 8)? {
+        for _ in 0..u.int_in_range(1u8..=2)? {
+            case.corruptions.push(corruption(u)?);
+        }
+    }
+    Ok(case)
+}
+
+/// Runs a reshard case through `handler` (the CPU send or receive handler,
+/// as the case says) and checks what it got (see [`ReshardCase`]).
+pub fn check_reshard_case(case: ReshardCase) -> std::result::Result<Outcome, String> {
+    let ReshardCase { call, corruptions, mutated, send } = case;
+    let valid = !mutated && corruptions.is_empty();
+    let what = || format!("{call:?}, corruptions {corruptions:?}, mutated {mutated}");
+    let mut frame = call.clone().build();
+    if let Some(x) = frame.arg_data_mut(0).filter(|_| send) {
+        x.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
+    }
+    if let Some(id) = frame.arg_data_mut(usize::from(send)).filter(|id| id.len() == 4) {
+        id.copy_from_slice(&RESHARD_CALL_ID.to_ne_bytes());
+    }
+    let site = call.attrs.iter().find_map(|(name, a)| match a {
+        Attr::I64(site) if *name == "site" => Some(*site),
+        _ => None,
+    });
+    let corrupted = corruptions.iter().filter(|&&c| frame.corrupt(c)).count() > 0;
+    let well_formed = !corrupted && frame.allocated();
+    let handler: Handler = if send {
+        crate::exports::xla::commfuse_reshard_send_cpu
+    } else {
+        crate::exports::xla::commfuse_reshard_receive_cpu
+    };
+    let result = frame.call(handler);
+    // What a send posted for receivers that never come goes (as when
+    // Python drops an unreceived handle).
+    if let Some(site) = site {
+        crate::backend::cpu::transport::abandon(site, RESHARD_CALL_ID.into());
+    }
+    let unreported = crate::xla::take_unreported();
+    if let (Some(e), false) = (&unreported, corrupted) {
+        return Err(format!("a frame that could carry its error left one unreported: {e} ({})", what()));
+    }
+    let outcome = match result {
+        None => Outcome::Success,
+        Some((code, message)) => {
+            if !ALLOWED.contains(&code) {
+                return Err(format!("error code {code} is not one of the library's: {message} ({})", what()));
+            }
+            if message.contains("panic") {
+                return Err(format!("a panic: {message} ({})", what()));
+            }
+            if well_formed && code == sys::XLA_FFI_Error_Code_INTERNAL {
+                return Err(format!("INTERNAL for a well-formed frame: {message} ({})", what()));
+            }
+            Outcome::Error(code)
+        }
+    };
+    let expected = if send { Outcome::Success } else { Outcome::Error(sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED) };
+    if valid && outcome != expected {
+        return Err(format!(
+            "a valid {} got {outcome:?}, expected {expected:?} ({})",
+            if send { "send" } else { "receive" },
+            what()
+        ));
+    }
+    Ok(outcome)
+}
+
+/// One reshard frame case from `data`; panics saying what broke
+/// (`fuzz/fuzz_targets/reshard_frame.rs`). Sets the process's deadline to `FUZZ_TIMEOUT`.
+pub fn reshard_frame_target(data: &[u8]) {
+    crate::config::set_timeout(Some(FUZZ_TIMEOUT));
+    let Ok(case) = reshard_case(&mut Unstructured::new(data)) else { return };
+    if let Err(e) = check_reshard_case(case) {
+        panic!("{e}");
+    }
+}
+
 /// One planner case: an op's shapes and schedule over a group, checked
 /// and planned as a call would be.
 #[derive(Debug)]

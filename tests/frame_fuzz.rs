@@ -27,8 +27,14 @@ fn setting(name: &str, default: u64) -> u64 {
 
 /// Runs `check` on `iterations` byte strings of up to 1 KiB from the seed;
 /// fails listing the first failures.
-fn fuzz(what: &str, mut check: impl FnMut(&mut Unstructured) -> Result<String, String>) {
-    let iterations = setting("COMMFUSE_FUZZ_ITERATIONS", DEFAULT_ITERATIONS);
+fn fuzz(what: &str, check: impl FnMut(&mut Unstructured) -> Result<String, String>) {
+    fuzz_share(what, 1, check)
+}
+
+/// `fuzz` on a `1 / divisor` share of the iterations (for cases that wait
+/// out the deadline).
+fn fuzz_share(what: &str, divisor: u64, mut check: impl FnMut(&mut Unstructured) -> Result<String, String>) {
+    let iterations = (setting("COMMFUSE_FUZZ_ITERATIONS", DEFAULT_ITERATIONS) / divisor).max(1);
     let seed = setting("COMMFUSE_FUZZ_SEED", DEFAULT_SEED);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut bytes = vec![0u8; 1024];
@@ -69,6 +75,25 @@ fn frames_of_the_cpu_handler() {
         };
         let outcome = fuzzing::check_frame_case(case, commfuse::exports::xla::commfuse_collective_matmul_cpu)?;
         Ok(match outcome {
+            Outcome::Success => format!("{label}: ok"),
+            Outcome::Error(code) => format!("{label}: error {code}"),
+        })
+    });
+}
+
+#[test]
+fn frames_of_the_reshard_handlers() {
+    commfuse::config::set_timeout(Some(Duration::from_millis(5)));
+    // A quarter: each valid receive waits out the 5 ms deadline.
+    fuzz_share("reshard frames", 4, |u| {
+        let case = fuzzing::reshard_case(u).map_err(|e| format!("generator: {e}"))?;
+        let label = match (case.mutated, case.corruptions.is_empty(), case.send) {
+            (false, true, true) => "valid send",
+            (false, true, false) => "valid receive",
+            (true, true, _) => "mutated",
+            _ => "corrupted",
+        };
+        Ok(match fuzzing::check_reshard_case(case)? {
             Outcome::Success => format!("{label}: ok"),
             Outcome::Error(code) => format!("{label}: error {code}"),
         })

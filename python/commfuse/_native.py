@@ -56,6 +56,11 @@ lib.commfuse_cuda_loads_during_execute.argtypes = []
 lib.commfuse_reshard_abandon.restype = ctypes.c_int64
 lib.commfuse_reshard_abandon.argtypes = [ctypes.c_int64, ctypes.c_uint32]
 
+lib.commfuse_reshard_cuda_connected.restype = ctypes.c_int32
+lib.commfuse_reshard_cuda_connected.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
+lib.commfuse_reshard_cuda_abort.restype = ctypes.c_int32
+lib.commfuse_reshard_cuda_abort.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
+
 CUDA_BUILT = bool(lib.commfuse_cuda_built())
 
 CPU_TARGET = "commfuse_collective_matmul_cpu"
@@ -155,6 +160,19 @@ def cuda_target() -> str:
                 raise NotImplementedError(f"registering {target} for CUDA failed: {e}") from e
         _cuda_registered = True
         return CUDA_TARGET
+
+
+def reshard_cuda_connected(devices) -> bool:
+    """Whether the GPU reshard communicator of these device ids (the union
+    of two meshes) is live and connected."""
+    ids = (ctypes.c_int64 * len(devices))(*devices)
+    return bool(lib.commfuse_reshard_cuda_connected(ids, len(devices)))
+
+
+def reshard_cuda_abort(devices) -> bool:
+    """Aborts the GPU reshard communicator of these device ids; whether there was one."""
+    ids = (ctypes.c_int64 * len(devices))(*devices)
+    return bool(lib.commfuse_reshard_cuda_abort(ids, len(devices)))
 
 
 def cuda_libraries() -> dict:

@@ -89,7 +89,7 @@ class PendingReshard:
     their pieces; `result()` receives them on the destination devices."""
 
     def __init__(self, receive, abandon=None):
-        self._receive, self._value = receive, None
+        self._receive, self._value, self._error = receive, None, None
         self._lock = threading.Lock()  # one receive, whichever thread asks first
         # Unreceived pieces stay with the transport until the receive runs:
         # a handle dropped without `result()` frees them (`_abandon`).
@@ -102,9 +102,16 @@ class PendingReshard:
         any JAX computation; the same array on later calls)."""
         with self._lock:
             if self._receive is not None:
-                self._value, self._receive = self._receive(), None
-                if self._abandon is not None:
-                    self._abandon.detach()
+                receive, self._receive = self._receive, None
+                try:
+                    self._value = receive()
+                except BaseException as e:  # every later call raises it too
+                    self._error = e
+                else:
+                    if self._abandon is not None:
+                        self._abandon.detach()
+            if self._error is not None:
+                raise self._error
             return self._value
 
 
@@ -203,6 +210,8 @@ def _why_not_cuda(src_devices, dst_devices, platforms):
     """Why the GPU programs cannot move between these meshes, or None."""
     if platforms != {"gpu"}:
         return f"runs on CPU devices or on GPUs, not between {sorted(platforms)} devices"
+    if jax.process_count() > 1:
+        return "on GPUs it runs in one process (this job has several)"
     shared = [d.id for d in dst_devices if d in src_devices]
     if shared:
         return f"on GPUs the two meshes must not share devices (they share {shared})"
@@ -295,13 +304,15 @@ class _CudaProgram(_Program):
     def start(self, x):
         pairing = _pairing(self._union)
         with pairing.lock:
-            if not pairing.connected:
+            # Once per pair of meshes, and again after a failure evicted the communicator.
+            if not _native.reshard_cuda_connected(self._union):
+                pairing.fail_pending("its communicator was lost (an earlier reshard between these meshes failed)")
                 token = jax.device_put(np.zeros(len(self._union), np.uint8), self._union_sharding)
-                jax.block_until_ready(self._connect(token))  # once per pair of meshes
-                pairing.connected = True
+                jax.block_until_ready(self._connect(token))
             call_id = np.uint32(next(_call_ids) & 0xFFFF_FFFF)
             transfer = _Transfer(self, self._send(x, call_id), call_id)
             pairing.pending.append(transfer)
+        pairing._drain()  # handles dropped while this held the lock
         return PendingReshard(lambda: pairing.take(transfer), (pairing.drop, transfer))
 
 
@@ -321,32 +332,67 @@ class _Pairing:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.connected = False
         self.pending = collections.deque()
+        # Transfers of dropped handles, received by whoever next holds the lock.
+        self.abandoned = collections.deque()
 
     def take(self, transfer):
         """`transfer`'s result, after receiving every reshard sent before it."""
         with self.lock:
-            while transfer.value is None:
-                first = self.pending.popleft()
-                try:
-                    first.value = first.program._received(first.program._receive(first.call_id))
-                    _keep_until_ready(first.staging, first.value)
-                except Exception as e:  # raised by the handle it belongs to
-                    first.value = e
-                first.staging = None
-            value, transfer.value = transfer.value, None
-            if isinstance(value, Exception):
-                raise value
-            return value
+            value = self._receive_through(transfer)
+        self._drain()
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     def drop(self, transfer):
-        """Receives (and drops) a reshard whose handle was dropped, so its
-        sends do not wait for receivers that never come."""
-        try:
-            self.take(transfer)
-        except Exception:  # the receive failed: nothing more to drain
-            pass
+        """Receives (and discards) a reshard whose handle was dropped, so its
+        sends do not wait for receivers that never come. A finalizer: it may
+        run inside `take` on the same thread (a collection while receiving),
+        so it never waits for the lock; the holder drains after releasing it."""
+        self.abandoned.append(transfer)
+        self._drain()
+
+    def _drain(self):
+        while self.abandoned and self.lock.acquire(blocking=False):
+            try:
+                while self.abandoned:
+                    self._receive_through(self.abandoned.popleft())
+            finally:
+                self.lock.release()
+
+    def _receive_through(self, transfer):
+        """Receives, in order, every pending reshard up to `transfer` and
+        returns its result (or the exception its receive raised). Holds the lock."""
+        while transfer in self.pending:
+            first = self.pending.popleft()
+            try:
+                first.value = first.program._received(first.program._receive(first.call_id))
+            except BaseException as e:  # raised by the handle it belongs to
+                first.value = e
+                # Its sends may still be posted: they must never pair with a
+                # later receive. Abort the communicator; the next reshard
+                # connects a new one.
+                _native.reshard_cuda_abort(first.program._union)
+                _keep_staging(first.staging)
+                self.fail_pending(f"an earlier reshard between these meshes failed ({type(e).__name__}: {e})")
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                _keep_until_ready(first.staging, first.value)
+            first.staging = None
+        value, transfer.value = transfer.value, None
+        return value
+
+    def fail_pending(self, why):
+        """Fails every pending reshard (their sends went to a communicator
+        that is gone); their staging is kept a while, as sends may read it
+        until the abort ends them. Holds the lock."""
+        while self.pending:
+            t = self.pending.popleft()
+            t.value = RuntimeError(f"commfuse.reshard: not received: {why}")
+            _keep_staging(t.staging)
+            t.staging = None
 
 
 _pairings: dict = {}
@@ -362,14 +408,25 @@ def _pairing(union):
 # result is ready (its receives are done, so the sends have read it).
 _in_flight = collections.deque()
 _MAX_IN_FLIGHT = 64
+# The staging of reshards that were never received (their communicator was
+# aborted): kept for the last this many, long after the abort ended their sends.
+_orphans = collections.deque(maxlen=64)
+_staging_lock = threading.Lock()
 
 
 def _keep_until_ready(staging, received):
-    while _in_flight and _in_flight[0][1].is_ready():
-        _in_flight.popleft()
-    if len(_in_flight) >= _MAX_IN_FLIGHT:
-        jax.block_until_ready(_in_flight.popleft()[1])
-    _in_flight.append((staging, received))
+    with _staging_lock:
+        while _in_flight and _in_flight[0][1].is_ready():
+            _in_flight.popleft()
+        oldest = _in_flight.popleft() if len(_in_flight) >= _MAX_IN_FLIGHT else None
+        _in_flight.append((staging, received))
+    if oldest is not None:
+        jax.block_until_ready(oldest[1])
+
+
+def _keep_staging(staging):
+    with _staging_lock:
+        _orphans.append(staging)
 
 
 def _abandon(sent, site, call_id):

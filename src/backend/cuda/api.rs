@@ -75,6 +75,7 @@ functions! {
         memcpy_dtoh = "cuMemcpyDtoH_v2": fn(*mut c_void, cu::CUdeviceptr, usize) -> cu::CUresult;
         memset_d8_async = "cuMemsetD8Async": fn(cu::CUdeviceptr, u8, usize, cu::CUstream) -> cu::CUresult;
         memcpy_2d_async = "cuMemcpy2DAsync_v2": fn(*const cu::CUDA_MEMCPY2D, cu::CUstream) -> cu::CUresult;
+        memcpy_dtod_async = "cuMemcpyDtoDAsync_v2": fn(cu::CUdeviceptr, cu::CUdeviceptr, usize, cu::CUstream) -> cu::CUresult;
     }
 }
 
@@ -388,6 +389,17 @@ pub unsafe fn copy_2d_async(copy: &crate::reshard::device::Copy2d, stream: cu::C
     if copy.width == 0 || copy.height == 0 {
         return Ok(());
     }
+    let d = driver()?;
+    // One row, or pitches past what cuMemcpy2D takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH,
+    // 2^31 - 1 on current GPUs): row by row.
+    if copy.height == 1 || copy.src_pitch.max(copy.dst_pitch) > i32::MAX as usize {
+        for row in 0..copy.height as u64 {
+            let (src, dst) = (copy.src + row * copy.src_pitch as u64, copy.dst + row * copy.dst_pitch as u64);
+            // SAFETY: the caller's contract, row by row.
+            check_cu(unsafe { (d.memcpy_dtod_async)(dst, src, copy.width, stream) }, "cuMemcpyDtoDAsync")?;
+        }
+        return Ok(());
+    }
     let device = cu::CUmemorytype::CU_MEMORYTYPE_DEVICE;
     let params = cu::CUDA_MEMCPY2D {
         srcXInBytes: 0,
@@ -408,7 +420,7 @@ pub unsafe fn copy_2d_async(copy: &crate::reshard::device::Copy2d, stream: cu::C
         Height: copy.height,
     };
     // SAFETY: the caller's contract; `params` outlives the call (the driver copies it).
-    check_cu(unsafe { (driver()?.memcpy_2d_async)(&params, stream) }, "cuMemcpy2DAsync")
+    check_cu(unsafe { (d.memcpy_2d_async)(&params, stream) }, "cuMemcpy2DAsync")
 }
 
 /// # Safety

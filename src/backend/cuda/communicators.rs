@@ -127,6 +127,11 @@ impl<C> CommCache<C> {
         Ok(c)
     }
 
+    /// The cached value of `key`, if one was made (none is created).
+    pub fn get(&self, key: &CommKey) -> Option<Arc<C>> {
+        lock(&self.entries).get(key).and_then(|e| e.value.get().cloned())
+    }
+
     /// Drops `key`'s entry if it is still `failed` (a communicator that
     /// failed; one made since by another member stays); the next
     /// `get_or_create` makes a new one. Holders of the old `Arc` keep it.

@@ -36,9 +36,11 @@ pub struct Device {
     pub capability: (i32, i32),
     /// The compute and the communication stream.
     lanes: [Stream; 2],
-    /// The stream of reshard sends, which wait for receivers outside the
-    /// send program (`backend::cuda::reshard`).
-    reshard_sends: Stream,
+    /// Per union of two meshes (its device ids), the stream of its reshard
+    /// sends, which wait for receivers outside the send program
+    /// (`backend::cuda::reshard`): one per union, so that sends to one
+    /// destination mesh never queue behind sends to another.
+    reshard_sends: HashMap<Vec<i64>, Stream>,
     events: Vec<Event>,
     blas: Vec<BlasHandle>,
     /// The cuBLASLt handle of the fp8 GEMMs (created at the device's first).
@@ -142,7 +144,7 @@ impl Device {
             multiprocessors,
             capability: (major, minor),
             lanes: [Stream::new()?, Stream::new()?],
-            reshard_sends: Stream::new()?,
+            reshard_sends: HashMap::new(),
             events: Vec::new(),
             blas: Vec::new(),
             lt: None,
@@ -168,9 +170,16 @@ impl Device {
         self.lanes.get(lane).map(Stream::raw)
     }
 
-    /// The stream of reshard sends.
-    pub fn reshard_send_stream(&self) -> dsys::CUstream {
-        self.reshard_sends.raw()
+    /// The stream of the reshard sends to the union `devices` (created on
+    /// its first send; the context is current).
+    pub fn reshard_send_stream(&mut self, devices: &[i64]) -> Result<dsys::CUstream> {
+        if let Some(s) = self.reshard_sends.get(devices) {
+            return Ok(s.raw());
+        }
+        let stream = Stream::new()?;
+        let raw = stream.raw();
+        self.reshard_sends.insert(devices.to_vec(), stream);
+        Ok(raw)
     }
 
     /// At least `n` events (created on the first call that needs them).

@@ -180,6 +180,11 @@ pub fn group_comms(
     })
 }
 
+/// `key`'s cached communicators, if they were made (none are created).
+pub fn cached(key: &CommKey) -> Option<Arc<GroupComms>> {
+    COMMS.get()?.get(key)
+}
+
 /// A fresh NCCL unique id (`ncclGetUniqueId`), for the lowering of a group
 /// spanning processes: its rank 0's process makes it and publishes it.
 pub fn unique_id() -> Result<[u8; NCCL_ID_BYTES]> {

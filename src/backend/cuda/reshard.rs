@@ -79,6 +79,27 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
     }
 }
 
+/// Whether the reshard communicator of the union `devices` exists with
+/// every rank live and connected: Python runs the connect program when it
+/// does not (the first reshard between two meshes, or after a failure
+/// evicted it).
+pub fn connected(devices: &[i64]) -> bool {
+    nccl_group::cached(&CommKey::reshard(devices.to_vec()))
+        .is_some_and(|c| (0..devices.len()).all(|r| c.is_live(r) && c.is_connected(r)))
+}
+
+/// Aborts the reshard communicator of the union `devices`, every rank, and
+/// evicts it: Python does so when a receive failed, so that sends posted
+/// for it can never pair with a later reshard's receives (the next reshard
+/// connects a new communicator). Returns whether there was one.
+pub fn abort(devices: &[i64]) -> bool {
+    let key = CommKey::reshard(devices.to_vec());
+    let Some(comms) = nccl_group::cached(&key) else { return false };
+    (0..devices.len()).for_each(|r| comms.abort_rank(r));
+    nccl_group::evict(&key, &comms);
+    true
+}
+
 /// The send program (see the module comment).
 pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
     if frame.stage() == Stage::Initialize {
@@ -102,8 +123,8 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
         if side.sends.is_empty() {
             return Ok(None);
         }
-        // The reshard stream waits for the packing, then sends on its own.
-        let sends = d.reshard_send_stream() as *mut c_void;
+        // The union's reshard stream waits for the packing, then sends on its own.
+        let sends = d.reshard_send_stream(&call.attrs.devices)? as *mut c_void;
         d.reserve_events(1)?;
         let packed = d.event(0).ok_or_else(|| Error::Internal("no event 0".into()))?;
         #[allow(unsafe_code)]
@@ -113,7 +134,11 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
             api::event_record(packed, xla as _, "cuEventRecord")?;
             api::stream_wait_event(sends as _, packed)?;
         }
-        comm.watched(d, sends, |comm| comm.exchange(sends, &side.sends, &[]))
+        // Not watched: nothing waits for these sends but the receivers,
+        // whose receive program is watched (its timeout aborts the
+        // communicator, which ends the sends too); a pipeline may ask for the
+        // result long after the send program ran.
+        comm.exchange(sends, &side.sends, &[]).map(|()| None)
     })
 }
 
@@ -233,19 +258,37 @@ impl ReshardCall {
         require(&[Lib::Driver, Lib::Nccl])?;
         let dev = device::bind_for_execute(xla)?;
         device_watch::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
-        let (rank, comms) = union_comms(frame, &self.attrs, &dev, self.deadline)?;
-        if !comms.is_connected(rank) {
-            return Err(Error::Internal(
-                "the reshard's communicators are not connected (commfuse.reshard runs its connect program first)"
-                    .into(),
-            ));
+        let ordinal = frame.device_ordinal()?;
+        check_same_device(ordinal, crate::sync::lock(&dev).ordinal)?;
+        let rank = self.rank;
+        // Created and connected by the connect program, never here (no host
+        // wait for peers in an EXECUTE call).
+        let key = CommKey::reshard(self.attrs.devices.clone());
+        let comms = nccl_group::cached(&key).filter(|c| c.is_connected(rank)).ok_or_else(|| {
+            Error::Internal(format!(
+                "no connected reshard communicator for devices {:?} (commfuse.reshard runs its connect program \
+                 before the send program)",
+                key.devices
+            ))
+        })?;
+        if !comms.is_live(rank) {
+            return Err(Error::DeadlineExceeded(format!(
+                "the reshard communicator of devices {:?} was aborted after an earlier reshard between these meshes \
+                 failed or timed out; the next commfuse.reshard connects a new one",
+                key.devices
+            )));
         }
         let comm = Comm { comms: &comms, comm: comms.rank(rank)?, failed: Cell::new(false), deadline: self.deadline };
         let mut d = crate::sync::lock(&dev);
         d.make_current()?;
         let result = match body(&mut d, &comm) {
             Ok(Some((watch, stream))) => watch.submit(stream, op, self.site, rank, self.timeout),
-            Ok(None) => Ok(()),
+            Ok(None) => {
+                // Counted all the same: the watchdog names the ranks that
+                // never issued a call by these counts, equal on every rank.
+                comms.count_call(rank);
+                Ok(())
+            }
             Err(e) => Err(e),
         };
         if comm.failed.get() {

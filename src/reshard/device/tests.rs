@@ -2,9 +2,10 @@
 //! a byte array, a 2-D copy as `cuMemcpy2DAsync` defines it, an NCCL group
 //! as posting its sends, then completing once every receive has a message
 //! from its peer (per pair of ranks, first in first out, as NCCL pairs
-//! point-to-point calls, sizes equal). Every send program runs first, then
-//! the receive programs, round by round: the order the pipeline's host
-//! issues them in. The destination tiles must equal the planner's.
+//! point-to-point calls, sizes equal) and every send was received. Every
+//! send program runs first, then the receive programs, round by round: the
+//! order the pipeline's host issues them in. No group may be left
+//! incomplete, and the destination tiles must equal the planner's.
 
 use super::*;
 use crate::reshard::tests::{filled, random_layout};
@@ -41,6 +42,9 @@ fn apply(memory: &mut [u8], copies: &[Copy2d], allowed: Range<u64>) {
     }
 }
 
+/// Per pair of ranks (from, to), the messages in flight: (id, bytes).
+type Queues = HashMap<(usize, usize), VecDeque<(usize, Vec<u8>)>>;
+
 /// Runs every rank's programs of `plan`; returns each destination's tile bytes.
 fn run(layout: &Layout, plan: &Plan) -> Vec<Option<Vec<u8>>> {
     let n = layout.ranks();
@@ -48,62 +52,99 @@ fn run(layout: &Layout, plan: &Plan) -> Vec<Option<Vec<u8>>> {
     let size = (2 * staging) as usize;
     let mut memory: Vec<Vec<u8>> = (0..n).map(|_| vec![0xee; size]).collect();
     let buffer = |addr: u64, bytes: usize| Buffer { addr, bytes };
-    let mut queues: HashMap<(usize, usize), VecDeque<Vec<u8>>> = HashMap::new();
+    let mut queues: Queues = HashMap::new();
+    let mut taken: Vec<bool> = vec![];
+    let post = |queues: &mut Queues, taken: &mut Vec<bool>, from: usize, to: usize, data| {
+        taken.push(false);
+        queues.entry((from, to)).or_default().push_back((taken.len() - 1, data));
+        taken.len() - 1
+    };
+    let mut send_groups: Vec<Vec<usize>> = vec![];
     for (rank, memory) in memory.iter_mut().enumerate() {
         let Some(tile) = &layout.src[rank] else { continue };
         let x = filled(layout, tile);
         memory[TILE as usize..TILE as usize + x.len()].copy_from_slice(&x);
         let side = send_side(layout, plan, rank, buffer(TILE, x.len()), buffer(staging, x.len())).unwrap();
         apply(memory, &side.pack, staging..staging + x.len() as u64);
-        for s in side.sends {
+        let group = side.sends.iter().map(|s| {
             let data = memory[s.addr as usize..s.addr as usize + s.bytes].to_vec();
-            queues.entry((rank, s.peer)).or_default().push_back(data);
-        }
+            post(&mut queues, &mut taken, rank, s.peer, data)
+        });
+        send_groups.push(group.collect());
     }
-    let mut sides: Vec<Option<(ReceiveSide, usize, bool)>> = (0..n)
+    // Per receiving rank: its program, the round it is in, and that round's
+    // state: its sends posted (their ids), its receives taken.
+    struct State {
+        side: ReceiveSide,
+        round: usize,
+        sent: Option<Vec<usize>>,
+        received: bool,
+    }
+    let mut states: Vec<Option<State>> = (0..n)
         .map(|rank| {
             let tile = layout.dst[rank].as_ref()?;
             let bytes = layout.bytes(tile);
-            Some((receive_side(layout, plan, rank, buffer(TILE, bytes), buffer(staging, bytes)).unwrap(), 0, false))
+            let side = receive_side(layout, plan, rank, buffer(TILE, bytes), buffer(staging, bytes)).unwrap();
+            Some(State { side, round: 0, sent: None, received: false })
         })
         .collect();
+    let mut taken_now: Vec<usize> = vec![];
     loop {
         let mut progress = false;
-        for (rank, side) in sides.iter_mut().enumerate() {
-            let Some((side, next, posted)) = side else { continue };
-            let Some(round) = side.rounds.get(*next) else { continue };
-            if !*posted {
-                for s in &round.sends {
+        for (rank, state) in states.iter_mut().enumerate() {
+            let Some(state) = state else { continue };
+            let Some(round) = state.side.rounds.get(state.round) else { continue };
+            if state.sent.is_none() {
+                let ids = round.sends.iter().map(|s| {
                     let data = memory[rank][s.addr as usize..s.addr as usize + s.bytes].to_vec();
-                    queues.entry((rank, s.peer)).or_default().push_back(data);
-                }
-                (*posted, progress) = (true, true);
+                    post(&mut queues, &mut taken, rank, s.peer, data)
+                });
+                state.sent = Some(ids.collect());
+                progress = true;
             }
-            let mut heads: HashMap<usize, usize> = HashMap::new();
-            let ready = round.recvs.iter().all(|r| {
-                let k = heads.entry(r.peer).or_default();
-                *k += 1;
-                queues.get(&(r.peer, rank)).is_some_and(|q| q.len() >= *k)
-            });
-            if ready {
-                for r in &round.recvs {
-                    let data = queues.get_mut(&(r.peer, rank)).unwrap().pop_front().unwrap();
-                    assert_eq!(data.len(), r.bytes, "rank {rank} receives a message of another size from {}", r.peer);
-                    memory[rank][r.addr as usize..r.addr as usize + r.bytes].copy_from_slice(&data);
+            if !state.received {
+                let mut heads: HashMap<usize, usize> = HashMap::new();
+                let ready = round.recvs.iter().all(|r| {
+                    let k = heads.entry(r.peer).or_default();
+                    *k += 1;
+                    queues.get(&(r.peer, rank)).is_some_and(|q| q.len() >= *k)
+                });
+                if ready {
+                    for r in &round.recvs {
+                        let (id, data) = queues.get_mut(&(r.peer, rank)).unwrap().pop_front().unwrap();
+                        assert_eq!(
+                            data.len(),
+                            r.bytes,
+                            "rank {rank} receives a message of another size from {}",
+                            r.peer
+                        );
+                        memory[rank][r.addr as usize..r.addr as usize + r.bytes].copy_from_slice(&data);
+                        taken_now.push(id);
+                    }
+                    (state.received, progress) = (true, true);
                 }
-                (*next, *posted, progress) = (*next + 1, false, true);
+            }
+            for id in taken_now.drain(..) {
+                taken[id] = true;
+            }
+            // The group completes once its sends were received too.
+            if state.received && state.sent.as_ref().is_some_and(|ids| ids.iter().all(|&i| taken[i])) {
+                (state.round, state.sent, state.received, progress) = (state.round + 1, None, false, true);
             }
         }
         if !progress {
             break;
         }
     }
+    for (g, group) in send_groups.iter().enumerate() {
+        assert!(group.iter().all(|&i| taken[i]), "send group {g} never completed");
+    }
     assert!(queues.values().all(VecDeque::is_empty), "messages nobody received");
-    sides
+    states
         .into_iter()
         .enumerate()
-        .map(|(rank, side)| {
-            let (side, next, _) = side?;
+        .map(|(rank, state)| {
+            let State { side, round: next, .. } = state?;
             assert_eq!(next, side.rounds.len(), "rank {rank} is stuck in round {next}: a deadlock");
             let bytes = layout.bytes(layout.dst[rank].as_ref()?);
             apply(&mut memory[rank], &side.unpack, TILE..TILE + bytes as u64);

@@ -31,3 +31,8 @@ fn the_frame_corpus_passes() {
 fn the_planner_corpus_passes() {
     replay("planner", commfuse::fuzzing::planner_target);
 }
+
+#[test]
+fn the_reshard_frame_corpus_passes() {
+    replay("reshard_frame", commfuse::fuzzing::reshard_frame_target);
+}

@@ -4,7 +4,13 @@
 
 use std::path::Path;
 
+/// Held while replaying: an error a corrupted frame cannot report waits,
+/// process-wide, for the next handler call (`xla::take_unreported`), which
+/// must be the same replay's.
+static REPLAYING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn replay(target: &str, run: fn(&[u8])) {
+    let _serial = REPLAYING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))

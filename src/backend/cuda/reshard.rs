@@ -18,8 +18,9 @@
 //!   round (forwarding a broadcast chain's chunks), then the copies into
 //!   `out`.
 //!
-//! Both enqueue what `reshard::device` lowers; the watchdog bounds every
-//! group on the device, as for the fused ops.
+//! Both enqueue what `reshard::device` lowers. The watchdog bounds the
+//! receive program's groups, as for the fused ops; the sends end with them
+//! (a receive that times out aborts the communicator).
 #![deny(unsafe_code)]
 
 use super::api::{self, require};

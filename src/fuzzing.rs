@@ -353,6 +353,36 @@ const ALLOWED: [u32; 5] = [
     sys::XLA_FFI_Error_Code_CANCELLED,
 ];
 
+/// What every frame case must get from its call's `result` (see the
+/// module's doc): no error left unreported by a frame that could report it,
+/// only the library's codes, no panic, no INTERNAL for a well-formed frame.
+/// Returns the call's error, if any, for the case's own checks.
+fn every_frame_checks(
+    result: Option<(u32, String)>,
+    corrupted: bool,
+    well_formed: bool,
+    what: &dyn Fn() -> String,
+) -> std::result::Result<Option<(u32, String)>, String> {
+    // A frame that cannot carry an error back leaves it for the next call:
+    // taken here, so the next case does not get it.
+    let unreported = crate::xla::take_unreported();
+    if let (Some(e), false) = (&unreported, corrupted) {
+        return Err(format!("a frame that could carry its error left one unreported: {e} ({})", what()));
+    }
+    if let Some((code, message)) = &result {
+        if !ALLOWED.contains(code) {
+            return Err(format!("error code {code} is not one of the library's: {message} ({})", what()));
+        }
+        if message.contains("panic") {
+            return Err(format!("a panic: {message} ({})", what()));
+        }
+        if well_formed && *code == sys::XLA_FFI_Error_Code_INTERNAL {
+            return Err(format!("INTERNAL for a well-formed frame: {message} ({})", what()));
+        }
+    }
+    Ok(result)
+}
+
 /// Runs `case` through `handler` and checks what it got (see the module's doc).
 pub fn check_frame_case(case: FrameCase, handler: Handler) -> std::result::Result<Outcome, String> {
     let FrameCase { call, corruptions, mutated, ranks, trivial, product, seed } = case;
@@ -368,25 +398,10 @@ pub fn check_frame_case(case: FrameCase, handler: Handler) -> std::result::Resul
     let corrupted = corruptions.iter().filter(|&&c| frame.corrupt(c)).count() > 0;
     let well_formed = !corrupted && frame.allocated();
 
-    let result = frame.call(handler);
-    // A frame that cannot carry an error back leaves it for the next call:
-    // taken here, so the next case does not get it.
-    let unreported = crate::xla::take_unreported();
-    if let (Some(e), false) = (&unreported, corrupted) {
-        return Err(format!("a frame that could carry its error left one unreported: {e} ({})", what()));
-    }
+    let result = every_frame_checks(frame.call(handler), corrupted, well_formed, &what)?;
     let outcome = match result {
         None => Outcome::Success,
         Some((code, message)) => {
-            if !ALLOWED.contains(&code) {
-                return Err(format!("error code {code} is not one of the library's: {message} ({})", what()));
-            }
-            if message.contains("panic") {
-                return Err(format!("a panic: {message} ({})", what()));
-            }
-            if well_formed && code == sys::XLA_FFI_Error_Code_INTERNAL {
-                return Err(format!("INTERNAL for a well-formed frame: {message} ({})", what()));
-            }
             if valid && (ranks == 1 || trivial) {
                 return Err(format!("a valid call failed: {message} ({})", what()));
             }
@@ -542,31 +557,13 @@ pub fn check_reshard_case(case: ReshardCase) -> std::result::Result<Outcome, Str
     } else {
         crate::exports::xla::commfuse_reshard_receive_cpu
     };
-    let result = frame.call(handler);
+    let result = every_frame_checks(frame.call(handler), corrupted, well_formed, &what);
     // What a send posted for receivers that never come goes (as when
     // Python drops an unreceived handle).
     if let Some(site) = site {
         crate::backend::cpu::transport::abandon(site, RESHARD_CALL_ID.into());
     }
-    let unreported = crate::xla::take_unreported();
-    if let (Some(e), false) = (&unreported, corrupted) {
-        return Err(format!("a frame that could carry its error left one unreported: {e} ({})", what()));
-    }
-    let outcome = match result {
-        None => Outcome::Success,
-        Some((code, message)) => {
-            if !ALLOWED.contains(&code) {
-                return Err(format!("error code {code} is not one of the library's: {message} ({})", what()));
-            }
-            if message.contains("panic") {
-                return Err(format!("a panic: {message} ({})", what()));
-            }
-            if well_formed && code == sys::XLA_FFI_Error_Code_INTERNAL {
-                return Err(format!("INTERNAL for a well-formed frame: {message} ({})", what()));
-            }
-            Outcome::Error(code)
-        }
-    };
+    let outcome = result?.map_or(Outcome::Success, |(code, _)| Outcome::Error(code));
     let expected = if send { Outcome::Success } else { Outcome::Error(sys::XLA_FFI_Error_Code_DEADLINE_EXCEEDED) };
     if valid && outcome != expected {
         return Err(format!(

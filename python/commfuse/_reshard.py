@@ -240,6 +240,18 @@ class _Program:
             site=np.int64(self.site),
         )
 
+    def _jit(self, x, send, send_out_specs, receive):
+        """The send program (each device passes its shard of `x` as it is and
+        returns `send`'s result) and the receive program (each returns its
+        shard of the result), both taking the call id."""
+        attrs = self.attrs
+        self._send = jax.jit(jax.shard_map(
+            lambda tile, call_id: send(tile, call_id, **attrs), mesh=x.sharding.mesh,
+            in_specs=(x.sharding.spec, P()), out_specs=send_out_specs, check_vma=False))
+        self._receive = jax.jit(jax.shard_map(
+            lambda call_id: receive(call_id, **attrs), mesh=self._sharding.mesh, in_specs=P(),
+            out_specs=self._sharding.spec, check_vma=False))
+
     def _received(self, moved):
         if moved.sharding != self._sharding:  # the same layout, named as asked
             moved = jax.make_array_from_single_device_arrays(
@@ -253,20 +265,12 @@ class _CpuProgram(_Program):
 
     def __init__(self, x, sharding, schedule, union, src, dst):
         super().__init__(x, sharding, schedule, union, src, dst)
-        attrs = self.attrs
+        # The send program's result is a byte per device.
         send = jax.ffi.ffi_call(_native.RESHARD_SEND_CPU_TARGET, jax.ShapeDtypeStruct((1,), np.uint8),
                                 has_side_effect=True)
         receive = jax.ffi.ffi_call(_native.RESHARD_RECEIVE_CPU_TARGET,
                                    jax.ShapeDtypeStruct(sharding.shard_shape(x.shape), x.dtype), has_side_effect=True)
-        source, destination = x.sharding.mesh, sharding.mesh
-        # Each device passes its shard of `x` as it is and returns its shard
-        # of the result; the send program's result is a byte per device.
-        self._send = jax.jit(jax.shard_map(
-            lambda tile, call_id: send(tile, call_id, **attrs), mesh=source, in_specs=(x.sharding.spec, P()),
-            out_specs=P(tuple(source.axis_names)), check_vma=False))
-        self._receive = jax.jit(jax.shard_map(
-            lambda call_id: receive(call_id, **attrs), mesh=destination, in_specs=P(), out_specs=sharding.spec,
-            check_vma=False))
+        self._jit(x, send, P(tuple(x.sharding.mesh.axis_names)), receive)
 
     def start(self, x):
         call_id = np.uint32(next(_call_ids) & 0xFFFF_FFFF)
@@ -294,12 +298,7 @@ class _CudaProgram(_Program):
         # receive program's `staging` is a temporary of its program.
         send = jax.ffi.ffi_call(_native.RESHARD_SEND_CUDA_TARGET, tile, has_side_effect=True)
         receive = jax.ffi.ffi_call(_native.RESHARD_RECEIVE_CUDA_TARGET, (out_tile, out_tile), has_side_effect=True)
-        self._send = jax.jit(jax.shard_map(
-            lambda t, call_id: send(t, call_id, **attrs), mesh=x.sharding.mesh, in_specs=(x.sharding.spec, P()),
-            out_specs=x.sharding.spec, check_vma=False))
-        self._receive = jax.jit(jax.shard_map(
-            lambda call_id: receive(call_id, **attrs)[0], mesh=sharding.mesh, in_specs=P(),
-            out_specs=sharding.spec, check_vma=False))
+        self._jit(x, send, x.sharding.spec, lambda call_id, **attrs: receive(call_id, **attrs)[0])
 
     def start(self, x):
         pairing = _pairing(self._union)

@@ -284,48 +284,48 @@ pub extern "C" fn commfuse_cuda_loads_during_execute() -> i64 {
     0
 }
 
+/// The `n` device ids at `devices`; none for a null pointer.
+///
+/// # Safety
+/// `devices` points to `n` readable `i64`s that outlive the slice, or is null.
+unsafe fn device_ids<'a>(devices: *const i64, n: usize) -> &'a [i64] {
+    if devices.is_null() {
+        return &[];
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts(devices, n) }
+}
+
 /// Whether the GPU reshard communicator of the `n` device ids at `devices`
 /// (the union of two meshes) is live and connected (`backend::cuda::reshard::connected`);
-/// 0 without the `cuda` feature or for a null pointer.
+/// 0 without the `cuda` feature.
 ///
 /// # Safety
 /// `devices` points to `n` readable `i64`s, or is null.
 #[no_mangle]
 pub unsafe extern "C" fn commfuse_reshard_cuda_connected(devices: *const i64, n: usize) -> i32 {
-    if devices.is_null() {
-        return 0;
-    }
     // SAFETY: the caller's contract.
-    let devices = unsafe { std::slice::from_raw_parts(devices, n) };
+    let _devices = unsafe { device_ids(devices, n) };
     #[cfg(feature = "cuda")]
-    return catch_unwind(|| crate::backend::cuda::reshard::connected(devices)).map_or(0, i32::from);
+    return catch_unwind(|| crate::backend::cuda::reshard::connected(_devices)).map_or(0, i32::from);
     #[cfg(not(feature = "cuda"))]
-    {
-        let _ = devices;
-        0
-    }
+    0
 }
 
 /// Aborts the GPU reshard communicator of the `n` device ids at `devices`
 /// (`backend::cuda::reshard::abort`); returns 1 if there was one, else 0
-/// (also without the `cuda` feature or for a null pointer).
+/// (always without the `cuda` feature).
 ///
 /// # Safety
 /// `devices` points to `n` readable `i64`s, or is null.
 #[no_mangle]
 pub unsafe extern "C" fn commfuse_reshard_cuda_abort(devices: *const i64, n: usize) -> i32 {
-    if devices.is_null() {
-        return 0;
-    }
     // SAFETY: the caller's contract.
-    let devices = unsafe { std::slice::from_raw_parts(devices, n) };
+    let _devices = unsafe { device_ids(devices, n) };
     #[cfg(feature = "cuda")]
-    return catch_unwind(|| crate::backend::cuda::reshard::abort(devices)).map_or(0, i32::from);
+    return catch_unwind(|| crate::backend::cuda::reshard::abort(_devices)).map_or(0, i32::from);
     #[cfg(not(feature = "cuda"))]
-    {
-        let _ = devices;
-        0
-    }
+    0
 }
 
 /// Drops what the send part of reshard call `call_id` at call site `site`

@@ -30,6 +30,12 @@ pub struct Buffer {
     pub bytes: usize,
 }
 
+impl From<crate::xla::DeviceBytes<'_>> for Buffer {
+    fn from(b: crate::xla::DeviceBytes<'_>) -> Buffer {
+        Buffer { addr: b.addr, bytes: b.bytes }
+    }
+}
+
 /// One `cuMemcpy2DAsync`: `height` rows of `width` bytes, rows `src_pitch`
 /// bytes apart at the source and `dst_pitch` at the destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,7 +33,7 @@ use super::nccl::{self, P2p};
 use super::nccl_group::{self, probe, GroupComms};
 use crate::error::{Error, Result};
 use crate::reshard::attrs::Attrs;
-use crate::reshard::device::{check_disjoint, receive_side, send_side, Buffer, Copy2d, Transfer};
+use crate::reshard::device::{check_disjoint, receive_side, send_side, Copy2d, Transfer};
 use crate::reshard::{Layout, Plan};
 use crate::xla::{Frame, Stage};
 use cudarc::nccl::sys as nsys;
@@ -103,19 +103,9 @@ pub fn abort(devices: &[i64]) -> bool {
 
 /// The send program (see the module comment).
 pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
-    if frame.stage() == Stage::Initialize {
-        return device::bind(frame.stream()?).map(drop);
-    }
-    let call = ReshardCall::decode(frame)?;
-    let x = frame.device_arg_bytes(0, "x")?;
-    let staging = frame.device_ret_bytes(0, "staging")?;
-    let side = send_side(
-        &call.planned.layout,
-        &call.planned.plan,
-        call.rank,
-        Buffer { addr: x.addr, bytes: x.bytes },
-        Buffer { addr: staging.addr, bytes: staging.bytes },
-    )?;
+    let Some(call) = ReshardCall::at_execute(frame)? else { return Ok(()) };
+    let (x, staging) = (frame.device_arg_bytes(0, "x")?.into(), frame.device_ret_bytes(0, "staging")?.into());
+    let side = send_side(&call.planned.layout, &call.planned.plan, call.rank, x, staging)?;
     let xla = frame.stream()?;
     call.enqueue(frame, "reshard send", xla, |d, comm| {
         for copy in &side.pack {
@@ -145,19 +135,9 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
 
 /// The receive program (see the module comment).
 pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
-    if frame.stage() == Stage::Initialize {
-        return device::bind(frame.stream()?).map(drop);
-    }
-    let call = ReshardCall::decode(frame)?;
-    let out = frame.device_ret_bytes(0, "out")?;
-    let staging = frame.device_ret_bytes(1, "staging")?;
-    let side = receive_side(
-        &call.planned.layout,
-        &call.planned.plan,
-        call.rank,
-        Buffer { addr: out.addr, bytes: out.bytes },
-        Buffer { addr: staging.addr, bytes: staging.bytes },
-    )?;
+    let Some(call) = ReshardCall::at_execute(frame)? else { return Ok(()) };
+    let (out, staging) = (frame.device_ret_bytes(0, "out")?.into(), frame.device_ret_bytes(1, "staging")?.into());
+    let side = receive_side(&call.planned.layout, &call.planned.plan, call.rank, out, staging)?;
     let xla = frame.stream()?;
     call.enqueue(frame, "reshard receive", xla, |d, comm| {
         let watch = if side.rounds.is_empty() {
@@ -236,6 +216,16 @@ struct ReshardCall {
 }
 
 impl ReshardCall {
+    /// At INITIALIZE, sets up the device (its kernels loaded before any
+    /// execution, as for the fused ops) and returns `None`; at EXECUTE, the call.
+    fn at_execute(frame: &Frame<'_>) -> Result<Option<ReshardCall>> {
+        if frame.stage() == Stage::Initialize {
+            device::bind(frame.stream()?)?;
+            return Ok(None);
+        }
+        Self::decode(frame).map(Some)
+    }
+
     fn decode(frame: &Frame<'_>) -> Result<ReshardCall> {
         let attrs = Attrs::decode(frame)?;
         let rank = attrs.rank_of(i64::from(frame.device_ordinal()?))?;
@@ -368,6 +358,7 @@ fn copy_on(copy: &Copy2d, stream: *mut c_void) -> Result<()> {
 mod tests {
     use super::*;
     use crate::backend::cuda::handles::{Context, DeviceMemory, Stream};
+    use crate::reshard::device::Buffer;
     use crate::reshard::tests::filled;
     use crate::reshard::{plan, Method, Region};
     use std::time::Duration;

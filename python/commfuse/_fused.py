@@ -14,11 +14,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as _jax_config  # `_check_vma`: the only private name used (see `vma_checked`)
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from . import _abi, _auto, _native, _nccl_id
+from . import _abi, _auto, _compat, _native, _nccl_id
 
 # The contract's tables live in `_abi`; the names used throughout the ops.
 Kind = _abi.Kind
@@ -234,9 +233,7 @@ def make_varying(a, axes):
     missing = tuple(n for n in mesh_axes if n in frozenset(axes) - _varying(jax.typeof(a)))
     if not missing:
         return a
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(a, missing, to="varying")
-    return jax.lax.pvary(a, missing)  # older JAX
+    return _compat.cast_varying(a, missing)
 
 
 _ABSENT = object()
@@ -626,8 +623,7 @@ def _lower_unsupported(platform, ctx, *args, kind, **params):
         f"devices, or use commfuse.reference")
 
 
-# How batching rules mark an unbatched value (`batching.not_mapped` in older JAX).
-_NOT_MAPPED = getattr(batching, "not_mapped", None)
+_NOT_MAPPED = _compat.NOT_MAPPED
 
 
 def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fast_f32, **_):
@@ -667,8 +663,7 @@ def vma_checked() -> bool:
     """Whether the enclosing shard_map tracks varying manual axes
     (``check_vma=True``, the default); under ``check_vma=False`` no value is
     typed as varying, and a result typed so would not match its cotangent."""
-    flag = getattr(getattr(_jax_config, "_check_vma", None), "value", True)
-    return bool(flag)
+    return _compat.check_vma()
 
 
 def varying_axes(value) -> frozenset:
@@ -676,22 +671,8 @@ def varying_axes(value) -> frozenset:
     return _varying(jax.typeof(value))
 
 
-def _varying(aval) -> frozenset:
-    """The mesh axes an abstract value varies over (the field moved across JAX versions)."""
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _typed_like(aval, shape, dtype, varying):
-    """`aval` with another shape and dtype (same rank), varying over `varying`."""
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False, manual_axis_type=mat.update(varying=varying))
-    if hasattr(aval, "vma"):
-        return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False, vma=varying)
-    return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False)
+_varying = _compat.varying_axes
+_typed_like = _compat.with_varying
 
 
 def _lowering_mesh(kind, ctx):

@@ -44,11 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _fused, _matmul_all_reduce
+from . import _abi, _compat, _fused, _matmul_all_reduce
 from ._abi import Kind
 
 OP = "matmul"
@@ -140,8 +139,8 @@ def _bwd(settings, residuals, dy):
     # Each gradient sharded as its primal (Shardy's sharding groups): its
     # product then knows the result's sharding it must make, as the
     # forward's does from the program's constraints.
-    dx, _ = shard_alike(dx, x)
-    dw, _ = shard_alike(dw, w)
+    dx, _ = _compat.same_sharding(dx, x)
+    dw, _ = _compat.same_sharding(dw, w)
     return dx, dw
 
 
@@ -378,7 +377,8 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
         # Traced by the partitioner once this returns; what the fused ops
         # decided (auto's pick) is known only then.
         made = len(_fused.decisions())
-        out = run_choice(choice, x_local, w_local, settings, ranks)
+        with _compat.auto_axes_scope():
+            out = run_choice(choice, x_local, w_local, settings, ranks)
         _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), choice, tuple(_fused.decisions()[made:])))
         return out
 

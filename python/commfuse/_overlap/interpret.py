@@ -9,6 +9,7 @@ from functools import partial
 import jax
 from jax.extend import core as jcore
 
+from .. import _compat
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
 from .jaxpr import subjaxprs, vma
 from .jitdots import eval_dot
@@ -140,11 +141,7 @@ def _eval_remat(params, invals, state, where, manual):
 
 def _eval_scan(params, invals, state, where, manual):
     jaxpr, consts = closed(params["jaxpr"])
-    if "num_consts" in params:  # jax < 0.11
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
-    else:  # jax >= 0.11: `ft_in` holds the flat trees of (consts, carry, xs)
-        consts_tree, carry_tree, _ = params["ft_in"].unpack()
-        n_consts, n_carry = len(consts_tree), len(carry_tree)
+    n_consts, n_carry = _compat.scan_counts(params)
     loop_consts = invals[:n_consts]
     init, xs = invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from .. import _fused
+from .. import _compat, _fused
 
 ALL_GATHER = "all_gather"
 ALL_GATHER_REDUCED = "all_gather_reduced"  # all_gather(..., to="reduced")
@@ -34,11 +34,7 @@ REMAT = frozenset(("checkpoint", "remat", "remat2"))
 # ----------------------------------------------------------------------------
 def bind_eqn(eqn, invals):
     """Binds ``eqn``'s primitive to ``invals`` with its own params; returns the list of outputs."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
-        subfuns, bind_params = bind_params
-    else:
-        subfuns = ()
+    subfuns, bind_params = _compat.bind_params(eqn.primitive, eqn.params)
     # JaxprEqn.ctx (a JaxprEqnContext) is not public API; use it when present.
     ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
     with ctx if ctx is not None else contextlib.nullcontext():
@@ -61,15 +57,8 @@ def shard_map_call(params, body_fn, invals):
         axis_names = frozenset(mesh.axis_names)
     check = params.get("check_vma", params.get("check_rep", True))
     in_specs, out_specs = tuple(params["in_specs"]), tuple(params["out_specs"])
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is not None:
-        fn = shard_map(body_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+    fn = jax.shard_map(body_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        axis_names=frozenset(axis_names), check_vma=check)
-    else:  # pragma: no cover - JAX before jax.shard_map
-        from jax.experimental.shard_map import shard_map as legacy
-
-        auto = frozenset(mesh.axis_names) - frozenset(axis_names)
-        fn = legacy(body_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check, auto=auto)
     return list(fn(*invals))
 
 
@@ -277,23 +266,9 @@ def fused_ops() -> dict:
 # ----------------------------------------------------------------------------
 # Varying axes
 # ----------------------------------------------------------------------------
-def vma(aval) -> frozenset:
-    """The mesh axes a value is typed as varying over (the field moved across JAX versions)."""
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None and getattr(mat, "varying", None) is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()) or ())
-
-
-def typeof(value):
-    typeof_ = getattr(jax, "typeof", None) or jax.core.get_aval
-    return typeof_(value)
-
-
-def _cast_varying(value, axes: tuple):
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(value, axes, to="varying")
-    return jax.lax.pvary(value, axes)
+vma = _compat.varying_axes
+typeof = _compat.typeof
+_cast_varying = _compat.cast_varying
 
 
 def vary(value, axes):

@@ -1,0 +1,133 @@
+"""The JAX version differences commfuse meets, in one place.
+
+Supported: jax 0.10.2 (what Python 3.11 gets) to 0.12.x (Python 3.12), both
+tested in CI. Only public names are used; where a name moved between those
+versions, both spellings are tried here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import jax
+from jax.extend.core import Primitive
+from jax.extend.mlir.dialects import sdy
+from jax.interpreters import ad, batching, mlir
+
+# How batching rules mark an unbatched value.
+NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
+def check_vma() -> bool:
+    """Whether the enclosing shard_map tracks varying manual axes
+    (``check_vma=True``, the default). Outside a shard_map: the global flag."""
+    return bool(jax.config.check_vma)
+
+
+def typeof(value):
+    return jax.typeof(value)
+
+
+def varying_axes(aval) -> frozenset:
+    """The mesh axes an abstract value is typed as varying over (the field
+    moved from ``vma`` to ``manual_axis_type.varying``)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and getattr(mat, "varying", None) is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def with_varying(aval, shape, dtype, varying):
+    """`aval` with another shape and dtype, typed as varying over `varying`."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False,
+                           manual_axis_type=mat.update(varying=varying))
+    if hasattr(aval, "vma"):
+        return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False, vma=varying)
+    return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False)
+
+
+def cast_varying(value, axes: tuple):
+    """``value`` typed as varying over `axes` too (values unchanged)."""
+    return jax.lax.pcast(value, tuple(axes), to="varying")
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """(consts, carry) operand counts of a ``scan`` equation: jax 0.10 names
+    them; from 0.11 ``ft_in`` holds the flat trees of (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts_tree, carry_tree, _ = params["ft_in"].unpack()
+    return len(consts_tree), len(carry_tree)
+
+
+def bind_params(primitive, params) -> tuple[tuple, dict]:
+    """(subfuns, params) to bind `primitive` with an equation's `params`."""
+    bound = primitive.get_bind_params(params)
+    if isinstance(bound, tuple):
+        return bound
+    return (), bound
+
+
+# ----------------------------------------------------------------------------
+# Sharding groups: two values with one sharding. jax 0.10's
+# `jax.experimental.shard_alike` is gone from 0.11; Shardy's sharding groups
+# (what it lowered to) are public in both through `jax.extend.mlir`.
+# ----------------------------------------------------------------------------
+_group_ids = itertools.count()
+_same_sharding_p = Primitive("commfuse_same_sharding")
+_same_sharding_p.multiple_results = True
+_same_sharding_p.def_abstract_eval(lambda x, y: (x, y))
+_same_sharding_p.def_impl(lambda x, y: (x, y))
+
+
+def same_sharding(x, y):
+    """``(x, y)`` unchanged, with the partitioner told to shard them alike."""
+    if x.shape != y.shape:
+        raise ValueError(f"same_sharding: shapes differ: {x.shape} vs {y.shape}")
+    return tuple(_same_sharding_p.bind(x, y))
+
+
+def _same_sharding_lowering(ctx, x, y):
+    if jax.config.jax_use_shardy_partitioner:
+        group = next(_group_ids)
+        sdy.sharding_group(x, group)
+        sdy.sharding_group(y, group)
+    return [x, y]
+
+
+def _same_sharding_transpose(cts, **_):
+    x_ct, y_ct = cts
+    if type(x_ct) is ad.Zero or type(y_ct) is ad.Zero:
+        return x_ct, y_ct
+    return same_sharding(x_ct, y_ct)
+
+
+def _same_sharding_batch(args, dims):
+    x, y = args
+    xd, yd = dims
+    if xd is NOT_MAPPED and yd is NOT_MAPPED:
+        return same_sharding(x, y), (xd, yd)
+    # A batched pair: grouping is only a hint, so it is dropped.
+    return (x, y), (xd, yd)
+
+
+ad.deflinear(_same_sharding_p, _same_sharding_transpose)
+mlir.register_lowering(_same_sharding_p, _same_sharding_lowering)
+batching.primitive_batchers[_same_sharding_p] = _same_sharding_batch
+
+
+def auto_axes_scope():
+    """A context in which the current abstract mesh's explicit axes are
+    automatic. From jax 0.11 a ``custom_partitioning`` rule's lowering runs
+    under the caller's abstract mesh: with explicit axes, the sharding
+    constraints JAX adds to the per-device body reach the CPU backend, which
+    has no implementation for them (``NOT_FOUND: ... custom call to
+    Sharding``). The body works on shards, so its axes are automatic."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return contextlib.nullcontext()
+    auto = jax.sharding.AxisType.Auto
+    return jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: auto for a in mesh.explicit_axes}))

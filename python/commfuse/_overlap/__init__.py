@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from .. import _fused, _matmul
+from . import inplace
 from .interpret import interpret
 from .state import State
 
@@ -54,8 +55,15 @@ __all__ = ["overlap"]
 # ----------------------------------------------------------------------------
 # The public entry point
 # ----------------------------------------------------------------------------
+# Leaves traced as arguments; the rest (Python scalars, strings, ...) are
+# static, as if named in jit's static_argnums. A `jax.Ref` is an argument:
+# the traced program updates it in place.
+_DYNAMIC = tuple(t for t in (jax.Array, np.ndarray, np.generic, jax.core.Tracer, getattr(jax, "Ref", None))
+                 if t is not None)
+
+
 def _is_dynamic(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+    return isinstance(leaf, _DYNAMIC)
 
 
 def _in_manual_context() -> bool:
@@ -100,7 +108,15 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
     ``logger.info``. The returned function keeps the lines of its latest
     trace in its ``last_report`` attribute.
 
-    Composes with ``jax.jit`` (either way round) and ``jax.grad``.
+    What ``fun`` does besides returning values happens as without
+    ``overlap``: in-place updates of its arguments (Flax NNX modules and
+    optimizers, ``nnx.Rngs``, dict and list entries) are written back into
+    the caller's objects, ``jax.Ref`` updates and callbacks
+    (``io_callback``, ``jax.debug.print``) are part of the traced program.
+    What cannot be carried back (a new attribute, a changed Python value) is
+    an ``InPlaceUpdateError`` naming the argument.
+
+    Composes with ``jax.jit``, ``nnx.jit`` (either way round) and ``jax.grad``.
     """
     if fun is None:
         return functools.partial(overlap, schedule=schedule, report=report, logger=logger)
@@ -143,12 +159,16 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
 
         def flat_fun(*dyn_args):
             it = iter(dyn_args)
-            args, kwargs = jax.tree.unflatten(
-                treedef, [static_at[j] if j in static_at else next(it) for j in range(n_leaves)])
+            leaves = [static_at[j] if j in static_at else next(it) for j in range(n_leaves)]
+            traced_args = jax.tree.unflatten(treedef, leaves)
+            args, kwargs = traced_args
             out_leaves, out_tree = jax.tree.flatten(fun(*args, **kwargs))
+            # What `fun` did to its (copied) arguments in place goes out as
+            # extra results, to be written back into the caller's objects.
+            updates, updated = inplace.find(treedef, leaves, traced_args, _is_dynamic)
             # Leaves that are no arrays (a Python int, a string) come back as they are.
-            out_box[:] = [out_tree, {j: leaf for j, leaf in enumerate(out_leaves) if not _is_dynamic(leaf)}]
-            return [leaf for leaf in out_leaves if _is_dynamic(leaf)]
+            out_box[:] = [out_tree, {j: leaf for j, leaf in enumerate(out_leaves) if not _is_dynamic(leaf)}, updates]
+            return [leaf for leaf in out_leaves if _is_dynamic(leaf)] + updated
 
         closed = jax.make_jaxpr(flat_fun)(*dyn)
         state.__init__(schedule)
@@ -161,9 +181,16 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         state.fresh = True
         return outs
 
-    def unflatten(out_box, outs):
-        out_tree, static_out = out_box
-        it = iter(outs)
+    def finish(out_box, outs, root, treedef):
+        """``fun``'s results from the program's outputs, after writing its
+        in-place updates back into the caller's arguments `root`."""
+        out_tree, static_out, updates = out_box
+        n_updates = len(updates.indices)
+        results, updated = (outs[:len(outs) - n_updates], outs[len(outs) - n_updates:]) if n_updates else (outs, [])
+        if n_updates:
+            inplace.check_writable(root, treedef, updates)
+            inplace.write_back(root, treedef, updates, updated)
+        it = iter(results)
         n = out_tree.num_leaves
         return jax.tree.unflatten(out_tree, [static_out[j] if j in static_out else next(it) for j in range(n)])
 
@@ -175,10 +202,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
         if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
             # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
-            state, out_box = State(schedule), [None, None]
+            state, out_box = State(schedule), [None, None, None]
             outs = rewritten(treedef, static, len(leaves), state, out_box, *dyn)
             emit(state.lines)
-            return unflatten(out_box, outs)
+            return finish(out_box, outs, (args, kwargs), treedef)
         # Concrete arguments: one jitted program per static part of the call.
         try:
             key = (treedef, static)
@@ -187,7 +214,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             key = None
         entry = jitted_cache.get(key) if key is not None else None
         if entry is None:
-            state, out_box = State(schedule), [None, None]
+            state, out_box = State(schedule), [None, None, None]
             state.fresh = False
             fn = jax.jit(functools.partial(rewritten, treedef, static, len(leaves), state, out_box))
             entry = (fn, state, out_box)
@@ -206,7 +233,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             emit(state.lines + partitioned)
         else:
             wrapper.last_report = list(state.lines)
-        return unflatten(out_box, outs)
+        return finish(out_box, outs, (args, kwargs), treedef)
 
     wrapper.last_report = []
     wrapper._on_partitioned = on_partitioned  # held here: the partitioner's listeners are weak

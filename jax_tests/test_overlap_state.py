@@ -1,0 +1,185 @@
+"""What a function does besides returning values happens as well through
+``commfuse.overlap``: in-place updates of its arguments (Flax NNX modules and
+optimizers, dicts), ``jax.Ref`` updates, RNG state, callbacks; what cannot be
+carried is a clear error naming the argument."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+
+import commfuse
+from commfuse._overlap.inplace import InPlaceUpdateError
+
+
+def _x(seed=0, shape=(8, 16)):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Flax NNX: the model and optimizer updated in place by the step
+# ----------------------------------------------------------------------------
+def _nnx_block():
+    nnx = pytest.importorskip("flax.nnx", reason="needs flax (the `test` extra installs it)")
+    optax = pytest.importorskip("optax", reason="needs optax (the `test` extra installs it)")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 32, rngs=rngs)
+            self.down = nnx.Linear(32, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            self.calls[...] += 1
+            return self.down(self.drop(jax.nn.gelu(self.up(x))))
+
+    def step(model, opt, x, y):
+        def loss_fn(m):
+            return jnp.mean((m(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    def fresh():
+        model = Block(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    return nnx, step, fresh
+
+
+@pytest.mark.parametrize("wrap", ["nnx.jit(overlap(step))", "overlap(step)", "overlap(nnx.jit(step))"])
+def test_an_nnx_train_step_learns_through_overlap_as_without_it(wrap):
+    nnx, step, fresh = _nnx_block()
+    x = _x()
+    y = jnp.sin(x)
+    runs = {}
+    for name in ("plain", wrap):
+        model, opt = fresh()
+        fn = {"plain": nnx.jit(step), "nnx.jit(overlap(step))": nnx.jit(commfuse.overlap(step)),
+              "overlap(step)": commfuse.overlap(step),
+              "overlap(nnx.jit(step))": commfuse.overlap(nnx.jit(step))}[name]
+        losses = [float(fn(model, opt, x, y)) for _ in range(4)]
+        runs[name] = (losses, np.asarray(model.up.kernel[...]), int(model.calls[...]), int(opt.step[...]))
+    plain, fused = runs["plain"], runs[wrap]
+    assert plain[0][-1] < plain[0][0]  # the plain step learns
+    np.testing.assert_allclose(fused[0], plain[0], rtol=1e-5)  # the same loss curve, dropout's RNG included
+    np.testing.assert_allclose(fused[1], plain[1], rtol=1e-5, atol=1e-7)
+    assert fused[2] == plain[2] == 4 and fused[3] == plain[3] == 4
+
+
+# ----------------------------------------------------------------------------
+# jax.Ref, containers, callbacks
+# ----------------------------------------------------------------------------
+def test_ref_arguments_and_closed_over_refs_are_updated():
+    x = _x(shape=(2, 3))
+    ref = jax.new_ref(jnp.zeros(3))
+    closed = jax.new_ref(jnp.zeros(3))
+
+    def f(r, x):
+        r[...] = r[...] + x.sum(0)
+        closed[...] += 2 * x.sum(0)
+        return x * 2
+
+    out = commfuse.overlap(f)(ref, x)
+    jax.jit(commfuse.overlap(f))(ref, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 2)
+    np.testing.assert_allclose(np.asarray(ref[...]), 2 * np.asarray(x).sum(0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(closed[...]), 4 * np.asarray(x).sum(0), rtol=1e-6)
+
+
+def test_dict_and_list_entries_updated_in_place_are_written_back_when_called_bare():
+    x = _x(shape=(2, 3))
+    state = {"seen": jnp.zeros(3), "history": [jnp.zeros(()), jnp.zeros(())]}
+
+    def f(state, x):
+        state["seen"] = state["seen"] + x.sum(0)
+        state["history"][1] = x.max()
+        return x.mean()
+
+    out = commfuse.overlap(f)(state, x)
+    assert float(out) == pytest.approx(float(np.asarray(x).mean()), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(state["seen"]), np.asarray(x).sum(0), rtol=1e-6)
+    assert float(state["history"][1]) == pytest.approx(float(np.asarray(x).max()))
+    # Under jax.jit the function mutates jit's own copy, as it would without overlap.
+    before = np.asarray(state["seen"])
+    jax.jit(commfuse.overlap(f))(state, x)
+    np.testing.assert_array_equal(np.asarray(state["seen"]), before)
+
+
+def test_callbacks_and_debug_prints_run_in_order_every_call(capfd):
+    seen = []
+
+    def f(x):
+        jax.debug.print("total {t}", t=x.sum())
+        io_callback(lambda v: seen.append(float(v)), None, x.sum(), ordered=True)
+        io_callback(lambda v: seen.append(-float(v)), None, x.max(), ordered=True)
+        return x + 1
+
+    x = _x(shape=(2, 3))
+    fused = commfuse.overlap(f)
+    fused(x)
+    fused(x)
+    jax.effects_barrier()
+    total, top = float(np.asarray(x).sum()), float(np.asarray(x).max())
+    assert seen == pytest.approx([total, -top, total, -top], rel=1e-6)
+    assert capfd.readouterr().out.count("total ") == 2
+
+
+# ----------------------------------------------------------------------------
+# What cannot be carried: refused, naming the argument
+# ----------------------------------------------------------------------------
+def test_a_changed_static_leaf_is_refused_naming_it():
+    def f(config, x):
+        config["steps"] = config["steps"] + 1
+        return x
+
+    with pytest.raises(InPlaceUpdateError, match=r"args\[0\]\['steps'\] in place from 1 to 2"):
+        commfuse.overlap(f)({"steps": 1}, _x())
+
+
+def test_a_changed_structure_is_refused_naming_what_changed():
+    def f(state, x):
+        state["new"] = x
+        return x
+
+    with pytest.raises(InPlaceUpdateError, match=r"added \[\"args\[0\]\['new'\]\"\]"):
+        commfuse.overlap(f)({"old": _x()}, _x())
+
+
+def test_updates_through_tuples_rebuild_them_and_immutable_roots_are_refused():
+    def f(d, x):
+        d["pair"] = (d["pair"][0] + 1, d["pair"][1])  # a new tuple of the same structure
+        return x
+
+    d = {"pair": (jnp.zeros(2), jnp.ones(2))}
+    commfuse.overlap(f)(d, _x())
+    np.testing.assert_array_equal(np.asarray(d["pair"][0]), np.ones(2))
+    np.testing.assert_array_equal(np.asarray(d["pair"][1]), np.ones(2))
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        table: dict
+
+    def g(frozen, x):
+        frozen.table["w"] = frozen.table["w"] * 2  # the dict inside a frozen dataclass is still mutable
+        return x
+
+    frozen = Frozen({"w": jnp.ones(2)})
+    commfuse.overlap(g)(frozen, _x())
+    np.testing.assert_array_equal(np.asarray(frozen.table["w"]), 2 * np.ones(2))
+
+    def h(pair, x):
+        pair[0]["w"] = pair[0]["w"] + 1  # fine: a dict inside a tuple argument
+        return x
+
+    pair = ({"w": jnp.zeros(2)},)
+    commfuse.overlap(h)(pair, _x())
+    np.testing.assert_array_equal(np.asarray(pair[0]["w"]), np.ones(2))

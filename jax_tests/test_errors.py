@@ -269,5 +269,14 @@ def test_missing_peer_times_out(tmp_path, mode, op_name):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"expected a failure, got:\n{output[-3000:]}"
     assert "never arrived" in output, output[-3000:]
+    # The ranks that took the other branch are in no commfuse call: the error
+    # says so, and does not guess at the program's branches. (They may have
+    # run the call-overhead measurement `auto` makes on first use, and left it.)
+    outside = re.compile(
+        r"ranks \[1, 2, 3\] \(devices \[1, 2, 3\]\) never arrived: devices \[1, 2, 3\] have not "
+        r"entered any commfuse call (in this process|since leaving one [0-9 to]+ ms ago \(call site)")
+    assert outside.search(output), output[-3000:]
+    assert "is inside another commfuse call" not in output, output[-3000:]
+    assert "lax.cond" not in output, output[-3000:]
     assert "deadline" in output.lower(), output[-3000:]
     assert elapsed < 30, f"took {elapsed:.1f}s with a 2 s deadline:\n{output[-3000:]}"

@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod abi;
+pub mod activity;
 pub mod backend;
 pub mod call;
 pub mod config;

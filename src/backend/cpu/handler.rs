@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 use super::transport::{self, link::LinkModel, Endpoint, SessionKey};
+use crate::activity;
 use crate::call::Call;
 use crate::error::{Error, Result};
 use crate::exec::Observer;
@@ -15,7 +16,10 @@ use crate::xla::Frame;
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let call = CpuCall::decode(frame)?;
     let names = Call::operand_names(frame);
+    let inside = call.enter();
     run_off_xla_thread(frame, "commfuse collective matmul", &names, &["out", "workspace"], move |args, rets| {
+        // Left when the work ends, before XLA's future completes.
+        let _inside = inside;
         call.run(args, rets)
     })
 }
@@ -73,6 +77,18 @@ impl CpuCall {
         };
         // The link model as it is when the program runs (read on every call).
         Ok(CpuCall { call, device, key, link: LinkModel::from_env()? })
+    }
+
+    /// Records that this call's device is inside it (`activity`), until
+    /// the result is dropped.
+    fn enter(&self) -> activity::Inside {
+        let identity = activity::CallIdentity {
+            kind: self.call.kind.name(),
+            site: self.key.site,
+            run: Some(self.key.run),
+            sequence: self.key.sequence,
+        };
+        activity::enter(self.device, identity)
     }
 
     /// Meets the peers and runs the plan on the call's buffers: operands

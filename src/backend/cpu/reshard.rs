@@ -44,10 +44,23 @@ enum Part {
     Receive,
 }
 
+impl Part {
+    /// The op's name in errors, traces and `activity`.
+    fn op(self) -> &'static str {
+        match self {
+            Part::Send => "reshard send",
+            Part::Receive => "reshard receive",
+        }
+    }
+}
+
 /// One device's call of a reshard's send program.
 pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
     let call = ReshardCall::decode(frame, Part::Send)?;
+    let inside = call.enter(frame);
     super::handler::run_off_xla_thread(frame, "commfuse reshard send", &["x", "call_id"], &["sent"], move |a, r| {
+        // Left when the work ends, before XLA's future completes.
+        let _inside = inside;
         call.run(a, r)
     })
 }
@@ -55,7 +68,9 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
 /// One device's call of a reshard's receive program.
 pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
     let call = ReshardCall::decode(frame, Part::Receive)?;
+    let inside = call.enter(frame);
     super::handler::run_off_xla_thread(frame, "commfuse reshard receive", &["call_id"], &["out"], move |a, r| {
+        let _inside = inside;
         call.run(a, r)
     })
 }
@@ -189,6 +204,19 @@ impl ReshardCall {
         })
     }
 
+    /// Records that this call's device is inside it (`activity`), until
+    /// the result is dropped. The session's own run is the call id, an
+    /// operand not read yet: the record takes XLA's run id, where it has one.
+    fn enter(&self, frame: &Frame<'_>) -> crate::activity::Inside {
+        let identity = crate::activity::CallIdentity {
+            kind: self.part.op(),
+            site: self.site,
+            run: frame.run_id().ok(),
+            sequence: 0,
+        };
+        crate::activity::enter(self.device, identity)
+    }
+
     fn run(self, args: &[&[u8]], rets: &mut [&mut [u8]]) -> Result<()> {
         let (input, id, out): (&[u8], &[u8], &mut [u8]) = match (self.part, args, rets) {
             (Part::Send, [x, id], [sent]) => (x, id, sent),
@@ -200,10 +228,7 @@ impl ReshardCall {
         })?;
         let parties = &self.planned.parties;
         let party = parties.of(self.part, self.rank).expect("checked by decode");
-        let op = match self.part {
-            Part::Send => "reshard send",
-            Part::Receive => "reshard receive",
-        };
+        let op = self.part.op();
         let key = SessionKey { group: parties.devices.clone(), site: self.site, run: call_id.into(), sequence: 0 };
         let participant =
             transport::Participant { op, rank: party, timeout: self.timeout, interrupts: self.interrupts };
@@ -475,9 +500,8 @@ mod tests {
         let errors: Vec<String> = outs.into_iter().filter_map(|(_, r)| r.err()).map(|e| e.to_string()).collect();
         assert!(!errors.is_empty());
         assert!(
-            errors
-                .iter()
-                .any(|e| e.contains("deadline exceeded") && e.contains("ranks [4] (devices [703]) never arrived")),
+            errors.iter().any(|e| e.contains("deadline exceeded")
+                && e.contains("ranks [4] (devices [703]) never arrived: device 703 has not entered any commfuse call")),
             "{errors:?}"
         );
     }

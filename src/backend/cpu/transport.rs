@@ -14,6 +14,7 @@
 #[path = "link.rs"]
 pub mod link;
 
+use crate::activity::{self, CallIdentity};
 use crate::error::{Error, Result};
 use crate::exec::Wait;
 use crate::plan::Tag;
@@ -380,12 +381,24 @@ impl Endpoint {
                 idle(from)
             )
         } else {
-            format!("ranks {missing:?} (devices {devices:?}) never arrived")
+            // Where the missing devices are, as far as this process knows;
+            // why they are there (a branch, a stalled runtime, another
+            // program) it cannot tell, so it does not guess.
+            let this_call = CallIdentity {
+                kind: self.info.op,
+                site: self.key.site,
+                run: Some(self.key.run),
+                sequence: self.key.sequence,
+            };
+            format!(
+                "ranks {missing:?} (devices {devices:?}) never arrived: {}",
+                activity::describe_missing(&devices, &this_call)
+            )
         };
         Error::DeadlineExceeded(format!(
             "{} waited {:.1} s for rank {from} (device {}), and no rank of the group moved for {:.1} s; {why}. \
-             Every rank of the axis must reach the op (check lax.cond/while branches), or raise the deadline \
-             with COMMFUSE_TIMEOUT_S / commfuse.configure(timeout_s=...)",
+             Every rank of the group must reach the op; if they are only slow, raise the deadline with \
+             COMMFUSE_TIMEOUT_S / commfuse.configure(timeout_s=...)",
             self.who(),
             waited.as_secs_f64(),
             group[from],
@@ -568,6 +581,48 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(2));
         let Error::DeadlineExceeded(message) = e else { panic!("{e:?}") };
         assert!(message.contains("ranks [1, 2] (devices [11, 12]) never arrived"), "{message}");
+    }
+
+    /// A deadline error of a group of devices `group` in which only rank 0 came.
+    fn alone_in(group: Vec<i64>, site: i64) -> String {
+        let cancelled = AtomicBool::new(false);
+        let key = SessionKey { group, site, run: 1, sequence: 0 };
+        let a = Endpoint::join(key, info(0));
+        let e = a.recv_into(1, tag(0), &mut [0u8; 4], &Wait::unwatched(&cancelled)).unwrap_err();
+        assert!(matches!(e, Error::DeadlineExceeded(_)), "{e:?}");
+        e.message().to_string()
+    }
+
+    #[test]
+    fn a_missing_rank_that_never_entered_any_call_is_said_to_be_outside_commfuse() {
+        // Device 4101 left a commfuse call before; 4102 never entered one.
+        drop(activity::enter(4101, CallIdentity { kind: "all_gather_matmul", site: 40, run: Some(1), sequence: 0 }));
+        let message = alone_in(vec![4100, 4101, 4102], 41);
+        for part in [
+            "ranks [1, 2] (devices [4101, 4102]) never arrived: ",
+            "device 4102 has not entered any commfuse call in this process; ",
+            "device 4101 has not entered any commfuse call since leaving one ",
+            " ms ago (call site 40, kind all_gather_matmul, run 1). ",
+            "Every rank of the group must reach the op; if they are only slow, raise the deadline",
+        ] {
+            assert!(message.contains(part), "{part:?} not in {message}");
+        }
+        assert!(!message.contains("lax.cond"), "{message}");
+    }
+
+    #[test]
+    fn a_missing_rank_inside_another_call_is_said_to_be_there() {
+        let elsewhere = CallIdentity { kind: "matmul_reduce_scatter", site: 43, run: Some(9), sequence: 0 };
+        let _inside = activity::enter(4201, elsewhere);
+        let message = alone_in(vec![4200, 4201], 42);
+        for part in [
+            "rank 0 of 2 (device 4200) waited ",
+            "ranks [1] (devices [4201]) never arrived: device 4201 is inside another commfuse call \
+             (call site 43, kind matmul_reduce_scatter, run 9) since ",
+        ] {
+            assert!(message.contains(part), "{part:?} not in {message}");
+        }
+        assert!(!message.contains("lax.cond"), "{message}");
     }
 
     #[test]

@@ -1,19 +1,30 @@
 """What ``schedule="auto"`` runs: the cost model's pick (``src/sim``) on the
 machine the program runs on, resolved at trace time through ``_abi.prepare``
 so that the workspace and the plan agree; or jax.lax's own collective and
-dot where the pick's predicted gain over the unoverlapped baseline is
-smaller than a fused call's fixed cost."""
+dot where the pick's predicted gain over the unoverlapped baseline is not
+clearly (`MARGIN` times) more than a fused call's fixed cost.
+
+Every figure a decision rests on is either a preset (the GPU machines) or
+measured once per machine and cached (`_calibration`): the same program on
+the same machine gets the same decisions in every process.
+
+Under ``jax.jit`` (``overlap``'s rewrite of dots outside shard_map bodies)
+the shardings are known only when XLA partitions the program, too late to
+leave a dot as the user wrote it. So `decide_dot` judges a dot at trace
+time, from its global shapes and the mesh: a dot it declines stays XLA's
+own (the compiled program is then the plain one), a dot it fuses runs the
+model's best fused schedule whatever the partitioner asks for.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import functools
+import math
 import os
-import threading
 
 import jax
 
-from . import _abi
+from . import _abi, _calibration
 from ._native import lib
 
 MACHINES = ("cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie")
@@ -23,14 +34,22 @@ LINK_VAR = "COMMFUSE_CPU_LINK"
 # (`COMMFUSE_AUTO_UNFUSED=0` makes it always fuse: the test-suite's fused-path
 # tests run tiny shapes, which would otherwise never fuse).
 AUTO_UNFUSED_VAR = "COMMFUSE_AUTO_UNFUSED"
+# A call fuses when the predicted gain is more than this many times its fixed
+# cost: a decision near the break-even point would flip with the noise in the
+# figures, and buy nothing either way.
+MARGIN = 1.5
 
 lib.commfuse_cpu_gemm_gflops.restype = ctypes.c_double
 lib.commfuse_cpu_gemm_gflops.argtypes = []
 
 
 def cpu_gemm_gflops() -> float:
-    """This host's single-thread f32 GEMM rate (GFLOP/s), measured once per process."""
-    return float(lib.commfuse_cpu_gemm_gflops())
+    """This host's single-thread f32 GEMM rate (GFLOP/s), measured once per machine."""
+    return _calibration.figure("cpu_gemm_gflops", lambda: float(lib.commfuse_cpu_gemm_gflops()))
+
+
+def may_decline() -> bool:
+    return os.environ.get(AUTO_UNFUSED_VAR, "1") != "0"
 
 
 def default_machine() -> str:
@@ -55,28 +74,32 @@ def machine_rate(spec: str) -> float | None:
     return cpu_gemm_gflops() if spec.startswith("cpu_here") else None
 
 
-def prepare(shapes: _abi.Call, measure_overhead) -> tuple:
-    """(prepared, schedule code, why) for an ``auto`` call: the library's
-    answer on `default_machine()`, and the schedule to run, the model's pick
-    or `_abi.UNFUSED` (see `decide`). `measure_overhead(n)` times a fused
-    call's fixed cost on this host's CPU devices (`call_overhead_s`)."""
-    spec = default_machine()
+def _prepared(shapes: _abi.Call, spec: str) -> dict:
     try:
-        prepared = _abi.prepare(shapes, spec, machine_rate(spec))
+        return _abi.prepare(shapes, spec, machine_rate(spec))
     except ValueError as e:
         if "machine " not in str(e):
             raise
         source = MACHINE_VAR if os.environ.get(MACHINE_VAR, "").strip() else LINK_VAR
         raise ValueError(f"commfuse: schedule='auto' cannot use the machine description from {source}: {e}") \
             from None
-    code, why = decide(prepared, shapes.ranks, spec, measure_overhead,
-                       os.environ.get(AUTO_UNFUSED_VAR, "1") != "0")
+
+
+def prepare(shapes: _abi.Call, measure_overhead, *, decline: bool = True) -> tuple:
+    """(prepared, schedule code, why) for an ``auto`` call: the library's
+    answer on `default_machine()`, and the schedule to run, the model's pick
+    or `_abi.UNFUSED` (see `decide`; never unfused when not `decline`).
+    `measure_overhead(n)` times a fused call's fixed cost on this host's CPU
+    devices (`call_overhead_s`)."""
+    spec = default_machine()
+    prepared = _prepared(shapes, spec)
+    code, why = decide(prepared, shapes.ranks, spec, measure_overhead, decline and may_decline())
     return prepared, code, why
 
 
 def decide(prepared: dict, n: int, spec: str, measure_overhead, may_decline: bool) -> tuple:
     """(code, why): the model's pick, or unfused where its predicted gain
-    over the unoverlapped baseline is below a fused call's fixed cost."""
+    over the unoverlapped baseline is not `MARGIN` times a fused call's fixed cost."""
     model = prepared.get("model")
     if model is None:
         return prepared["schedule"], "the cost model cannot time this call; the library's default schedule"
@@ -84,10 +107,12 @@ def decide(prepared: dict, n: int, spec: str, measure_overhead, may_decline: boo
     if n == 1 or fused is None or unfused is None:
         return prepared["schedule"], f"{pick}, the cost model's pick"
     gain = unfused - fused
+    if not may_decline:
+        return prepared["schedule"], f"{pick}: predicted {us(gain)} faster than unfused"
     overhead = call_overhead_s(spec, n, measure_overhead)
-    if may_decline and gain <= overhead:
-        return _abi.UNFUSED, (f"unfused: the model predicts {us(gain)} of gain from fusing ({pick}), less than a "
-                              f"fused call's fixed cost of {us(overhead)} over {n} devices")
+    if gain <= MARGIN * overhead:
+        return _abi.UNFUSED, (f"unfused: the model predicts {us(gain)} of gain from fusing ({pick}), not "
+                              f"{MARGIN}x a fused call's fixed cost of {us(overhead)} over {n} devices")
     return prepared["schedule"], f"{pick}: predicted {us(gain)} faster than unfused (fixed cost {us(overhead)})"
 
 
@@ -107,27 +132,59 @@ _GPU_CALL_OVERHEAD_S = 16e-6
 def call_overhead_s(spec: str, n: int, measure_overhead) -> float:
     """What a fused call costs beyond jax.lax's collective and dot, whatever
     its size: measured on this host's CPU devices (`cpu_here`, once per
-    process and group size), or as measured on an H100 for the GPU presets."""
+    machine and group size, see `_calibration`), or as measured on an H100
+    for the GPU presets. 0 (auto then fuses) where it cannot be measured."""
     if not spec.startswith("cpu_here"):
         return _GPU_CALL_OVERHEAD_S
-    return _cpu_call_overhead_s(n, measure_overhead)
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_call_overhead_s(n: int, measure_overhead) -> float:
-    """`measure_overhead(n)`, at least 0, measured on a thread of its own:
-    the caller is usually tracing (inside a jit or a shard_map body), and
-    JAX's trace and mesh contexts are the calling thread's. 0 (auto then
-    always fuses) if it cannot be measured."""
-    result = []
 
     def measure():
         try:
-            result.append(max(0.0, measure_overhead(n)))
+            return max(0.0, _calibration.robust(lambda: measure_overhead(n)))
         except Exception:  # noqa: BLE001 - no figure: auto then always fuses
-            result.append(0.0)
+            return 0.0
 
-    thread = threading.Thread(target=measure, name="commfuse-calibration")
-    thread.start()
-    thread.join()
-    return result[0]
+    return _calibration.figure(f"cpu_call_overhead_s/{n}", measure)
+
+
+# ----------------------------------------------------------------------------
+# Dots under jax.jit, judged before partitioning
+# ----------------------------------------------------------------------------
+def decide_dot(m: int, k: int, n: int, dtype, out_dtype, mesh_axes: dict | None, devices: int,
+               measure_overhead) -> tuple[bool, str]:
+    """Whether to fuse ``x [m, k] @ w [k, n]`` (global shapes) of a program
+    sharded by jit, and why. The shardings are unknown yet, so the product is
+    judged in the layout of tensor parallelism with sequence parallelism,
+    split over all `devices` with its collective over the largest mesh axis
+    (all devices if no mesh is known): once gathering the rows (``[m/D, k] @
+    [k, n/T]`` on each of D devices, over T ranks), once reduce-scattering
+    them (``[m T/D, k/T] @ [k/T, n]``). It fuses when both pay."""
+    if not may_decline():
+        return True, "auto with COMMFUSE_AUTO_UNFUSED=0"
+    sizes = [s for s in (mesh_axes or {}).values() if s > 1]
+    ranks = max(sizes) if sizes else devices
+    if ranks <= 1:
+        return False, "a mesh of one device: no collective to hide"
+    if m % devices or k % ranks or n % ranks or (m * ranks) % devices:
+        return False, (f"its shapes ({m}x{k} @ {k}x{n}) do not split over the {devices} devices with a "
+                       f"collective over {ranks}: judged by XLA")
+    rows, rows_gathered = m // devices, m * ranks // devices
+    layouts = (("all_gather_matmul", _abi.Kind.ALL_GATHER_MATMUL, (rows, k), (k, n // ranks)),
+               ("matmul_reduce_scatter", _abi.Kind.MATMUL_REDUCE_SCATTER, (rows_gathered, k // ranks),
+                (k // ranks, n)))
+    spec = default_machine()
+    verdicts = []
+    for op, kind, x_shape, w_shape in layouts:
+        shapes = _abi.call(kind, _abi.AUTO, ranks, 0, x_shape, w_shape, dtype, out_dtype)
+        code, why = decide(_prepared(shapes, spec), ranks, spec, measure_overhead, True)
+        verdicts.append((code != _abi.UNFUSED, f"as {op} over {ranks}: {why}"))
+    fuse = all(ok for ok, _ in verdicts)
+    return fuse, "; ".join(why for _, why in verdicts)
+
+
+def mesh_of_trace() -> tuple[dict | None, int]:
+    """The mesh axes in scope (``jax.set_mesh``), if any, and the device count they span."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None, jax.device_count()
+    axes = dict(mesh.shape)
+    return axes, math.prod(axes.values())

@@ -63,12 +63,16 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts_tree), len(carry_tree)
 
 
-def bind_params(primitive, params) -> tuple[tuple, dict]:
-    """(subfuns, params) to bind `primitive` with an equation's `params`."""
-    bound = primitive.get_bind_params(params)
-    if isinstance(bound, tuple):
-        return bound
-    return (), bound
+def bind_eqn(eqn, invals) -> list:
+    """Binds a jaxpr equation's primitive to `invals` with its own params, as
+    ``jax.core.eval_jaxpr`` does (within the equation's context, e.g.
+    ``compute_on``, where the equation has one); returns the list of outputs."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 # ----------------------------------------------------------------------------

@@ -415,11 +415,12 @@ def record_decision(op: str, schedule: str, why: str) -> None:
 
 
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=(),
-         fast_f32: bool = True):
+         fast_f32: bool = True, decline: bool = True):
     """Issues one fused op (operands already checked and laid out for `kind`);
     `scales`: ``(x_scale, w_scale)`` with fp8 operands; `fast_f32`: float32
     GEMMs may use TF32 on GPUs. Under ``"unfused"``, or where ``"auto"``'s
-    cost model predicts no gain, it is jax.lax's own collective and dot."""
+    cost model predicts no gain (unless not `decline`: the choice was made
+    before, see `_auto.decide_dot`), it is jax.lax's own collective and dot."""
     op = kind.name.lower()
     out_shape = result_shape(kind, tuple(x.shape), tuple(w.shape), dimension, ranks)
     check_elements(op, "the result", out_shape)
@@ -447,13 +448,13 @@ def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dime
         # Slices are chunks of contiguous rows: run on x with the row dim
         # leading (its blocks stay row blocks), then put the dims back.
         out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
-                   ranks=ranks, dimension=0, scales=scales, fast_f32=fast_f32)
+                   ranks=ranks, dimension=0, scales=scales, fast_f32=fast_f32, decline=decline)
         return unrows_2d(out, out_shape, dimension)
     # "auto" asks the cost model, on the machine the program runs on (fp8:
     # the library's own rule), then weighs its pick against the call's cost.
     shapes = _abi.call(kind, schedule, ranks, dimension, x.shape, w.shape, x.dtype, out_dtype)
     if schedule == _abi.AUTO and not scales:
-        prepared, code, why = _auto.prepare(shapes, measure_call_overhead_s)
+        prepared, code, why = _auto.prepare(shapes, measure_call_overhead_s, decline=decline)
     else:
         prepared, code, why = _abi.prepare(shapes), schedule, "as asked"
     record_decision(op, schedule_name(code), why)

@@ -44,10 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _compat, _fused, _matmul_all_reduce
+from . import _abi, _auto, _compat, _fused, _matmul_all_reduce
+from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
 
 OP = "matmul"
@@ -59,7 +61,8 @@ _sites = itertools.count(1)
 
 
 class Settings(NamedTuple):
-    """The static arguments of one call (hashable: custom_partitioning's static argument)."""
+    """The static arguments of one partitioned 2-D product (hashable:
+    custom_partitioning's static argument)."""
     schedule: int
     out_dtype: np.dtype
     fast_f32: bool
@@ -67,6 +70,8 @@ class Settings(NamedTuple):
     x_ndim: int
     site: int
     out_sharding: object = None   # jnp.matmul's, for explicit mesh axes
+    owner: int = 0                # the `overlap` whose report shows this call (0: none)
+    decline: bool = True          # "auto" may still run it unfused (False: decided before, `_auto.decide_dot`)
 
 
 def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None, out_sharding=None):
@@ -78,33 +83,80 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     product runs as ``all_gather_matmul``, ``matmul_reduce_scatter``,
     ``matmul_all_reduce``, the FSDP weight gather (``matmul_all_gather``) or a
     local dot, on each device's shards; any other sharding falls back to
-    XLA's own collectives. Differentiable; the backward products are
-    partitioned the same way.
+    XLA's own collectives. Differentiable: the backward products are the
+    ones JAX's own transpose of the dot makes, each partitioned the same way.
 
     ``schedule``: "auto" (the cost model's pick for each fused op, which may
     be jax.lax's own collective and dot), "ring", "bidirectional",
-    "sequential" or "unfused". ``out_sharding`` is ``jnp.matmul``'s: with
-    explicit mesh axes, the result's sharding where the operands leave it
-    ambiguous (a sharded contraction). Outside ``jit``, on one device or
-    inside a ``shard_map`` over every mesh axis it is ``jnp.matmul``.
+    "sequential" or "unfused". A schedule the shardings make impossible
+    (fewer rows than ranks, say) runs the unfused form, and the report says
+    so. ``out_sharding`` is ``jnp.matmul``'s: with explicit mesh axes, the
+    result's sharding where the operands leave it ambiguous (a sharded
+    contraction). Outside ``jit``, on one device or inside a ``shard_map``
+    over every mesh axis it is ``jnp.matmul``.
     """
     return traced(x, w, schedule=schedule, precision=precision, preferred_element_type=preferred_element_type,
                   out_sharding=out_sharding)[0]
 
 
-def traced(x, w, *, schedule="auto", precision=None, preferred_element_type=None, out_sharding=None):
+def traced(x, w, *, schedule="auto", precision=None, preferred_element_type=None, out_sharding=None, owner=0):
     """`matmul`, and the number its partitioning reports under (``commfuse.matmul#N``)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"commfuse.{OP}: unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+    code = _schedule_code(schedule)
     if not hasattr(x, "ndim") or not hasattr(w, "ndim"):
         x, w = jnp.asarray(x), jnp.asarray(w)
     _fused.check_matmul_operands(OP, x, w)
-    fast = _fused.fast_f32(OP, precision)
+    _fused.fast_f32(OP, precision)  # checks it
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
-    site = next(_sites)
-    settings = Settings(_abi.SCHEDULES[schedule], np.dtype(out_dtype), fast, _hashable_precision(precision), x.ndim,
-                        site, out_sharding)
-    return _matmul(x, w, settings), site
+    matmul_dims = (((x.ndim - 1,), (0,)), ((), ()))
+    static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding, code, owner,
+                       next(_sites))
+    return _fused_dot(x, w, static), static.site
+
+
+def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_element_type=None, out_sharding=None,
+                schedule="auto", owner=0, decide_early=False):
+    """``jax.lax.dot_general(lhs, rhs, ...)`` as `matmul` where it is ``x @
+    w`` up to transposes and flattening (`DotForm`): ``(result, site)``.
+    Raises `Unsupported` (nothing traced) for any other dot: batch dims, an
+    outer product, dtypes the library lacks, no elements, or an explicit
+    result sharding the 2-D product cannot take; and, under "auto" with
+    `decide_early`, a dot the cost model declines before partitioning
+    (`_auto.decide_dot`), so that it stays XLA's own. Its backward products
+    are decided the same way."""
+    form = DotForm(lhs.shape, rhs.shape, dimension_numbers, 0, precision, preferred_element_type)
+    dtypes = [np.dtype(a.dtype) for a in (lhs, rhs)]
+    if any(d not in _abi.DTYPE_CODES for d in dtypes):
+        raise Unsupported(f"operand dtypes {[str(d) for d in dtypes]} are not float32, bfloat16, float16 or float64")
+    if 0 in lhs.shape or 0 in rhs.shape:
+        raise Unsupported("an operand has no elements")
+    if _named(out_sharding) and _mapped_out_sharding(out_sharding, form) is None:
+        raise Unsupported(f"its explicit out_sharding cannot be given to the 2-D product{form.notes()}")
+    code = _schedule_code(schedule)
+    if code == _abi.AUTO and decide_early:
+        fuse, why = _decide_early(lhs, rhs, form, preferred_element_type)
+        if not fuse:
+            raise Unsupported(f"auto: {why}")
+    pet = None if preferred_element_type is None else np.dtype(preferred_element_type)
+    static = DotStatic(_hashable_dims(dimension_numbers), _hashable_precision(precision), pet, out_sharding,
+                       code, owner, next(_sites), decide_early)
+    return _fused_dot(lhs, rhs, static), static.site
+
+
+def _decide_early(lhs, rhs, form: DotForm, preferred_element_type) -> tuple[bool, str]:
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    out = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
+    m = math.prod(form.x_shape[d] for d in form.x_free)
+    k = math.prod(form.x_shape[d] for d in form.xc)
+    n = math.prod(form.w_shape[d] for d in form.w_free)
+    mesh_axes, devices = _auto.mesh_of_trace()
+    return _auto.decide_dot(m, k, n, np.dtype(dtype), np.dtype(out), mesh_axes, devices,
+                            _fused.measure_call_overhead_s)
+
+
+def _schedule_code(schedule) -> int:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"commfuse.{OP}: unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+    return _abi.SCHEDULES[schedule]
 
 
 def _hashable_precision(precision):
@@ -113,50 +165,143 @@ def _hashable_precision(precision):
     return precision
 
 
+def _hashable_dims(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(int(d) for d in lc), tuple(int(d) for d in rc)), (tuple(int(d) for d in lb),
+                                                                     tuple(int(d) for d in rb))
+
+
+def _named(sharding) -> bool:
+    """Whether a dot's result sharding names mesh axes (explicit axes); JAX
+    records an empty one for dots on automatic axes."""
+    spec = getattr(sharding, "spec", None)
+    return spec is not None and any(entry is not None for entry in spec)
+
+
+def _mapped_out_sharding(sharding, form: DotForm):
+    """The dot's explicit result sharding for the product ``prep_x(x) @
+    prep_w(w)``, whose dims are x's free dims and w's free dims flattened:
+    the same spec where w keeps one free dim, or where the flattened ones
+    after the first are not sharded; None where it cannot be said."""
+    nx, nw = len(form.x_free), len(form.w_free)
+    if form.x_side != 0 or nw == 0:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (nx + nw - len(sharding.spec))
+    if any(entry is not None for entry in spec[nx + 1:]):
+        return None
+    return P(*spec[:nx + 1])
+
+
 # ----------------------------------------------------------------------------
-# Differentiation: the backward products are the same op.
+# One dot_general, fused; its backward is JAX's own transpose of the dot,
+# each of whose dots is fused in turn. So `grad(overlap(f))` and
+# `overlap(grad(f))` make the same products, by construction.
 # ----------------------------------------------------------------------------
+class DotStatic(NamedTuple):
+    """The static arguments of one fused dot_general (hashable)."""
+    dimension_numbers: tuple
+    precision: object
+    preferred_element_type: object
+    out_sharding: object
+    schedule: int
+    owner: int
+    site: int
+    decided_early: bool = False  # "auto" judged this dot before partitioning (`_auto.decide_dot`)
+
+    def plain(self, lhs, rhs):
+        """The dot as jax.lax computes it: the oracle, and what the backward transposes."""
+        extra = {"out_sharding": self.out_sharding} if _named(self.out_sharding) else {}
+        return jax.lax.dot_general(lhs, rhs, self.dimension_numbers, precision=self.precision,
+                                   preferred_element_type=self.preferred_element_type, **extra)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x, w, settings: Settings):
-    return _partitioned(x, w, settings)
+def _fused_dot(lhs, rhs, static: DotStatic):
+    form = DotForm(lhs.shape, rhs.shape, static.dimension_numbers, 0, static.precision,
+                   static.preferred_element_type)
+    want = jax.eval_shape(static.plain, lhs, rhs)
+    x, w = form.prep_x(lhs), form.prep_w(rhs)
+    fast = _fused.fast_f32(OP, static.precision)
+    x, w, out_dtype = _fused.promote(OP, x, w, static.preferred_element_type)
+    out_sharding = _mapped_out_sharding(static.out_sharding, form) if _named(static.out_sharding) else None
+    settings = Settings(static.schedule, np.dtype(out_dtype), fast, static.precision, x.ndim, static.site,
+                        out_sharding, static.owner, decline=not static.decided_early)
+    return form.finish(_partitioned(x, w, settings)).astype(want.dtype)
 
 
-def _fwd(x, w, settings):
-    return _partitioned(x, w, settings), (x, w)
+def _fused_dot_fwd(lhs, rhs, static):
+    return _fused_dot(lhs, rhs, static), (lhs, rhs)
 
 
-def _bwd(settings, residuals, dy):
-    x, w = residuals
-    dy = dy.astype(jnp.promote_types(dy.dtype, x.dtype))
-    backward = settings._replace(x_ndim=dy.ndim, out_dtype=np.dtype(x.dtype))
-    dx = _partitioned(dy, w.astype(dy.dtype).T,
-                      backward._replace(site=next(_sites), out_sharding=_explicit_sharding(x)))
-    rows = math.prod(x.shape[:-1])
-    xt = x.reshape(rows, x.shape[-1]).T.astype(dy.dtype)
-    dw = _partitioned(xt, dy.reshape(rows, dy.shape[-1]),
-                      backward._replace(x_ndim=2, out_dtype=np.dtype(w.dtype), site=next(_sites),
-                                        out_sharding=_explicit_sharding(w)))
-    # Each gradient sharded as its primal (Shardy's sharding groups): its
-    # product then knows the result's sharding it must make, as the
-    # forward's does from the program's constraints.
-    dx, _ = _compat.same_sharding(dx, x)
-    dw, _ = _compat.same_sharding(dw, w)
-    return dx, dw
+def _fused_dot_bwd(static, residuals, ct):
+    lhs, rhs = residuals
+    _, transpose = jax.vjp(static.plain, lhs, rhs)
+    closed = jax.make_jaxpr(transpose)(ct)
+    schedule = _abi.schedule_name(static.schedule)
+    return tuple(fuse_dots(closed.jaxpr, closed.consts, [ct], schedule=schedule, owner=static.owner,
+                           decide_early=static.decided_early, on_dot=_report_backward(static)))
 
 
-_matmul.defvjp(_fwd, _bwd)
+_fused_dot.defvjp(_fused_dot_fwd, _fused_dot_bwd)
 
 
-def _explicit_sharding(a):
-    """`a`'s sharding where its type carries one (explicit mesh axes), else None."""
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty:
+def _report_backward(static: DotStatic):
+    """What the backward of `static`'s dot did with each of its dots, for its owner's report."""
+    if not static.owner:
         return None
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
-        return None
-    return sharding
+
+    def on_dot(eqn, site, why):
+        what = f"commfuse.matmul#{site}" if site is not None else f"kept ({why})"
+        _record(Traced(static.owner, f"backward of commfuse.matmul#{static.site}: {_describe(eqn)} -> {what}"))
+
+    return on_dot
+
+
+def _describe(eqn) -> str:
+    def fmt(aval):
+        return f"{np.dtype(aval.dtype).name}[{','.join(str(d) for d in aval.shape)}]"
+
+    lhs, rhs = (v.aval for v in eqn.invars)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    dims = f"contract {tuple(lc)}x{tuple(rc)}" + (f", batch {tuple(lb)}x{tuple(rb)}" if lb or rb else "")
+    return f"dot_general({fmt(lhs)} @ {fmt(rhs)} -> {fmt(eqn.outvars[0].aval)}, {dims})"
+
+
+def fuse_dots(jaxpr, consts, args, *, schedule: str, owner: int, decide_early: bool = False, on_dot=None) -> list:
+    """Evaluates `jaxpr` with each of its top-level dot_generals as `dot_general`
+    (those that are not ``x @ w`` as they are); `on_dot(eqn, site, why)` hears
+    of each (site None: kept, `why` says why)."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, val in zip(jaxpr.constvars, consts):
+        env[v] = val
+    for v, val in zip(jaxpr.invars, args):
+        env[v] = val
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        outs = None
+        if eqn.primitive.name == "dot_general":
+            p = eqn.params
+            try:
+                out, site = dot_general(*invals, p["dimension_numbers"], precision=p.get("precision"),
+                                        preferred_element_type=p.get("preferred_element_type"),
+                                        out_sharding=p.get("out_sharding"), schedule=schedule, owner=owner,
+                                        decide_early=decide_early)
+                outs = [out]
+                if on_dot is not None:
+                    on_dot(eqn, site, None)
+            except Unsupported as e:
+                if on_dot is not None:
+                    on_dot(eqn, None, str(e))
+        if outs is None:
+            outs = _compat.bind_eqn(eqn, invals)
+        for v, val in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = val
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _local_dot(x, w, settings: Settings):
@@ -291,16 +436,31 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
 
 
 def run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
-    """`choice` on one device's shards `x` and `w` (inside the partitioned program)."""
+    """`choice` on one device's shards `x` and `w` (inside the partitioned
+    program). A schedule these shards make impossible (fewer rows than the
+    ring has blocks, say) runs unfused, with the reason recorded: an error
+    here would surface as XLA's INTERNAL error from custom_partitioner,
+    naming an op the user never called."""
+    if choice.op in ("local", "fallback") or settings.schedule == _abi.UNFUSED:
+        return _run_choice(choice, x, w, settings, ranks)
+    try:
+        return _run_choice(choice, x, w, settings, ranks)
+    except (ValueError, TypeError) as e:
+        _fused.record_decision(choice.op, "unfused", f"schedule={_abi.schedule_name(settings.schedule)!r} cannot run "
+                                                     f"on these shards: {e}")
+        return _run_choice(choice, x, w, settings._replace(schedule=_abi.UNFUSED), ranks)
+
+
+def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
     if choice.op in ("local", "fallback"):
         return _local_dot(x, w, settings._replace(out_sharding=None))  # shards: no mesh here
     common = dict(out_dtype=settings.out_dtype, schedule=settings.schedule, axes=choice.axes, ranks=ranks,
-                  fast_f32=settings.fast_f32)
+                  fast_f32=settings.fast_f32, decline=settings.decline)
     if choice.op == "matmul_all_reduce":
         static = _matmul_all_reduce.settle(x.shape, w.shape, x.dtype, settings.out_dtype, axes=choice.axes,
                                            ranks=ranks, schedule=settings.schedule, tiles=None,
-                                           fast_f32=settings.fast_f32, schedule_name=_abi.schedule_name(
-                                               settings.schedule))
+                                           fast_f32=settings.fast_f32, decline=settings.decline,
+                                           schedule_name=_abi.schedule_name(settings.schedule))
         return _matmul_all_reduce.forward(x, w, static)
     kind = choice.kind
     if kind in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
@@ -325,6 +485,12 @@ class Partitioned(NamedTuple):
     w_shape: tuple
     choice: Choice
     ran_as: tuple   # what the fused ops ran as: (op, schedule, why) per library call
+    owner: int = 0  # the `overlap` that made the call (0: none)
+
+    @property
+    def fused(self) -> int:
+        """How many library calls (fused ops) it became."""
+        return sum(1 for _, schedule, _ in self.ran_as if schedule not in ("unfused", "none"))
 
     def line(self) -> str:
         counts = {}
@@ -334,6 +500,15 @@ class Partitioned(NamedTuple):
                         for (op, schedule, why), n in counts.items())
         return (f"commfuse.matmul#{self.site} x{list(self.x_shape)} @ w{list(self.w_shape)}: "
                 f"{self.choice.describe()}" + (f"; ran as {ran}" if ran else ""))
+
+
+class Traced(NamedTuple):
+    """A line for an owner's report made at trace time (a backward dot fused or kept)."""
+    owner: int
+    text: str
+
+    def line(self) -> str:
+        return self.text
 
 
 _LOCK = threading.Lock()
@@ -379,7 +554,8 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
         made = len(_fused.decisions())
         with _compat.auto_axes_scope():
             out = run_choice(choice, x_local, w_local, settings, ranks)
-        _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), choice, tuple(_fused.decisions()[made:])))
+        _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), choice, tuple(_fused.decisions()[made:]),
+                            settings.owner))
         return out
 
     return (mesh, lower, _sharding(mesh, choice.out_spec),

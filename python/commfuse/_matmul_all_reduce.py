@@ -63,7 +63,7 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
 
 
 def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: int, tiles, fast_f32: bool,
-           schedule_name: str) -> _Settings:
+           schedule_name: str, decline: bool = True) -> _Settings:
     """The settings one call runs with: the tiles (default: 4, or the most of
     4, 2, 1 that divide the rows into a multiple of the axis size) and the
     schedule (``auto`` resolved: unfused where nothing can be cut into a
@@ -79,18 +79,18 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: in
         _fused.record_decision(OP, "unfused", "an operand has no elements")
     elif tiles is None or rows % (tiles * ranks):
         if code not in (_abi.AUTO, _abi.UNFUSED):
+            into = f"tiles={tiles} chunks" if tiles is not None else "1, 2 or 4 chunks"
             raise ValueError(
                 f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={tuple(x_shape)}) must divide "
-                f"into tiles={tiles} chunks of a multiple of the axis size {ranks} for schedule={schedule_name!r}")
+                f"into {into} of a multiple of the axis size {ranks} for schedule={schedule_name!r}")
         code = _abi.UNFUSED  # "auto": nothing to cut into a ring's blocks
     if code == _abi.AUTO and ranks > 1:
         # The cost model judges one chunk's reduce-scatter; unfused, the
         # whole op is one psum rather than chunked gathers.
         shapes = _abi.call(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x_shape[-1]),
                            w_shape, dtype, out_dtype)
-        _, decided, why = _auto.prepare(shapes, _fused.measure_call_overhead_s)
-        if decided == _abi.UNFUSED:
-            code = _abi.UNFUSED
+        _, code, why = _auto.prepare(shapes, _fused.measure_call_overhead_s, decline=decline)
+        if code == _abi.UNFUSED:
             _fused.record_decision(OP, "unfused", why)
     return _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast_f32)
 

@@ -40,6 +40,7 @@ traced in place.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import numpy as np
@@ -50,6 +51,8 @@ from .interpret import interpret
 from .state import State
 
 __all__ = ["overlap"]
+
+_owners = itertools.count(1)
 
 
 # ----------------------------------------------------------------------------
@@ -127,9 +130,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         raise ValueError(f"commfuse.overlap: unknown schedule {schedule!r}; expected one of {options}")
 
     jitted_cache: dict = {}
-    # The commfuse.matmul calls this function's traces made, and the lines
-    # their partitioning reports while a call compiles them (`compiling`).
-    sites: set = set()
+    # The commfuse.matmul calls this function's traces made (forward, and the
+    # backward ones JAX's transpose of them makes) carry `owner`; the lines
+    # their partitioning reports while a call compiles them go to `compiling`.
+    owner = next(_owners)
     compiling: list = []
 
     def say(line):
@@ -138,19 +142,24 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         if logger is not None:
             logger.info(line)
 
-    def emit(lines):
+    def emit(lines, partitioned=()):
         wrapper.last_report = list(lines)
+        wrapper.last_partitioned = list(partitioned)
         for line in lines:
             say(line)
 
     def on_partitioned(entry):
-        if entry.site not in sites:
+        if entry.owner != owner:
             return
-        line = f"overlap[partitioned]: {entry.line()}"
+        where = "partitioned" if isinstance(entry, _matmul.Partitioned) else "backward"
+        line = f"overlap[{where}]: {entry.line()}"
+        partitioned = [entry] if isinstance(entry, _matmul.Partitioned) else []
         if compiling:
-            compiling[-1].append(line)
+            compiling[-1][0].append(line)
+            compiling[-1][1].extend(partitioned)
         else:  # compiled by the caller's jit, after this function's trace
             wrapper.last_report.append(line)
+            wrapper.last_partitioned.extend(partitioned)
             say(line)
 
     def rewritten(treedef, static, n_leaves, state, out_box, *dyn):
@@ -171,11 +180,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             return [leaf for leaf in out_leaves if _is_dynamic(leaf)] + updated
 
         closed = jax.make_jaxpr(flat_fun)(*dyn)
-        state.__init__(schedule)
+        state.__init__(schedule, owner)
         manual = _in_manual_context()  # fun is (part of) a shard_map body itself
         outs = interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
-        sites.update(state.matmul_sites)
-        if not state.shard_maps and not state.matmul_sites and not manual:
+        if not state.shard_maps and not state.jit_dots and not manual:
             state.lines.append("overlap: the traced function has no shard_map and no dot_general outside one; "
                                "nothing was rewritten")
         state.fresh = True
@@ -202,7 +210,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
         if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
             # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
-            state, out_box = State(schedule), [None, None, None]
+            state, out_box = State(schedule, owner), [None, None, None]
             outs = rewritten(treedef, static, len(leaves), state, out_box, *dyn)
             emit(state.lines)
             return finish(out_box, outs, (args, kwargs), treedef)
@@ -214,7 +222,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             key = None
         entry = jitted_cache.get(key) if key is not None else None
         if entry is None:
-            state, out_box = State(schedule), [None, None, None]
+            state, out_box = State(schedule, owner), [None, None, None]
             state.fresh = False
             fn = jax.jit(functools.partial(rewritten, treedef, static, len(leaves), state, out_box))
             entry = (fn, state, out_box)
@@ -223,19 +231,22 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
                     jitted_cache.pop(next(iter(jitted_cache)))
                 jitted_cache[key] = entry
         fn, state, out_box = entry
-        compiling.append([])
+        compiling.append(([], []))
         try:
             outs = fn(*dyn)
         finally:
-            partitioned = compiling.pop()
+            lines, partitioned = compiling.pop()
         if state.fresh:  # traced (again) by this call
             state.fresh = False
-            emit(state.lines + partitioned)
+            emit(state.lines + lines, partitioned)
         else:
             wrapper.last_report = list(state.lines)
         return finish(out_box, outs, (args, kwargs), treedef)
 
     wrapper.last_report = []
+    # What each commfuse.matmul this function's latest trace made became
+    # once partitioned (`_matmul.Partitioned`: its `fused` library calls).
+    wrapper.last_partitioned = []
     wrapper._on_partitioned = on_partitioned  # held here: the partitioner's listeners are weak
     _matmul.listen(on_partitioned)
     return wrapper

@@ -4,14 +4,12 @@ and the varying-axes type casts."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
 from .. import _compat, _fused
+from .._dot_form import Unsupported
 
 ALL_GATHER = "all_gather"
 ALL_GATHER_REDUCED = "all_gather_reduced"  # all_gather(..., to="reduced")
@@ -28,18 +26,7 @@ CALLS = frozenset(("pjit", "jit", "closed_call", "core_call"))
 REMAT = frozenset(("checkpoint", "remat", "remat2"))
 
 
-# ----------------------------------------------------------------------------
-# The only access to JAX internals: binding an equation as jax.core.eval_jaxpr
-# does (with the equation's context manager, e.g. compute_on / xla_metadata).
-# ----------------------------------------------------------------------------
-def bind_eqn(eqn, invals):
-    """Binds ``eqn``'s primitive to ``invals`` with its own params; returns the list of outputs."""
-    subfuns, bind_params = _compat.bind_params(eqn.primitive, eqn.params)
-    # JaxprEqn.ctx (a JaxprEqnContext) is not public API; use it when present.
-    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with ctx if ctx is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+bind_eqn = _compat.bind_eqn
 
 
 def shard_map_call(params, body_fn, invals):
@@ -60,10 +47,6 @@ def shard_map_call(params, body_fn, invals):
     fn = jax.shard_map(body_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        axis_names=frozenset(axis_names), check_vma=check)
     return list(fn(*invals))
-
-
-class Unsupported(Exception):
-    pass
 
 
 # ----------------------------------------------------------------------------
@@ -144,109 +127,6 @@ def static_reason(eqn) -> str | None:
     if p.get("axis_index_groups") is not None:
         return f"{name} uses axis_index_groups"
     return None
-
-
-# ----------------------------------------------------------------------------
-# A dot_general as `x @ w`
-# ----------------------------------------------------------------------------
-class DotForm:
-    """A dot_general without batch dims, with operand ``x_side`` (0: lhs,
-    1: rhs) as ``x``, seen as ``finish(prep_x(x) @ prep_w(w))``: ``prep_x``
-    keeps x's free dims in order and flattens its contracting dims into one,
-    last; ``prep_w`` makes ``w`` 2-D (its contracting dims flattened into
-    rows, in the same order, then its free dims into columns); ``finish``
-    unflattens the columns and puts the dims in the dot's output order. So
-    weights of rank > 2 (``bsE,Ehd->bshd``) and several contracting dims
-    (``bshd,hdE->bsE``) become the fused ops' ``x [..., k] @ w [k, n]``."""
-
-    def __init__(self, eqn, x_side: int):
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if len(lb) or len(rb):
-            raise Unsupported("dot_general has batch dimensions (each batch is its own product)")
-        self.x_side = x_side
-        xc, wc = (lc, rc) if x_side == 0 else (rc, lc)
-        self.xc, self.wc = [int(d) for d in xc], [int(d) for d in wc]
-        self.x_shape = tuple(eqn.invars[x_side].aval.shape)
-        self.w_shape = tuple(eqn.invars[1 - x_side].aval.shape)
-        self.x_free = [d for d in range(len(self.x_shape)) if d not in self.xc]
-        self.w_free = [d for d in range(len(self.w_shape)) if d not in self.wc]
-        if not self.x_free:
-            raise Unsupported(f"the dot's {'lhs' if x_side == 0 else 'rhs'} operand keeps no dimension")
-        if not self.xc:
-            raise Unsupported("dot_general contracts no dimension (an outer product)")
-        prec = eqn.params.get("precision")
-        if x_side == 1 and isinstance(prec, tuple) and len(prec) == 2:
-            prec = (prec[1], prec[0])
-        self.kwargs = {"precision": prec, "preferred_element_type": eqn.params.get("preferred_element_type")}
-
-    def x_dim(self, d: int):
-        """A dim of ``x`` -> the same dim of ``prep_x(x)``; None if it does not survive as one dim."""
-        if d in self.x_free:
-            return self.x_free.index(d)
-        if self.xc == [d]:
-            return len(self.x_free)
-        return None
-
-    def w_dim(self, d: int):
-        """A dim of ``w`` -> 0 (rows) or 1 (columns) of ``prep_w(w)`` when its
-        blocks are contiguous blocks of that 2-D dim (it is the outermost dim
-        of the rows or of the columns), else None."""
-        if self.wc and d == self.wc[0]:
-            return 0
-        if self.w_free and d == self.w_free[0]:
-            return 1
-        return None
-
-    def y_dim(self, d: int):
-        """A dim of the dot's result -> the same dim of ``prep_x(x) @ prep_w(w)``,
-        or None where the blocks along it are not contiguous there."""
-        nx, nw = len(self.x_free), len(self.w_free)
-        if self.x_side == 0:
-            if d < nx:
-                return d
-            return nx if d == nx and nw else None
-        if d < nw:
-            return nx if d == 0 else None
-        return d - nw
-
-    def prep_x(self, x):
-        order = self.x_free + self.xc
-        if order != list(range(len(self.x_shape))):
-            x = jax.lax.transpose(x, tuple(order))
-        k = math.prod(self.x_shape[d] for d in self.xc)
-        return x.reshape(tuple(self.x_shape[d] for d in self.x_free) + (k,)) if len(self.xc) != 1 else x
-
-    def prep_w(self, w):
-        order = self.wc + self.w_free
-        if order != list(range(len(self.w_shape))):
-            w = jax.lax.transpose(w, tuple(order))
-        k = math.prod(self.w_shape[d] for d in self.wc)
-        n = math.prod(self.w_shape[d] for d in self.w_free)
-        return w.reshape(k, n) if w.ndim != 2 else w
-
-    def finish(self, y):
-        nx = len(self.x_free)
-        w_free_shape = tuple(self.w_shape[d] for d in self.w_free)
-        if len(w_free_shape) != 1:
-            y = y.reshape(tuple(y.shape[:nx]) + w_free_shape)
-        if self.x_side == 1:  # the dot's output lists the rhs's (x's) free dims last
-            nw = len(w_free_shape)
-            y = jax.lax.transpose(y, tuple(range(nx, nx + nw)) + tuple(range(nx)))
-        return y
-
-    def notes(self) -> str:
-        parts = []
-        if self.x_free + self.xc != list(range(len(self.x_shape))):
-            parts.append("x transposed")
-        if len(self.xc) > 1:
-            parts.append(f"{len(self.xc)} contracting dims flattened")
-        if self.wc + self.w_free != list(range(len(self.w_shape))):
-            parts.append("w transposed")
-        if len(self.w_shape) != 2:
-            parts.append(f"rank-{len(self.w_shape)} w flattened to 2-D")
-        if self.x_side == 1:
-            parts.append("operands swapped, result transposed")
-        return f" [{', '.join(parts)}]" if parts else ""
 
 
 # The fused ops the rewrite makes, by name (one table, not names looked up in strings).

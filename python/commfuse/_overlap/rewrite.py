@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _fused
+from .._dot_form import DotForm, Unsupported
 from . import rowwise
 from .jaxpr import (
     ALL_GATHER_REDUCED,
@@ -41,8 +42,6 @@ from .jaxpr import (
     OTHER_COLLECTIVES,
     PSUM,
     REDUCE_SCATTER,
-    DotForm,
-    Unsupported,
     axes_of,
     collective_axes,
     describe_collective,
@@ -317,7 +316,7 @@ class Rewriter:
         for role in roles:
             x_side = f.operand if role == "x" else 1 - f.operand
             try:
-                form = DotForm(dot, x_side)
+                form = DotForm.of(dot, x_side)
             except Unsupported as e:
                 why.append(str(e))
                 continue
@@ -363,7 +362,7 @@ class Rewriter:
         why = []
         for x_side in (0, 1):
             try:
-                form = DotForm(dot, x_side)
+                form = DotForm.of(dot, x_side)
             except Unsupported as e:
                 why.append(str(e))
                 continue

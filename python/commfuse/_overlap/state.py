@@ -9,15 +9,19 @@ from .jaxpr import CANDIDATES, DOT, OTHER_COLLECTIVES, subjaxprs
 
 
 class State:
-    def __init__(self, schedule: str = "auto"):
+    def __init__(self, schedule: str = "auto", owner: int = 0):
         self.lines: list[str] = []
         self.shard_maps = 0
         # Given to every fused op the rewrite makes ("auto": the cost model's
         # pick, which may be to run the collective and the dot unfused).
         self.schedule = schedule
+        # The `overlap` whose report hears of the partitioned products (its
+        # backward ones included, made later by JAX's transpose).
+        self.owner = owner
         # The commfuse.matmul calls made outside shard_map bodies (their
         # partitioning is reported once the program is compiled).
         self.matmul_sites: set = set()
+        self.jit_dots = 0  # dot_generals seen outside shard_map bodies (fused or kept)
         self._memo: dict = {}
 
     def needs_work(self, jaxpr, manual: bool) -> bool:

@@ -117,18 +117,19 @@ def _fused_lines(fn):
 def test_a_weight_gather_that_cannot_fuse_costs_the_scatter_of_its_dot_nothing():
     """einsum("bqd,mqd->bm", x, all_gather(w)) then psum_scatter over another
     axis: the gather feeds a dot with two contracting dims where the gathered
-    dim is not the outer one; it read the gather before it was evaluated."""
+    dim is not the outer one (JAX contracts (d, q)); it read the gather before
+    it was evaluated."""
     mesh = make_mesh({"a": 2, "b": 2})
     rng = np.random.default_rng(1)
 
     def body(x, w):
-        wg = jax.lax.all_gather(w, "a", axis=2, tiled=True)
+        wg = jax.lax.all_gather(w, "a", axis=1, tiled=True)
         y = jnp.einsum("bqd,mqd->bm", x, wg)
         return jax.lax.psum_scatter(y, "b", scatter_dimension=0, tiled=True)
 
     x = place(rand((8, 4, 6), rng=rng), mesh, P())
-    w = place(rand((10, 4, 6), rng=rng), mesh, P(None, None, "a"))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, None, "a")), out_specs=P("b"), check_vma=False)
+    w = place(rand((10, 4, 6), rng=rng), mesh, P(None, "a", None))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "a", None)), out_specs=P("b"), check_vma=False)
     g = commfuse.overlap(f)
     assert_close(np.asarray(g(x, w)), np.asarray(jax.jit(f)(x, w)), np.float32)
     assert len(_fused_lines(g)) == 1 and "psum_scatter" not in _fused_lines(g)[0], g.last_report
@@ -138,7 +139,7 @@ def test_a_weight_gather_that_cannot_fuse_costs_the_scatter_of_its_dot_nothing()
         def step(c, _):
             return c, jax.checkpoint(body)(x, w)
         return jax.lax.scan(step, 0.0, None, length=2)[1]
-    fs = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, None, "a")), out_specs=P(None, "b"),
+    fs = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, "a", None)), out_specs=P(None, "b"),
                        check_vma=False)
     gs = commfuse.overlap(fs)
     assert_close(np.asarray(gs(x, w)), np.asarray(jax.jit(fs)(x, w)), np.float32)

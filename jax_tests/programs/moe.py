@@ -41,5 +41,6 @@ def build(mesh, rng, scale=1):
 
 
 PROGRAM = Program(
-    name="moe", mesh={"ep": 4}, build=build, fused=2, grad_fused=3,
-    unfused="the grouped matmul's reduce-scatter (a dot_general with a batch (expert) dim is one product per expert, which no fused op takes); under overlap(grad(f)), JAX's forward shard_map returns the gathered value as a residual for the backward one: that gather stays (fusing its dot would gather twice)")
+    name="moe", mesh={"ep": 4}, build=build, fused=3, grad_fused=6,
+    unfused="under overlap(grad(f)), JAX's forward shard_map returns the dispatched value as a residual for the "
+            "backward one: that all_to_all stays (fusing its dot would move it twice)")

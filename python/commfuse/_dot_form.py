@@ -6,6 +6,7 @@ rewrite of shard_map bodies."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -84,19 +85,25 @@ class DotForm:
         return d - nw
 
     def prep_x(self, x):
+        """x laid out as ``[free.., k]``. Sizes are read off `x` itself: it may
+        be the operand before its collective (a gathered dim still local)."""
         order = self.x_free + self.xc
         if order != list(range(len(self.x_shape))):
             x = jax.lax.transpose(x, tuple(order))
-        k = math.prod(self.x_shape[d] for d in self.xc)
-        return x.reshape(tuple(self.x_shape[d] for d in self.x_free) + (k,)) if len(self.xc) != 1 else x
+        if len(self.xc) == 1:
+            return x
+        nf = len(self.x_free)
+        return x.reshape(tuple(x.shape[:nf]) + (math.prod(x.shape[nf:]),))
 
     def prep_w(self, w):
+        """w laid out as ``[k, n]`` (sizes read off `w`, as for `prep_x`)."""
         order = self.wc + self.w_free
         if order != list(range(len(self.w_shape))):
             w = jax.lax.transpose(w, tuple(order))
-        k = math.prod(self.w_shape[d] for d in self.wc)
-        n = math.prod(self.w_shape[d] for d in self.w_free)
-        return w.reshape(k, n) if w.ndim != 2 else w
+        if w.ndim == 2:
+            return w
+        nc = len(self.wc)
+        return w.reshape(math.prod(w.shape[:nc]), math.prod(w.shape[nc:]))
 
     def finish(self, y):
         nx = len(self.x_free)
@@ -121,3 +128,75 @@ class DotForm:
         if self.x_side == 1:
             parts.append("operands swapped, result transposed")
         return f" [{', '.join(parts)}]" if parts else ""
+
+
+class BatchedDot:
+    """A ``dot_general`` with batch dims (a grouped matmul: experts, heads) as
+    one product per batch index, each a batch-free ``dot_general`` (`form`).
+    Its result is the products stacked, batch dims first (``dot_general``'s
+    own output order). At most `MOST` products: each becomes a fused call."""
+
+    MOST = 16
+
+    def __init__(self, lhs_shape, rhs_shape, dimension_numbers, precision=None, preferred_element_type=None):
+        (lc, rc), (lb, rb) = dimension_numbers
+        if not len(lb):
+            raise Unsupported("dot_general has no batch dimensions")
+        self.lb, self.rb = [int(d) for d in lb], [int(d) for d in rb]
+        self.batch_shape = tuple(int(lhs_shape[d]) for d in self.lb)
+        self.count = math.prod(self.batch_shape)
+        if self.count > self.MOST:
+            raise Unsupported(f"dot_general has {self.count} batches (each batch is its own product); at most "
+                              f"{self.MOST} are fused, one call each")
+        self.lhs_map = _without(len(lhs_shape), self.lb)
+        self.rhs_map = _without(len(rhs_shape), self.rb)
+        self.sub_lhs_shape = tuple(n for d, n in enumerate(lhs_shape) if d not in self.lb)
+        self.sub_rhs_shape = tuple(n for d, n in enumerate(rhs_shape) if d not in self.rb)
+        self.sub_dims = ((tuple(self.lhs_map[int(d)] for d in lc), tuple(self.rhs_map[int(d)] for d in rc)), ((), ()))
+        self.precision, self.preferred_element_type = precision, preferred_element_type
+
+    @classmethod
+    def of(cls, eqn) -> "BatchedDot":
+        lhs, rhs = eqn.invars
+        return cls(lhs.aval.shape, rhs.aval.shape, eqn.params["dimension_numbers"], eqn.params.get("precision"),
+                   eqn.params.get("preferred_element_type"))
+
+    def form(self, x_side: int) -> DotForm:
+        """The form of each batch's product, with operand `x_side` as ``x``."""
+        return DotForm(self.sub_lhs_shape, self.sub_rhs_shape, self.sub_dims, x_side, self.precision,
+                       self.preferred_element_type)
+
+    def indices(self):
+        return itertools.product(*(range(n) for n in self.batch_shape))
+
+    def take(self, side: int, operand, index):
+        """Operand `side` (0: lhs, 1: rhs) at batch `index` (its batch dims dropped)."""
+        dims = self.lb if side == 0 else self.rb
+        for d, i in sorted(zip(dims, index), reverse=True):
+            operand = jax.lax.index_in_dim(operand, i, axis=d, keepdims=False)
+        return operand
+
+    def operand_dim(self, side: int, d: int):
+        """A dim of operand `side` -> the same dim of one batch's operand; None for a batch dim."""
+        return (self.lhs_map if side == 0 else self.rhs_map).get(d)
+
+    def batch_dim(self, side: int, d: int):
+        """Which batch dim (0, 1, ...) dim `d` of operand `side` is, else None."""
+        dims = self.lb if side == 0 else self.rb
+        return dims.index(d) if d in dims else None
+
+    def out_dim(self, d: int):
+        """A dim of the dot's result -> the same dim of one batch's product; None for a batch dim."""
+        nb = len(self.lb)
+        return None if d < nb else d - nb
+
+    def stack(self, products: list):
+        """The products (in `indices` order) as the dot's result."""
+        out = jax.numpy.stack(products)
+        return out.reshape(self.batch_shape + tuple(products[0].shape))
+
+
+def _without(ndim: int, removed) -> dict:
+    """Each kept dim of a rank-`ndim` array -> its position once `removed` are dropped."""
+    kept = [d for d in range(ndim) if d not in removed]
+    return {d: i for i, d in enumerate(kept)}

@@ -34,7 +34,8 @@ def interpret(jaxpr, consts, args, state: State, where: str, manual: bool):
         write(v, val)
 
     if manual:
-        rewriter = Rewriter(jaxpr, state, where, read, write, partial(eval_eqn, state=state, where=where, manual=True))
+        rewriter = Rewriter(jaxpr, state, where, read, write, env.__contains__,
+                            partial(eval_eqn, state=state, where=where, manual=True))
         rewriter.run()
         return [rewriter.read(v) for v in jaxpr.outvars]
     for eqn in jaxpr.eqns:

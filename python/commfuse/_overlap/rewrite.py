@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _fused
-from .._dot_form import DotForm, Unsupported
+from .._dot_form import BatchedDot, DotForm, Unsupported
 from . import rowwise
 from .jaxpr import (
     ALL_GATHER_REDUCED,
@@ -87,9 +87,9 @@ class Rewriter:
     evaluates an equation that is no part of a fusion (recursing into the
     higher-order ones)."""
 
-    def __init__(self, jaxpr, state: State, where: str, read, write, eval_eqn):
+    def __init__(self, jaxpr, state: State, where: str, read, write, has, eval_eqn):
         self.jaxpr, self.state, self.where = jaxpr, state, where
-        self.env_read, self.write, self.eval_eqn = read, write, eval_eqn
+        self.env_read, self.write, self.env_has, self.eval_eqn = read, write, has, eval_eqn
         eqns = jaxpr.eqns
         self.producer, self.users = {}, defaultdict(list)
         for i, eqn in enumerate(eqns):
@@ -103,6 +103,8 @@ class Rewriter:
         self.done: dict[int, list[str]] = defaultdict(list)      # collective -> lines of its fusions
         self.evaluated: set[int] = set()     # equations done: evaluated, or replaced by a fused op
         self.materialized: set[int] = set()  # equations evaluated as they were
+        self.replaced: set[int] = set()      # collectives whose result a fused op (with the dot before) wrote
+        self.tried: set[int] = set()         # candidates attempted (ids of `Fusion`s)
         self.collectives = [i for i, e in enumerate(eqns) if e.primitive.name in CANDIDATES]
         self.others = [i for i, e in enumerate(eqns) if e.primitive.name in OTHER_COLLECTIVES]
         fusions = self._find()
@@ -213,11 +215,17 @@ class Rewriter:
 
     # -- evaluation ---------------------------------------------------------------
     def read(self, v):
-        """A variable's value; a deferred equation producing it is evaluated now."""
+        """A variable's value. One not computed yet is computed now by its own
+        equation, as the user wrote it: a deferred equation, or one whose
+        result a fusion replaced but something else still reads. So every
+        read finds a value whatever the fusions did (by construction, not
+        by case)."""
         if is_literal(v):
             return v.val
-        p = self.producer.get(v)
-        if p is not None and p in self.deferred and p not in self.evaluated:
+        if not self.env_has(v):
+            p = self.producer.get(v)
+            if p is None:
+                raise KeyError(f"{v} has no value and no equation in this body")
             self._eval(p)
         return self.env_read(v)
 
@@ -235,7 +243,7 @@ class Rewriter:
             for group in self.at.get(i, ()):
                 fused = next((f for f in group if self._fuse(f)), None)
                 for f in group:
-                    if fused is not None and f is not fused:
+                    if fused is not None and f is not fused and id(f) not in self.tried:
                         self.reasons[f.coll].append(
                             f"its dot_general is fused with {describe_collective(eqns[fused.coll])} instead "
                             f"(a dot is fused with one collective)")
@@ -246,9 +254,15 @@ class Rewriter:
 
     def _fuse(self, f: Fusion) -> bool:
         """Tries one candidate; whether it fused."""
+        self.tried.add(id(f))
         eqns = self.jaxpr.eqns
         target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
         if f.dot in self.evaluated or (f.side == "out" and f.coll in self.evaluated):
+            return False
+        if f.side == "in" and f.coll in self.replaced:
+            # dot -> collective -> dot: the collective went with the dot before it.
+            self.reasons[f.coll].append(f"it is fused with the dot_general before it; a collective is fused "
+                                        f"with one dot")
             return False
         out = self._try_input(f) if f.side == "in" else self._try_output(f)
         if out is None:
@@ -258,15 +272,20 @@ class Rewriter:
             self.evaluated.add(f.dot)
         else:
             self.evaluated.update([f.coll, f.dot, *f.chain])
+            self.replaced.add(f.coll)
         return True
 
-    def _attempt(self, f: Fusion, op_name, x, w, kwargs, form, target, pair, finish=None):
-        """Calls the fused op; returns the result in the original layout, or None (reason recorded)."""
+    def _attempt(self, f: Fusion, op_name, products: "Products", kwargs, target, pair, finish=None):
+        """Calls the fused op once per product; returns the result in the
+        original layout, or None (reason recorded)."""
         op = fused_ops()[op_name]
         kwargs = {**kwargs, "schedule": self.state.schedule}
+        form = products.form
         _fused.decisions(clear=True)
         try:
-            y = form.finish(op(form.prep_x(x), form.prep_w(w), **kwargs, **form.kwargs))
+            ys = [products.after(form.finish(op(form.prep_x(x), form.prep_w(w), **kwargs, **extra, **form.kwargs)))
+                  for x, w, extra in products.calls]
+            y = products.combine(ys)
             if finish is not None:
                 y = finish(y)
             out = match_vma(y, target.aval)
@@ -278,15 +297,26 @@ class Rewriter:
             self.reasons[f.coll].append(
                 f"commfuse.{op_name} gave {fmt(out)} where {fmt(want)} was expected (not rewritten)")
             return None
-        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        x, w, extra = products.calls[0]
+        args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, **extra}.items())
         ran = _fused.decisions(clear=True)
         verb = "rewrote"
         if ran and all(schedule == "unfused" for _, schedule, _ in ran):
             verb = "kept unfused (as jax.lax's collective and dot)"
         how = "; ".join(dict.fromkeys(why for _, _, why in ran))
-        self.done[f.coll].append(f"overlap[{self.where}]: {verb} {pair} -> commfuse.{op_name}(x: {fmt(x)}, "
-                                 f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}" + (f": {how}" if how else ""))
+        times = f"{len(products.calls)} x " if len(products.calls) > 1 else ""
+        self.done[f.coll].append(f"overlap[{self.where}]: {verb} {pair} -> {times}commfuse.{op_name}(x: {fmt(x)}, "
+                                 f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}{products.notes}"
+                                 + (f": {how}" if how else ""))
         return out
+
+    def _forms(self, dot, x_side: int):
+        """(the dot's `DotForm` with operand `x_side` as x, or one batch's for a
+        grouped matmul, and its `BatchedDot` or None); raises `Unsupported`."""
+        if dot.params["dimension_numbers"][1][0]:
+            batched = BatchedDot.of(dot)
+            return batched.form(x_side), batched
+        return DotForm.of(dot, x_side), None
 
     def _try_input(self, f: Fusion):
         """``collective(a)`` is operand ``f.operand`` of the dot: as the activation
@@ -316,25 +346,48 @@ class Rewriter:
         for role in roles:
             x_side = f.operand if role == "x" else 1 - f.operand
             try:
-                form = DotForm.of(dot, x_side)
+                form, batched = self._forms(dot, x_side)
             except Unsupported as e:
                 why.append(str(e))
                 continue
+            strided = None
+            if role == "x" and name == ALL_TO_ALL and batched is not None \
+                    and batched.batch_dim(f.operand, p["split_axis"]) is not None:
+                strided = _StridedExperts.of(batched, f.operand, p, a)
+                if strided is None:
+                    why.append("the all_to_all splits a batch dim of a grouped matmul with more than one batch dim")
+                    continue
+                form = strided.form(dot, x_side)
+
+            def dim_of(d, side=f.operand):
+                """A dim of the collective's operand -> the fused op's x (or w) dim."""
+                if strided is not None:
+                    return form.x_dim(strided.dim(d))
+                sub = d if batched is None else batched.operand_dim(side, d)
+                if sub is None:
+                    return None
+                return form.x_dim(sub) if role == "x" else form.w_dim(sub)
+
             if role == "x" and name in GATHERS:
-                dim = form.x_dim(gather_dim)
-                op, x, w, kw = "all_gather_matmul", a, other, {"gather_dimension": dim}
+                dim = dim_of(gather_dim)
+                op, kw = "all_gather_matmul", {"gather_dimension": dim}
             elif role == "x":
-                dim = (form.x_dim(p["split_axis"]), form.x_dim(p["concat_axis"]))
-                op, x, w = "all_to_all_matmul", a, other
-                kw = {"split_dimension": dim[0], "concat_dimension": dim[1]}
+                dim = (dim_of(p["split_axis"]), dim_of(p["concat_axis"]))
+                op, kw = "all_to_all_matmul", {"split_dimension": dim[0], "concat_dimension": dim[1]}
                 dim = None if None in dim else dim
             else:
-                dim = form.w_dim(p["all_gather_dimension"])
-                op, x, w, kw = "matmul_all_gather", other, a, {"gather_dimension": dim}
+                dim = dim_of(p["all_gather_dimension"])
+                op, kw = "matmul_all_gather", {"gather_dimension": dim}
             if dim is None:
-                why.append(f"as {role}, the collective's dimension is not one dim of the flattened operand")
+                why.append(f"as {role}, the collective's dimension is not one dim of the flattened operand"
+                           + (" (it is a batch dim of a grouped matmul)" if batched is not None else ""))
                 continue
-            out = self._attempt(f, op, x, w, {**kw0, **kw}, form, dot.outvars[0], pair)
+            if strided is not None:
+                products = strided.products(form, batched, x_side, a, other)
+            else:
+                x, w = (a, other) if role == "x" else (other, a)
+                products = Products.of(form, batched, x_side, x, w)
+            out = self._attempt(f, op, products, {**kw0, **kw}, dot.outvars[0], pair)
             if out is not None:
                 return out
         if why and not self.reasons[f.coll]:
@@ -362,24 +415,40 @@ class Rewriter:
         why = []
         for x_side in (0, 1):
             try:
-                form = DotForm.of(dot, x_side)
+                form, batched = self._forms(dot, x_side)
             except Unsupported as e:
                 why.append(str(e))
                 continue
+
+            def dim_of(d):
+                """A dim of the dot's result -> the same dim of the fused op's product."""
+                sub = d if batched is None else batched.out_dim(d)
+                return None if sub is None else form.y_dim(sub)
+
             x, w = (lhs, rhs) if x_side == 0 else (rhs, lhs)
+            if name == ALL_TO_ALL and batched is not None and perm == sorted(perm) and x_side == 0 \
+                    and len(batched.lb) == 1 and p["concat_axis"] == 0 and dim_of(p["split_axis"]) is not None:
+                # Expert parallelism's way back: each local expert's rows go to their owners.
+                products, kw = _expert_returns(batched, dim_of(p["split_axis"]), x, w)
+                out = self._attempt(f, "matmul_all_to_all", products, {**kw0, **kw}, coll.outvars[0], pair)
+                if out is not None:
+                    return out
+                continue
             if name in REDUCE_SCATTER:
-                dim = form.y_dim(perm[p["scatter_dimension"]])
+                dim = dim_of(perm[p["scatter_dimension"]])
                 op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
             elif name in PSUM:
                 dim, op, kw = 0, "matmul_all_reduce", {}
             else:
-                dims = (form.y_dim(perm[p["split_axis"]]), form.y_dim(perm[p["concat_axis"]]))
+                dims = (dim_of(perm[p["split_axis"]]), dim_of(perm[p["concat_axis"]]))
                 dim = None if None in dims else dims
                 op, kw = "matmul_all_to_all", {"split_dimension": dims[0], "concat_dimension": dims[1]}
             if dim is None:
-                why.append("the collective's dimension is not one dim of the flattened product")
+                why.append("the collective's dimension is not one dim of the flattened product"
+                           + (" (it is a batch dim of a grouped matmul)" if batched is not None else ""))
                 continue
-            out = self._attempt(f, op, x, w, {**kw0, **kw}, form, coll.outvars[0], pair, transpose)
+            products = Products.of(form, batched, x_side, x, w)
+            out = self._attempt(f, op, products, {**kw0, **kw}, coll.outvars[0], pair, transpose)
             if out is not None:
                 return out
         if why and not self.reasons[f.coll]:
@@ -410,3 +479,108 @@ class Rewriter:
         if not lines:
             lines.append((0, f"overlap[{self.where}]: no collective next to a dot_general; nothing to fuse"))
         self.state.lines.extend(line for _, line in sorted(lines, key=lambda t: t[0]))
+
+
+@dataclass
+class Products:
+    """The fused calls one candidate makes: one per batch of a grouped matmul
+    (else one), each ``(x, w, extra keyword arguments)`` with x and w as the
+    dot has them (`form` lays them out), and how their results become the
+    dot's (`after` each, `combine` all)."""
+    form: DotForm
+    calls: list
+    combine: object = None
+    after: object = None
+    notes: str = ""
+
+    def __post_init__(self):
+        self.combine = self.combine or (lambda ys: ys[0])
+        self.after = self.after or (lambda y: y)
+
+    @classmethod
+    def of(cls, form: DotForm, batched, x_side: int, x, w) -> "Products":
+        if batched is None:
+            return cls(form, [(x, w, {})])
+        calls = [(batched.take(x_side, x, index), batched.take(1 - x_side, w, index), {})
+                 for index in batched.indices()]
+        return cls(form, calls, batched.stack, notes=f" [grouped matmul: one fused call per batch]")
+
+
+class _StridedExperts:
+    """An ``all_to_all`` that splits the batch dim of the grouped matmul it
+    feeds (expert parallelism: tokens for E experts split over N ranks,
+    each rank multiplying its E/N experts). Local expert e's rows come from
+    every peer's expert ``r E/N + e``: the operand's experts ``e, e + E/N,
+    ...`` (a strided slice of N), all-to-all'd, are exactly them. So each
+    local expert is one ``all_to_all_matmul`` of that slice, whose result
+    keeps a batch dim of 1, dropped after."""
+
+    def __init__(self, operand_side: int, batch_dim: int, local: int, ranks: int, x_shape_after: tuple):
+        self.side, self.batch_dim, self.local, self.ranks = operand_side, batch_dim, local, ranks
+        self.x_shape_after = x_shape_after  # one expert's x after the all_to_all, its batch dim kept (size 1)
+
+    @classmethod
+    def of(cls, batched: BatchedDot, side: int, params, a):
+        dims = batched.lb if side == 0 else batched.rb
+        if len(dims) != 1:
+            return None
+        d = dims[0]
+        local = batched.batch_shape[0]
+        ranks = a.shape[d] // local
+        after = list(a.shape)
+        after[d] = 1
+        after[params["concat_axis"]] *= ranks
+        return cls(side, d, local, ranks, tuple(after))
+
+    def form(self, dot, x_side: int) -> DotForm:
+        """The form of one expert's product, x keeping its (size-1) batch dim as a free dim."""
+        (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+        w_batch = (rb if self.side == 0 else lb)[0]
+        w_shape = tuple(n for i, n in enumerate(dot.invars[1 - self.side].aval.shape) if i != w_batch)
+        w_contract = [c - (1 if c > w_batch else 0) for c in (rc if self.side == 0 else lc)]
+        x_contract = list(lc if self.side == 0 else rc)
+        shapes = (self.x_shape_after, w_shape) if self.side == 0 else (w_shape, self.x_shape_after)
+        contract = (x_contract, w_contract) if self.side == 0 else (w_contract, x_contract)
+        return DotForm(shapes[0], shapes[1], (tuple(contract), ((), ())), x_side,
+                       dot.params.get("precision"), dot.params.get("preferred_element_type"))
+
+    def dim(self, d: int) -> int:
+        """A dim of the all_to_all's operand: the same dim of one expert's x (its batch dim kept)."""
+        return d
+
+    def products(self, form: DotForm, batched: BatchedDot, x_side: int, a, other) -> Products:
+        import jax.numpy as jnp
+
+        calls = []
+        for e in range(self.local):
+            strided = jnp.take(a, jnp.arange(self.ranks) * self.local + e, axis=self.batch_dim)
+            calls.append((strided, batched.take(1 - self.side, other, (e,)), {}))
+        # Where finish() puts x's batch dim: among x's free dims, after w's when x is the rhs.
+        axis = form.x_free.index(self.batch_dim) + (len(form.w_free) if form.x_side == 1 else 0)
+        return Products(form, calls, batched.stack, after=lambda y: jnp.squeeze(y, axis=axis),
+                        notes=" [experts split by the all_to_all: one fused call per local expert, on a strided "
+                              "slice of the operand]")
+
+
+def _expert_returns(batched: BatchedDot, split: int, x, w):
+    """``all_to_all(dot(x, w), split_axis=split (of one expert's product),
+    concat_axis=0 (the experts))`` for a grouped matmul over E/N local
+    experts: each expert's product, with a leading dim of 1, all-to-all'd
+    along it gives ``[N, ...]`` blocks by sender; sender r's block of local
+    expert e is expert ``r E/N + e`` of the result."""
+    import jax.numpy as jnp
+
+    local = batched.batch_shape[0]
+    sub_x = (1,) + batched.sub_lhs_shape
+    (lc, rc), _ = batched.sub_dims
+    form = DotForm(sub_x, batched.sub_rhs_shape, ((tuple(c + 1 for c in lc), tuple(rc)), ((), ())), 0,
+                   batched.precision, batched.preferred_element_type)
+    calls = [(batched.take(0, x, (e,))[None], batched.take(1, w, (e,)), {}) for e in range(local)]
+
+    def combine(ys):
+        stacked = jnp.stack(ys)                          # [E/N, N, ...]: expert e of sender r
+        by_sender = jnp.moveaxis(stacked, 1, 0)          # [N, E/N, ...]
+        return by_sender.reshape((-1,) + tuple(by_sender.shape[2:]))
+
+    notes = " [experts back to their tokens: one fused call per local expert]"
+    return Products(form, calls, combine, notes=notes), {"split_dimension": split + 1, "concat_dimension": 0}

@@ -2,7 +2,8 @@
 parallelism, the Flax GSPMD guide's layout with FSDP added): w1 sharded
 ``(fsdp, tp)``, w2 ``(tp, fsdp)``, the batch over ``fsdp``. The first
 product gathers w1 over ``fsdp``; the second gathers w2's columns over
-``fsdp`` and sums over ``tp`` (the fused gather, then XLA's all-reduce)."""
+``fsdp`` and sums over ``tp``: 4 tiles of w2's columns, each a fused gather whose
+sum over ``tp`` (XLA's all-reduce) runs while the next tile is gathered and multiplied."""
 
 from __future__ import annotations
 
@@ -29,4 +30,4 @@ def build(mesh, rng):
     return mlp, (x, w1, w2)
 
 
-JIT_PROGRAM = JitProgram(name="jit_fsdp_tp_mlp", mesh={"fsdp": 2, "tp": 2}, build=build, fused=2, grad_fused=12)
+JIT_PROGRAM = JitProgram(name="jit_fsdp_tp_mlp", mesh={"fsdp": 2, "tp": 2}, build=build, fused=5, grad_fused=18)

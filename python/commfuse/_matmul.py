@@ -48,7 +48,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _auto, _compat, _fused, _matmul_all_reduce
+from . import _abi, _auto, _both_sides, _compat, _fused, _matmul_all_reduce
 from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
 
@@ -58,6 +58,8 @@ OP = "matmul"
 SCHEDULES = tuple(s for s in _abi.SCHEDULES if s not in _abi.CUT_SCHEDULES)
 
 _sites = itertools.count(1)
+# The decision entry that says how a call's fused ops were composed (not a call itself).
+COMPOSED = "composed"
 
 
 class Settings(NamedTuple):
@@ -452,6 +454,10 @@ def run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
 
 
 def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
+    if choice.psum_axes and settings.schedule != _abi.UNFUSED:
+        tiled = _gather_then_psum_tiles(choice, x, w, settings, ranks)
+        if tiled is not None:
+            return tiled
     if choice.op in ("local", "fallback"):
         return _local_dot(x, w, settings._replace(out_sharding=None))  # shards: no mesh here
     common = dict(out_dtype=settings.out_dtype, schedule=settings.schedule, axes=choice.axes, ranks=ranks,
@@ -475,6 +481,55 @@ def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
     return jax.lax.psum(out, choice.psum_axes) if choice.psum_axes else out
 
 
+# The gathered operand of each gather kind: (which operand, its gathered dim
+# as a function of x's rank and the choice's dimension, its dims the result
+# keeps, and the result dim each becomes).
+def _gathered_operand(kind, x_ndim: int, dimension: int):
+    if kind == Kind.ALL_GATHER_MATMUL:
+        return 0, dimension, list(range(x_ndim - 1)), lambda d: d
+    if kind == Kind.ALL_GATHER_MATMUL_CONTRACT:
+        return 0, x_ndim - 1, list(range(x_ndim - 1)), lambda d: d
+    if kind == Kind.MATMUL_ALL_GATHER:
+        return 1, 1, [1], lambda d: x_ndim - 1
+    return 1, 0, [1], lambda d: x_ndim - 1  # MATMUL_ALL_GATHER_CONTRACT
+
+
+def _gather_then_psum_tiles(choice: Choice, x, w, settings: Settings, ranks: int):
+    """A gather over `choice.axes` then a sum over `choice.psum_axes` (FSDP x
+    TP) as `_both_sides`' tiles where the cost model prefers them: each tile
+    of the gathered operand one fused call, its result summed by jax.lax
+    while the next tile runs. None: run it as one fused call then the sum."""
+    side, g, free, out_dim_of = _gathered_operand(choice.kind, x.ndim, choice.dimension)
+    operand = (x, w)[side]
+    tiling, _ = _both_sides.find_tiling(operand.shape, g, free, out_dim_of, None, ranks)
+    if tiling is None:
+        return None
+    op = "all_gather_matmul" if side == 0 else "matmul_all_gather"
+    dimension = g if side == 0 else g
+    rows = math.prod(x.shape[:-1])
+    k = x.shape[-1] * (ranks if choice.kind == Kind.ALL_GATHER_MATMUL_CONTRACT else 1)
+    n = w.shape[1] * (ranks if choice.kind == Kind.MATMUL_ALL_GATHER else 1)
+    if choice.kind == Kind.ALL_GATHER_MATMUL:
+        rows *= ranks
+    n_reduce = math.prod(jax.lax.axis_size(a) for a in choice.psum_axes)
+    try:
+        way, why = _both_sides.choose(op, tuple(x.shape), tuple(w.shape), ranks, dimension, "psum", n_reduce,
+                                      (rows, k), (k, n), tiling.count, np.dtype(settings.out_dtype))
+    except (ValueError, TypeError, KeyError):
+        return None
+    if way != "tiles":
+        return None
+    gather_only = choice._replace(psum_axes=())
+    parts = []
+    for t in range(tiling.count):
+        tile = tiling.tile(operand, t)
+        x_t, w_t = (tile, w) if side == 0 else (x, tile)
+        parts.append(jax.lax.psum(_run_choice(gather_only, x_t, w_t, settings, ranks), choice.psum_axes))
+    _fused.record_decision(COMPOSED, "tiles", f"{tiling.count} tiles, each summed over {choice.psum_axes} while the "
+                                             f"next runs: {why}")
+    return tiling.combine(parts)
+
+
 # ----------------------------------------------------------------------------
 # What the partitioner calls.
 # ----------------------------------------------------------------------------
@@ -490,7 +545,7 @@ class Partitioned(NamedTuple):
     @property
     def fused(self) -> int:
         """How many library calls (fused ops) it became."""
-        return sum(1 for _, schedule, _ in self.ran_as if schedule not in ("unfused", "none"))
+        return sum(1 for op, schedule, _ in self.ran_as if schedule not in ("unfused", "none") and op != COMPOSED)
 
     def line(self) -> str:
         counts = {}

@@ -28,8 +28,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
+from .. import _both_sides as both_sides
 from .. import _fused
 from .._dot_form import BatchedDot, DotForm, Unsupported
 from . import rowwise
@@ -241,6 +243,7 @@ class Rewriter:
         eqns = self.jaxpr.eqns
         for i in range(len(eqns)):
             for group in self.at.get(i, ()):
+                group = self._two_sided(group)
                 fused = next((f for f in group if self._fuse(f)), None)
                 for f in group:
                     if fused is not None and f is not fused and id(f) not in self.tried:
@@ -252,8 +255,168 @@ class Rewriter:
             self._eval(i)
         self._report()
 
-    def _fuse(self, f: Fusion) -> bool:
+    def _two_sided(self, group: list) -> list:
+        """`group` (one dot's candidates) in the order to try them. A gather
+        into the dot and a sum of its result over other axes are timed by
+        the cost model (`both_sides`): the composition that hides both comes
+        first when it is the fastest, else the side whose fusion saves more."""
+        ins = [f for f in group if f.side == "in" and self.jaxpr.eqns[f.coll].primitive.name == GATHERS[0]
+               and not f.local]
+        outs = [f for f in group if f.side == "out" and self.jaxpr.eqns[f.coll].primitive.name in PSUM + REDUCE_SCATTER]
+        if len(ins) != 1 or len(outs) != 1:
+            return group
+        f_in, f_out = ins[0], outs[0]
+        if set(collective_axes(self.jaxpr.eqns[f_in.coll])) & set(collective_axes(self.jaxpr.eqns[f_out.coll])):
+            return group
+        plan = self._both_plan(f_in, f_out)
+        if isinstance(plan, str):
+            self.reasons[f_out.coll].append(f"not fused with the gather into the same dot: {plan}")
+            return group
+        way = plan["way"]
+        if way == "tiles":
+            return [_Both(f_in, f_out, plan)] + [f for f in group if f is not f_in and f is not f_out] + [f_in, f_out]
+        first, second = (f_in, f_out) if way == "gather" else (f_out, f_in)
+        note = f"of a gather into this dot and a sum of its result, the cost model fuses the {way} side: {plan['why']}"
+        self.reasons[second.coll].append(note)
+        self.tried.add(id(second))  # its reason is said; not "fused with ... instead" as well
+        return [first, second] + [f for f in group if f is not f_in and f is not f_out]
+
+    def _both_plan(self, f_in: Fusion, f_out: Fusion):
+        """How to run a dot with a gather in and a sum out (`both_sides`), or why not."""
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        (lc, rc), (lb, _) = dot.params["dimension_numbers"]
+        if len(lb):
+            return "a grouped matmul"
+        k, g = f_in.operand, gather.params["all_gather_dimension"]
+        local = gather.invars[0].aval.shape
+        ranks = gather.outvars[0].aval.shape[g] // local[g]
+        perm = self._chain_perm(f_out)
+        lhs_shape, rhs_shape = (v.aval.shape for v in dot.invars)
+        lhs_free = [d for d in range(len(lhs_shape)) if d not in lc]
+        rhs_free = [d for d in range(len(rhs_shape)) if d not in rc]
+        free = lhs_free if k == 0 else rhs_free
+
+        def out_dim_of(d):
+            position = free.index(d) + (0 if k == 0 else len(lhs_free))
+            return perm.index(position)
+
+        scatter = coll.params["scatter_dimension"] if coll.primitive.name in REDUCE_SCATTER else None
+        tiling, why = both_sides.find_tiling(local, g, free, out_dim_of, scatter, ranks)
+        if tiling is None:
+            return why
+        # As x, a row gather (all_gather_matmul gathers any dim of x but the
+        # contracted one); as w, a column or contraction gather (matmul_all_gather).
+        for role in (["x", "w"] if k == 0 else ["w", "x"]):
+            try:
+                form = DotForm.of(dot, k if role == "x" else 1 - k)
+            except Unsupported:
+                continue
+            dim = form.x_dim(g) if role == "x" else form.w_dim(g)
+            if dim is not None and (role == "w" or dim < len(form.x_free)):
+                break
+        else:
+            return "the gathered dim is not one dim of the flattened operand"
+        op = "all_gather_matmul" if role == "x" else "matmul_all_gather"
+        x_full, w_full = (v.aval.shape for v in (dot.invars[form.x_side], dot.invars[1 - form.x_side]))
+        m = int(np.prod([x_full[d] for d in form.x_free]))
+        kk = int(np.prod([x_full[d] for d in form.xc]))
+        n = int(np.prod([w_full[d] for d in form.w_free]))
+        # One device's operands of the gather's fused op, flattened to 2-D (for timing).
+        x_local, w_local = [m, kk], [kk, n]
+        flat_dim = (0 if dim < len(form.x_free) else 1) if role == "x" else dim
+        (x_local if role == "x" else w_local)[flat_dim] //= ranks
+        n_reduce = int(np.prod([jax.lax.axis_size(a) for a in collective_axes(coll)]))
+        dtype = np.dtype(dot.outvars[0].aval.dtype)
+        try:
+            way, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
+                                         "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk), (kk, n),
+                                         tiling.count, dtype)
+        except (ValueError, TypeError, KeyError) as e:
+            return f"the cost model cannot time it ({e})"
+        return {"way": way, "why": why, "tiling": tiling, "role": role, "ranks": ranks}
+
+    def _chain_perm(self, f: Fusion) -> list:
+        """The transposes on the way from the dot to collective `f` as one permutation."""
+        eqns = self.jaxpr.eqns
+        perm = list(range(len(eqns[f.dot].outvars[0].aval.shape)))
+        for j in f.chain:
+            if eqns[j].primitive.name in _TRANSPOSES:
+                perm = [perm[q] for q in eqns[j].params["permutation"]]
+        return perm
+
+    def _fuse_both(self, both: "_Both") -> bool:
+        """The tiled composition (`both_sides`): T fused gather-and-multiply
+        calls, each tile's result summed by jax.lax's own collective."""
+        f_in, f_out, plan = both.f_in, both.f_out, both.plan
+        self.tried.update((id(f_in), id(f_out)))
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        if f_in.dot in self.evaluated or f_out.coll in self.evaluated:
+            return False
+        tiling, role, k = plan["tiling"], plan["role"], f_in.operand
+        cast_axes = [a for j in f_out.chain if eqns[j].primitive.name in CASTS
+                     for a in axes_of(eqns[j].params.get("axes", ()))]
+        a = self.read(gather.invars[0])
+        for j in f_in.chain:
+            a = vary(a, axes_of(eqns[j].params.get("axes", ())))
+        a = vary(a, cast_axes)
+        other = vary(self.read(dot.invars[1 - k]), cast_axes)
+        perm = self._chain_perm(f_out)
+        g = gather.params["all_gather_dimension"]
+        gather_axes = axes_of(gather.params["axis_name"])
+        sum_axes = collective_axes(coll)
+        op_name = "all_gather_matmul" if role == "x" else "matmul_all_gather"
+        op = fused_ops()[op_name]
+        _fused.decisions(clear=True)
+        try:
+            parts = []
+            for t in range(tiling.count):
+                a_t = tiling.tile(a, t)
+                gathered = list(a_t.shape)
+                gathered[g] *= plan["ranks"]
+                shapes = (tuple(gathered), other.shape) if k == 0 else (other.shape, tuple(gathered))
+                x_side = k if role == "x" else 1 - k
+                form = DotForm(shapes[0], shapes[1], dot.params["dimension_numbers"], x_side,
+                               dot.params.get("precision"), dot.params.get("preferred_element_type"))
+                dim = form.x_dim(g) if role == "x" else form.w_dim(g)
+                x, w = (a_t, other) if role == "x" else (other, a_t)
+                y = form.finish(op(form.prep_x(x), form.prep_w(w), gather_axes, gather_dimension=dim,
+                                   schedule=self.state.schedule, **form.kwargs))
+                if perm != sorted(perm):
+                    y = y.transpose(perm)
+                if coll.primitive.name in REDUCE_SCATTER:
+                    y = jax.lax.psum_scatter(y, sum_axes, scatter_dimension=coll.params["scatter_dimension"],
+                                             tiled=True)
+                else:
+                    y = jax.lax.psum(y, sum_axes)
+                parts.append(y)
+            out = match_vma(tiling.combine(parts), coll.outvars[0].aval)
+        except Exception as e:  # noqa: BLE001 - keep the candidates one side at a time
+            self.reasons[f_out.coll].append(f"the tiled composition raised {type(e).__name__}: {e}")
+            return False
+        want = coll.outvars[0].aval
+        if tuple(out.shape) != tuple(want.shape) or np.dtype(out.dtype) != np.dtype(want.dtype):
+            self.reasons[f_out.coll].append(f"the tiled composition gave {fmt(out)} where {fmt(want)} was expected")
+            return False
+        self.write(coll.outvars[0], out)
+        self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
+        self.replaced.add(f_out.coll)
+        ran = _fused.decisions(clear=True)
+        how = "; ".join(dict.fromkeys(why for _, _, why in ran))
+        pair = f"{describe_collective(gather)} + {describe_dot(dot)} + {describe_collective(coll)}"
+        line = (f"overlap[{self.where}]: rewrote {pair} -> {tiling.count} x commfuse.{op_name} (tiles of dim "
+                f"{tiling.dim} of the gathered operand{', interleaved' if tiling.interleaved else ''}), each followed "
+                f"by jax.lax.{'psum_scatter' if coll.primitive.name in REDUCE_SCATTER else 'psum'} over {sum_axes} "
+                f"while the next tile runs: {plan['why']}" + (f"; {how}" if how else ""))
+        self.done[f_in.coll].append(line)
+        self.done[f_out.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
+        return True
+
+    def _fuse(self, f) -> bool:
         """Tries one candidate; whether it fused."""
+        if isinstance(f, _Both):
+            return self._fuse_both(f)
         self.tried.add(id(f))
         eqns = self.jaxpr.eqns
         target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
@@ -584,3 +747,15 @@ def _expert_returns(batched: BatchedDot, split: int, x, w):
 
     notes = " [experts back to their tokens: one fused call per local expert]"
     return Products(form, calls, combine, notes=notes), {"split_dimension": split + 1, "concat_dimension": 0}
+
+
+@dataclass
+class _Both:
+    """The tiled composition of a gather candidate and a sum candidate of one dot."""
+    f_in: Fusion
+    f_out: Fusion
+    plan: dict
+
+    @property
+    def coll(self) -> int:
+        return self.f_out.coll

@@ -1,0 +1,103 @@
+"""A dot with a collective on each side: a gather feeding it over one mesh
+axis and a sum (``psum``) or reduce-scatter of its result over another —
+FSDP weights gathered into a tensor-parallel product, or sequence-parallel
+activations gathered into a weight gradient that data parallelism sums.
+
+Three ways to run it, timed by the cost model (`choose`):
+
+* ``gather``: the gather fused with the dot, the sum exposed after it;
+* ``reduce``: the sum fused with the dot, the gather exposed before it;
+* ``tiles``: the gathered operand cut into T tiles along a dim that the
+  result keeps; each tile is one fused gather-and-multiply (moving 1/T of
+  the operand, so the gather moves no more in all), and each tile's result
+  is summed by XLA's own collective while the next tile's fused op runs
+  (no data dependence between them), as ``matmul_all_reduce`` overlaps its
+  chunks. Only the last tile's sum is exposed.
+
+`Tiling` says how the operand is cut and the tiles' results put back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from . import _auto, _explain, _fused
+
+TILES = (4, 2)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How the gathered operand (before its gather) is cut: along `dim`,
+    into `count` tiles. `interleaved`: `dim` is the gathered dim itself, so
+    tile t is sub-block t of every rank's block, and its result along
+    `out_dim` comes out as ``[rank, sub-block]``; otherwise the tiles are
+    contiguous and their results are concatenated along `out_dim`."""
+    dim: int
+    count: int
+    out_dim: int        # the result's dim (after the chain's transposes) `dim` becomes
+    interleaved: bool
+    ranks: int          # of the gather
+
+    def tile(self, a, t: int):
+        size = a.shape[self.dim] // self.count
+        return jax.lax.slice_in_dim(a, t * size, (t + 1) * size, axis=self.dim)
+
+    def combine(self, parts: list):
+        if not self.interleaved:
+            return jnp.concatenate(parts, axis=self.out_dim)
+        d = self.out_dim
+        split = [p.reshape(p.shape[:d] + (self.ranks, p.shape[d] // self.ranks) + p.shape[d + 1:]) for p in parts]
+        stacked = jnp.stack(split, axis=d + 1)  # [.., rank, tile, sub-block, ..]
+        return stacked.reshape(parts[0].shape[:d] + (-1,) + parts[0].shape[d + 1:])
+
+
+def find_tiling(operand_shape, gather_dim: int, free_dims: list, out_dim_of, scatter_dim, ranks: int):
+    """A `Tiling` of the gathered operand (local shape `operand_shape`), or
+    (None, why). `free_dims`: its dims the dot keeps, `out_dim_of(d)` the
+    result dim each becomes (after the chain's transposes); `scatter_dim`:
+    the result dim a reduce-scatter splits (None for a sum), which a tiling
+    must not cut."""
+    for interleaved in (False, True):
+        for d in free_dims:
+            if (d == gather_dim) != interleaved:
+                continue
+            out = out_dim_of(d)
+            if out is None or out == scatter_dim:
+                continue
+            count = next((c for c in TILES if operand_shape[d] % c == 0 and operand_shape[d] >= c), None)
+            if count is not None:
+                return Tiling(d, count, out, interleaved, ranks), None
+    return None, "no dim of the gathered operand that the result keeps (and does not scatter) splits into tiles"
+
+
+def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind: str, n_reduce: int,
+           reduce_x_shape, reduce_w_shape, tiles: int, dtype) -> tuple[str, str]:
+    """("gather" | "reduce" | "tiles", why): the fastest of the three ways by
+    the cost model: `op` is the gather's fused op on the whole operands
+    (one device's shapes), `reduce_kind` the sum's ("psum" or
+    "psum_scatter", over `n_reduce` ranks) on the dot as the reduce side's
+    fused op takes it. The sum's time alone is its reduce-scatter's
+    transfers (twice that for a psum: reduce-scatter, then all-gather)."""
+    machine = _auto.default_machine()
+    gather = _explain.predict(op, x_shape, w_shape, n_gather, dimension=dimension, dtype=dtype, machine=machine)
+    reduce = _explain.predict("matmul_reduce_scatter", reduce_x_shape, reduce_w_shape, n_reduce, dtype=dtype,
+                              machine=machine)
+    t_c, t_g = gather["t_compute"], gather["t_comm"]
+    t_r = reduce["t_comm"] * (2 if reduce_kind == "psum" else 1)
+    fixed = 0.0
+    if _auto.may_decline():
+        fixed = _auto.call_overhead_s(machine, n_gather, _fused.measure_call_overhead_s)
+    times = {
+        "gather": max(t_c, t_g) + t_r + fixed,
+        "reduce": t_g + max(t_c, t_r) + fixed,
+        "tiles": max(t_c, t_g) + t_r / tiles + tiles * fixed,
+    }
+    best = min(times, key=times.get)
+    us = _auto.us
+    why = (f"predicted {', '.join(f'{k} {us(v)}' for k, v in times.items())} (compute {us(t_c)}, gather "
+           f"{us(t_g)}, {reduce_kind} {us(t_r)})")
+    return best, why

@@ -88,8 +88,9 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     XLA's own collectives. Differentiable: the backward products are the
     ones JAX's own transpose of the dot makes, each partitioned the same way.
 
-    ``schedule``: "auto" (the cost model's pick for each fused op, which may
-    be jax.lax's own collective and dot), "ring", "bidirectional",
+    ``schedule``: "auto" (judged before partitioning, from the global shapes
+    and the mesh: a product it declines is XLA's own dot, as ``jnp.matmul``;
+    one it fuses runs the cost model's best schedule), "ring", "bidirectional",
     "sequential" or "unfused". A schedule the shardings make impossible
     (fewer rows than ranks, say) runs the unfused form, and the report says
     so. ``out_sharding`` is ``jnp.matmul``'s: with explicit mesh axes, the
@@ -97,12 +98,6 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     contraction). Outside ``jit``, on one device or inside a ``shard_map``
     over every mesh axis it is ``jnp.matmul``.
     """
-    return traced(x, w, schedule=schedule, precision=precision, preferred_element_type=preferred_element_type,
-                  out_sharding=out_sharding)[0]
-
-
-def traced(x, w, *, schedule="auto", precision=None, preferred_element_type=None, out_sharding=None, owner=0):
-    """`matmul`, and the number its partitioning reports under (``commfuse.matmul#N``)."""
     code = _schedule_code(schedule)
     if not hasattr(x, "ndim") or not hasattr(w, "ndim"):
         x, w = jnp.asarray(x), jnp.asarray(w)
@@ -110,9 +105,13 @@ def traced(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     _fused.fast_f32(OP, precision)  # checks it
     x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
     matmul_dims = (((x.ndim - 1,), (0,)), ((), ()))
-    static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding, code, owner,
-                       next(_sites))
-    return _fused_dot(x, w, static), static.site
+    static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding, code, 0,
+                       next(_sites), code == _abi.AUTO)
+    if code == _abi.AUTO:
+        fuse, _ = _decide_early(x, w, DotForm(x.shape, w.shape, matmul_dims, 0), out_dtype)
+        if not fuse:  # judged before partitioning: XLA's own dot, as jnp.matmul would be
+            return static.plain(x, w)
+    return _fused_dot(x, w, static)
 
 
 def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_element_type=None, out_sharding=None,

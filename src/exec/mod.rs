@@ -352,6 +352,32 @@ mod call_threads {
 }
 
 /// Runs one step; returns when it finished (model time, see `Wait::ready`).
+/// Runs `plan`'s steps on this thread, one after another in the plan's order
+/// (a valid order: every dependency comes first), telling `observer` what
+/// each lane did. For calls so small that handing a lane to another thread
+/// and waking it at every step costs more than the overlap could win. Every
+/// rank runs its plan in the same order and an exchange posts its sends
+/// before it waits, so the earliest exchange any rank waits in has its
+/// messages posted or coming: no rank waits for one that waits for it.
+pub fn run_in_order(plan: &Plan, backend: &dyn Backend, observer: Option<&dyn Observer>) -> Result<()> {
+    let cancelled = AtomicBool::new(false);
+    let watchers: Vec<(Lane, Box<dyn LaneObserver + '_>)> = match observer {
+        Some(o) => plan.lanes().into_iter().map(|lane| (lane, o.lane(lane))).collect(),
+        None => Vec::new(),
+    };
+    let mut previous = Instant::now();
+    for step in &plan.steps {
+        let watcher = watchers.iter().find(|(lane, _)| *lane == step.lane).map(|(_, w)| w.as_ref());
+        let started = Instant::now();
+        let wait = Wait { cancelled: &cancelled, watcher: watcher.map(|w| (w, step)), ready: previous };
+        previous = execute(backend, &step.action, &wait)?;
+        if let Some(w) = watcher {
+            w.step_done(step, started, Instant::now());
+        }
+    }
+    Ok(())
+}
+
 fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instant> {
     match action {
         Action::Matmul { block, src, dst, accumulate } => backend.matmul(*block, *src, *dst, *accumulate)?,

@@ -37,6 +37,15 @@ pub struct Buffers<'a> {
     pub workspace: &'a mut [u8],
 }
 
+/// How a call's lanes run (see `CpuBackend::run`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lanes {
+    /// In plan order on the calling thread when small and unmodelled, else on threads.
+    ByWork,
+    InOrder,
+    Threads,
+}
+
 /// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes
 /// ask, watched by `observer` if any.
 pub fn run(
@@ -45,6 +54,18 @@ pub fn run(
     buffers: Buffers<'_>,
     endpoint: &Endpoint,
     observer: Option<&dyn Observer>,
+) -> Result<()> {
+    run_lanes(problem, plan, buffers, endpoint, observer, Lanes::ByWork)
+}
+
+/// `run`, with its lanes run as `lanes` says.
+pub fn run_lanes(
+    problem: &Problem,
+    plan: &Plan,
+    buffers: Buffers<'_>,
+    endpoint: &Endpoint,
+    observer: Option<&dyn Observer>,
+    lanes: Lanes,
 ) -> Result<()> {
     // Python refuses fp8 on CPU at trace time; this is the backstop for a
     // call that bypasses it (every rank fails the same way, before any wait).
@@ -55,11 +76,11 @@ pub fn run(
     match problem.accumulator() {
         DType::F64 => {
             let backend = endpoint.compute(|| CpuBackend::<f64>::new(problem, plan, buffers, endpoint))?;
-            backend.run(plan, observer)
+            backend.run(plan, observer, lanes)
         }
         _ => {
             let backend = endpoint.compute(|| CpuBackend::<f32>::new(problem, plan, buffers, endpoint))?;
-            backend.run(plan, observer)
+            backend.run(plan, observer, lanes)
         }
     }
 }
@@ -193,7 +214,26 @@ impl CpuLayout {
     }
 }
 
+/// The most floating-point work (2 x multiply-adds, all of one rank's
+/// GEMMs) of a call run on one thread (`CpuBackend::run`): about 100 us on
+/// these hosts' cores, where waking a second lane's thread at each step
+/// costs about as much again (measured by `python -m commfuse.bench_call`).
+const IN_ORDER_MAX_FLOPS: f64 = 1.0e7;
+
 impl<'a, A: Accum> CpuBackend<'a, A> {
+    /// All of this rank's GEMM work in `plan`, in floating-point operations.
+    fn flops(&self, plan: &Plan) -> f64 {
+        plan.steps
+            .iter()
+            .filter_map(|step| match step.action {
+                crate::plan::Action::Matmul { block, src, dst, .. } => Some(self.problem.gemms(block, src, dst)),
+                _ => None,
+            })
+            .flatten()
+            .map(|g| 2.0 * g.lhs.1.rows as f64 * g.lhs.1.cols as f64 * g.rhs.1.cols as f64)
+            .sum()
+    }
+
     fn new(problem: &Problem, plan: &Plan, buffers: Buffers<'a>, endpoint: &'a Endpoint) -> Result<Self> {
         let layout = CpuLayout::new(problem)?;
         if buffers.workspace.len() < layout.total() {
@@ -239,9 +279,23 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         })
     }
 
-    /// Runs the plan, then tells the observer what it copied.
-    fn run(&self, plan: &Plan, observer: Option<&dyn Observer>) -> Result<()> {
-        exec::run(plan, self, observer)?;
+    /// Runs the plan, then tells the observer what it copied. Without the
+    /// link model a transfer is a handover that takes no time, so a call
+    /// whose GEMMs are small (`IN_ORDER_MAX_FLOPS`) runs on this thread in
+    /// plan order (`exec::run_in_order`): a second lane would only add a
+    /// thread wake-up per step. Larger calls keep their lanes, so a rank
+    /// computes ahead of a late peer as far as its plan allows.
+    fn run(&self, plan: &Plan, observer: Option<&dyn Observer>, lanes: Lanes) -> Result<()> {
+        let in_order = match lanes {
+            Lanes::ByWork => !self.endpoint.link_modelled() && self.flops(plan) <= IN_ORDER_MAX_FLOPS,
+            Lanes::InOrder => true,
+            Lanes::Threads => false,
+        };
+        if in_order {
+            exec::run_in_order(plan, self, observer)?;
+        } else {
+            exec::run(plan, self, observer)?;
+        }
         if let Some(observer) = observer {
             observer.copied(self.copies.get());
         }
@@ -576,6 +630,7 @@ mod tests {
         started: Instant,
         copies: Copies,
         computed: Vec<(crate::plan::Step, Instant, Instant)>,
+        out: Vec<u8>,
     }
 
     /// Runs `kind` over `n` ranks on f32 operands of the given dims, rank
@@ -588,6 +643,18 @@ mod tests {
         site: i64,
         late: (usize, Duration),
     ) -> Vec<RankRun> {
+        run_ranks_as(kind, schedule, n, dims, site, late, Lanes::ByWork)
+    }
+
+    fn run_ranks_as(
+        kind: OpKind,
+        schedule: Schedule,
+        n: usize,
+        dims: [&[i64]; 3],
+        site: i64,
+        late: (usize, Duration),
+        lanes: Lanes,
+    ) -> Vec<RankRun> {
         std::thread::scope(|scope| {
             let ranks: Vec<_> = (0..n)
                 .map(|rank| {
@@ -596,7 +663,11 @@ mod tests {
                         let [x, w, out] = dims.map(|d| (d, DType::F32));
                         let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], 0, &group).unwrap();
                         let bytes = |d: &[i64]| d.iter().product::<i64>() as usize * 4;
-                        let fill = |len: usize| (0..len).map(|i| (i % 7) as u8 + 1).collect::<Vec<u8>>();
+                        // f32 values of a few bits each, different on every rank: exact sums.
+                        let fill = |len: usize| {
+                            let values = (0..len / 4).map(|i| ((i * 7 + rank * 13) % 17) as f32 - 8.0);
+                            values.flat_map(f32::to_le_bytes).collect::<Vec<u8>>()
+                        };
                         let (xb, wb, mut ob) = (fill(bytes(x.0)), fill(bytes(w.0)), vec![0u8; bytes(out.0)]);
                         let mut workspace = vec![0u64; CpuLayout::new(&problem).unwrap().total().div_ceil(8)];
                         let workspace = bytemuck::cast_slice_mut::<u64, u8>(&mut workspace);
@@ -614,10 +685,10 @@ mod tests {
                         let endpoint = Endpoint::join(key, info);
                         let watch = Watch::default();
                         let buffers = Buffers { x: &xb, w: &wb, out: &mut ob, workspace };
-                        run(&problem, &plan, buffers, &endpoint, Some(&watch)).unwrap();
+                        run_lanes(&problem, &plan, buffers, &endpoint, Some(&watch), lanes).unwrap();
                         let copies = watch.copies.lock().unwrap().expect("the run reports its copies");
                         let computed = std::mem::take(&mut *watch.computed.lock().unwrap());
-                        RankRun { started, copies, computed }
+                        RankRun { started, copies, computed, out: ob }
                     })
                 })
                 .collect();
@@ -657,11 +728,50 @@ mod tests {
     }
 
     #[test]
+    fn in_plan_order_and_on_lane_threads_give_the_same_bits_for_every_kind_and_schedule() {
+        let (n, rows, k, cols) = (4i64, 8i64, 12i64, 4i64);
+        let mut site = 7400;
+        for kind in crate::abi::KINDS {
+            let dims = example_dims(kind, n, rows, k, cols);
+            let dims: [&[i64]; 3] = [&dims[0], &dims[1], &dims[2]];
+            for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {
+                site += 2;
+                let runs = |lanes, site| {
+                    run_ranks_as(kind, schedule, n as usize, dims, site, (0, Duration::ZERO), lanes)
+                        .into_iter()
+                        .map(|r| r.out)
+                        .collect::<Vec<_>>()
+                };
+                let (in_order, threads) = (runs(Lanes::InOrder, site), runs(Lanes::Threads, site + 1));
+                assert!(in_order.iter().flatten().any(|&b| b != 0), "{kind:?} {schedule:?}: all zeros");
+                assert_eq!(in_order, threads, "{kind:?} {schedule:?}");
+            }
+        }
+    }
+
+    /// Operand and result dims of `kind` over `n` ranks (canonical layouts, see `OpKind`).
+    fn example_dims(kind: OpKind, n: i64, m: i64, k: i64, c: i64) -> [Vec<i64>; 3] {
+        match kind {
+            OpKind::AllGatherMatmul => [vec![m, k], vec![k, c], vec![n * m, c]],
+            OpKind::AllGatherMatmulContract => [vec![m, k], vec![n * k, c], vec![m, c]],
+            OpKind::MatmulAllGather => [vec![k, c], vec![m, k], vec![m, n * c]],
+            OpKind::MatmulAllGatherContract => [vec![k, c], vec![m, n * k], vec![m, c]],
+            OpKind::MatmulReduceScatter => [vec![n * m, k], vec![k, c], vec![m, c]],
+            OpKind::MatmulReduceScatterCols => [vec![m, k], vec![k, n * c], vec![m, c]],
+            OpKind::AllToAllMatmul => [vec![n, m, k], vec![k, c], vec![n, m, c]],
+            OpKind::AllToAllMatmulContract => [vec![n, m, k], vec![n * k, c], vec![m, c]],
+            OpKind::MatmulAllToAll => [vec![n, m, k], vec![k, c], vec![n, m, c]],
+            OpKind::MatmulAllToAllCols => [vec![m, k], vec![k, n * c], vec![n, m, c]],
+        }
+    }
+
+    #[test]
     fn a_late_peer_does_not_stall_the_ring_scatter_gemms_of_the_others() {
         // Rank 1 starts 300 ms late. Every other rank computes its first
         // three partials (the run-ahead) before rank 1 has even started,
         // although from its second step on each rank's chain needs rank 1's sums.
-        let (n, rows, k, cols) = (4, 32, 64, 32);
+        // (Big enough to run on lanes: smaller calls run in plan order.)
+        let (n, rows, k, cols) = (4, 128, 256, 128);
         let dims: [&[i64]; 3] = [&[(n * rows) as i64, k as i64], &[k as i64, cols as i64], &[rows as i64, cols as i64]];
         let late = Duration::from_millis(300);
         let runs = run_ranks(OpKind::MatmulReduceScatter, Schedule::Ring, n, dims, 7300, (1, late));

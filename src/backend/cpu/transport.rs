@@ -125,7 +125,18 @@ impl State {
 
 struct Session {
     state: Mutex<State>,
-    delivered: Condvar,
+    /// Per rank, signalled when a message for it is posted or the session
+    /// fails: a send wakes its receiver only, not every waiting rank.
+    delivered: Vec<Condvar>,
+}
+
+impl Session {
+    /// Wakes every waiting rank: the session failed, each must see it.
+    fn wake_all(&self) {
+        for delivered in &self.delivered {
+            delivered.notify_all();
+        }
+    }
 }
 
 /// One rank's handle on its session; leaving (drop) tidies the session up.
@@ -188,7 +199,7 @@ impl Endpoint {
                         last_moved: now,
                         mailbox: HashMap::new(),
                     }),
-                    delivered: Condvar::new(),
+                    delivered: (0..n).map(|_| Condvar::new()).collect(),
                 })
             })
             .clone();
@@ -196,9 +207,9 @@ impl Endpoint {
             let mut state = lock(&session.state);
             state.arrived[info.rank] = true;
             state.active += 1;
+            // Waiters re-read `last_moved` when their sleep ends: nobody to wake.
             state.mark(info.rank, now);
         }
-        session.delivered.notify_all();
         Endpoint { key, session, info, link: None, positions: None }
     }
 
@@ -206,6 +217,11 @@ impl Endpoint {
     pub fn with_link(mut self, link: Option<link::LinkModel>) -> Endpoint {
         self.link = link;
         self
+    }
+
+    /// Whether sends are throttled by a link model (transfers then take time to overlap).
+    pub fn link_modelled(&self) -> bool {
+        self.link.is_some()
     }
 
     /// The link model sees rank r on device `positions.devices[positions.of_rank[r]]`
@@ -226,10 +242,10 @@ impl Endpoint {
             fn drop(&mut self) {
                 let mut state = lock(&self.0.session.state);
                 state.computing -= 1;
+                // A waiter whose sleep ends at the session's expiry re-reads
+                // `last_moved` then: waking every waiter at every step's end
+                // would cost each rank a switch per peer step for nothing.
                 state.mark(self.0.info.rank, Instant::now());
-                drop(state);
-                // A waiter sleeping until the session would expire re-reads it.
-                self.0.session.delivered.notify_all();
             }
         }
         lock(&self.session.state).computing += 1;
@@ -260,7 +276,7 @@ impl Endpoint {
         drop(state);
         // A stale message (only after a failure) is dropped outside the lock.
         drop(previous);
-        self.session.delivered.notify_all();
+        self.session.delivered[to].notify_all();
     }
 
     /// Waits for the message and returns its block, `len` bytes, and when it
@@ -291,14 +307,14 @@ impl Endpoint {
             if crate::config::interrupts() != self.info.interrupts {
                 let error = self.interrupted();
                 state.failure = Some((self.info.rank, error.clone()));
-                self.session.delivered.notify_all();
+                self.session.wake_all();
                 return Err(error);
             }
             let expires = state.last_moved + self.info.timeout;
             if state.computing == 0 && now >= expires {
                 let error = self.timeout(&state, from, tag, now - started);
                 state.failure = Some((self.info.rank, error.clone()));
-                self.session.delivered.notify_all();
+                self.session.wake_all();
                 return Err(error);
             }
             // Sleep until the message arrives or the session would expire,
@@ -310,7 +326,7 @@ impl Endpoint {
             if let Some(Some(at)) = arrival {
                 slice = slice.min(at - now);
             }
-            state = crate::sync::wait_timeout(&self.session.delivered, state, slice).0;
+            state = crate::sync::wait_timeout(&self.session.delivered[self.info.rank], state, slice).0;
         };
         drop(state);
         if message.len() != len {
@@ -331,7 +347,7 @@ impl Endpoint {
             state.failure = Some((self.info.rank, error.clone()));
         }
         drop(state);
-        self.session.delivered.notify_all();
+        self.session.wake_all();
     }
 
     /// "op (call site s, run r): rank i of n (device d)".

@@ -134,7 +134,9 @@ def _fwd(impl):
 
 def _reference_vjp(ref, x, w, dims, static, dy):
     split, concat = dims
-    f = lambda a, b: ref(a, b, static.axes, split_dimension=split, concat_dimension=concat)
+    # In the op's result dtype (bf16 operands may ask for f32 products), as the cotangent is.
+    f = lambda a, b: ref(a, b, static.axes, split_dimension=split, concat_dimension=concat,
+                         preferred_element_type=static.out_dtype)
     return jax.vjp(f, x, w)[1](dy.astype(static.out_dtype))
 
 

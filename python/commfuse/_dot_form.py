@@ -109,7 +109,11 @@ class DotForm:
         nx = len(self.x_free)
         w_free_shape = tuple(self.w_shape[d] for d in self.w_free)
         if len(w_free_shape) != 1:
-            y = y.reshape(tuple(y.shape[:nx]) + w_free_shape)
+            # The columns' first dim takes what the collective made of them (an
+            # all_to_all may have split or concatenated it); the others are w's.
+            rest = w_free_shape[1:]
+            first = y.shape[nx] // math.prod(rest) if rest else y.shape[nx]
+            y = y.reshape(tuple(y.shape[:nx]) + (first,) + rest)
         if self.x_side == 1:  # the dot's output lists the rhs's (x's) free dims last
             nw = len(w_free_shape)
             y = jax.lax.transpose(y, tuple(range(nx, nx + nw)) + tuple(range(nx)))

@@ -13,10 +13,11 @@ replaced by commfuse's fused, overlapped ops:
 * ``all_to_all`` (tiled) only feeding a ``dot_general`` -> ``all_to_all_matmul``,
   and ``dot_general`` only feeding an ``all_to_all`` -> ``matmul_all_to_all``.
 
-A ``dot_general`` qualifies when it is ``x @ w`` up to transposes: no batch
-dimensions, one contracting dimension, and one operand (``w``) 2-D. Transposes
-are inserted where the contracting dimension of ``x`` is not its last one, where
-``w`` contracts its last dimension, or where ``w`` is the left operand.
+A ``dot_general`` qualifies when it is ``x @ w`` up to transposes and
+flattening (``_dot_form.DotForm``: several contracting dims, weights of rank
+> 2, either operand as ``x``), or a grouped matmul with up to 16 batches (one
+fused call per batch). A dot with a gather into it and a sum of its result
+over another axis may run as tiles that hide both (``_both_sides``).
 Everything else is evaluated unchanged. When a fused op refuses its operands at
 trace time, the original equations are kept and the reason is reported.
 
@@ -95,9 +96,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
     ==========================================  ===================================
 
     where the collective's result is used only by the dot (or the dot's only by
-    the collective), and the ``dot_general`` is ``x @ w`` up to transposes with
-    ``w`` 2-D (``x`` may carry any number of leading dims). Anything else runs
-    unchanged.
+    the collective), and the ``dot_general`` is ``x @ w`` up to transposes and
+    flattening, or a grouped matmul (one fused call per batch). Outside
+    shard_map bodies, under ``jax.jit``, every such dot becomes
+    ``commfuse.matmul``. Anything else runs unchanged.
 
     ``schedule`` is given to every fused op the rewrite makes: ``"auto"`` (the
     cost model's pick per op, which may be to leave a pair unfused where it

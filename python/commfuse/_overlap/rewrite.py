@@ -17,10 +17,14 @@ The patterns, with ``~>`` a chain of single-use value-preserving casts
   ``all_to_all`` or ``psum``.
 
 A dot_general is fused in its general form (``DotForm``): weights of rank
-> 2 and several contracting dims are flattened to the 2-D ops; batch dims
-are not (each batch would be its own product). A dot next to two
-collectives (a gather feeding it and a scatter of its result) is fused with
-the one that moves more bytes.
+> 2 and several contracting dims are flattened to the 2-D ops; a grouped
+matmul (batch dims) is one fused call per batch (``BatchedDot``), and
+expert parallelism's all_to_all over the expert dim one per local expert.
+A dot with a gather into it and a sum of its result over other axes is run
+as the cost model prefers (``_both_sides``): tiles that hide both, or one
+side fused; other dots next to two collectives are fused with the one that
+moves more bytes. Every value the rewrite reads is there by construction:
+one no fusion produced is computed by its own equation (`Rewriter.read`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """The JAX version differences commfuse meets, in one place.
 
 Supported: jax 0.10.2 (what Python 3.11 gets) to 0.12.x (Python 3.12), both
-tested in CI. Only public names are used; where a name moved between those
-versions, both spellings are tried here and nowhere else.
+tested in CI. Where a name moved between those versions, both spellings are
+tried here and nowhere else. Public names only, but for the one handle JAX
+keeps private and commfuse needs (`distributed_client`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import jax
-from jax.extend.core import Primitive
-from jax.extend.mlir.dialects import sdy
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import batching
 
 # How batching rules mark an unbatched value.
 NOT_MAPPED = getattr(batching, "not_mapped", None)
@@ -75,54 +73,6 @@ def bind_eqn(eqn, invals) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-# ----------------------------------------------------------------------------
-# Sharding groups: two values with one sharding. jax 0.10's
-# `jax.experimental.shard_alike` is gone from 0.11; Shardy's sharding groups
-# (what it lowered to) are public in both through `jax.extend.mlir`.
-# ----------------------------------------------------------------------------
-_group_ids = itertools.count()
-_same_sharding_p = Primitive("commfuse_same_sharding")
-_same_sharding_p.multiple_results = True
-_same_sharding_p.def_abstract_eval(lambda x, y: (x, y))
-_same_sharding_p.def_impl(lambda x, y: (x, y))
-
-
-def same_sharding(x, y):
-    """``(x, y)`` unchanged, with the partitioner told to shard them alike."""
-    if x.shape != y.shape:
-        raise ValueError(f"same_sharding: shapes differ: {x.shape} vs {y.shape}")
-    return tuple(_same_sharding_p.bind(x, y))
-
-
-def _same_sharding_lowering(ctx, x, y):
-    if jax.config.jax_use_shardy_partitioner:
-        group = next(_group_ids)
-        sdy.sharding_group(x, group)
-        sdy.sharding_group(y, group)
-    return [x, y]
-
-
-def _same_sharding_transpose(cts, **_):
-    x_ct, y_ct = cts
-    if type(x_ct) is ad.Zero or type(y_ct) is ad.Zero:
-        return x_ct, y_ct
-    return same_sharding(x_ct, y_ct)
-
-
-def _same_sharding_batch(args, dims):
-    x, y = args
-    xd, yd = dims
-    if xd is NOT_MAPPED and yd is NOT_MAPPED:
-        return same_sharding(x, y), (xd, yd)
-    # A batched pair: grouping is only a hint, so it is dropped.
-    return (x, y), (xd, yd)
-
-
-ad.deflinear(_same_sharding_p, _same_sharding_transpose)
-mlir.register_lowering(_same_sharding_p, _same_sharding_lowering)
-batching.primitive_batchers[_same_sharding_p] = _same_sharding_batch
-
-
 def auto_axes_scope():
     """A context in which the current abstract mesh's explicit axes are
     automatic. From jax 0.11 a ``custom_partitioning`` rule's lowering runs
@@ -135,3 +85,14 @@ def auto_axes_scope():
         return contextlib.nullcontext()
     auto = jax.sharding.AxisType.Auto
     return jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: auto for a in mesh.explicit_axes}))
+
+
+def distributed_client():
+    """The client of ``jax.distributed``'s key-value store (None before
+    ``jax.distributed.initialize``). JAX has no public handle on it, and
+    groups spanning processes exchange their NCCL ids through it
+    (`_nccl_id`): the one private name commfuse reads, here only, checked
+    on both JAX versions by ``jax_tests/test_gpu.py``'s two-process tests."""
+    from jax._src import distributed
+
+    return getattr(getattr(distributed, "global_state", None), "client", None)

@@ -645,10 +645,8 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fas
 
 
 def _apply_primitive(*args, **params):
-    # Eager use (shard_map without jit): compile the one op, as JAX does.
-    from jax._src import dispatch
-
-    return dispatch.apply_primitive(_PRIMITIVE, *args, **params)
+    # Bound outside any trace: compile the one op, as JAX does for its own.
+    return jax.jit(partial(_PRIMITIVE.bind, **params))(*args)
 
 
 _PRIMITIVE = Primitive("commfuse_collective_matmul")

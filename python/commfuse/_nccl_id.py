@@ -118,9 +118,9 @@ def exchange(groups: Sequence[Sequence[int]], process_of: dict, me: int, client,
 
 
 def _default_client():
-    from jax._src import distributed
+    from . import _compat
 
-    client = distributed.global_state.client
+    client = _compat.distributed_client()
     if client is None:
         raise NotImplementedError(
             "commfuse: this mesh spans processes, but jax.distributed is not initialised: the NCCL unique ids "

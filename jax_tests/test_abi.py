@@ -23,6 +23,13 @@ def test_python_and_the_library_have_the_same_tables():
     assert tables["chunks_shift"] == _abi.CHUNKS_SHIFT
     assert tables["dtypes"] == {d.name: c for d, c in _abi.CODES.items()}
     assert set(tables["limits"]) == {"max_ranks", "max_chunks", "max_cut_blocks", "max_elements"}
+    assert set(tables["kind_info"]) == {k.name for k in _abi.Kind}
+    assert _abi.ROW_BLOCK_KINDS == {_abi.Kind.ALL_GATHER_MATMUL, _abi.Kind.MATMUL_REDUCE_SCATTER}
+    # Each kind's operand names are the ones its errors use (`abi::KINDS` order).
+    for kind, info in tables["kind_info"].items():
+        assert info["operands"] == (["w", "x"] if info["op"] == "matmul_all_gather" else ["x", "w"]), kind
+    # The attributes the lowering writes are the contract's.
+    assert {"kind", "site", "schedule", "dimension", "mesh_devices", "mesh_shape", "axes"} <= set(_abi.ATTRIBUTES)
 
 
 def test_schedule_codes_round_trip_through_names():
@@ -34,7 +41,7 @@ def test_schedule_codes_round_trip_through_names():
 
 
 def test_prepare_answers_shape_schedule_workspaces_and_plan():
-    call = _abi.call(_abi.Kind.ALL_GATHER_MATMUL, _abi.SCHEDULES["ring"], 4, 0, (8, 16), (16, 4), jnp.bfloat16,
+    call = _abi.call_shapes(_abi.Kind.ALL_GATHER_MATMUL, _abi.SCHEDULES["ring"], 4, 0, (8, 16), (16, 4), jnp.bfloat16,
                      jnp.bfloat16)
     r = _abi.prepare(call)
     assert r["out"] == [32, 4] and r["schedule_name"] == "ring"
@@ -96,7 +103,7 @@ def _lowered(platform):
 
 
 def test_each_platform_lowers_its_own_workspace(monkeypatch):
-    r = _abi.prepare(_abi.call(_abi.Kind.ALL_GATHER_MATMUL, _abi.SCHEDULES["ring"], 4, 0, (8, 16), (16, 8),
+    r = _abi.prepare(_abi.call_shapes(_abi.Kind.ALL_GATHER_MATMUL, _abi.SCHEDULES["ring"], 4, 0, (8, 16), (16, 8),
                                jnp.bfloat16, jnp.bfloat16))
 
     def workspace_bytes(text, target):

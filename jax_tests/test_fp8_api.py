@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import commfuse
-from commfuse import _fused, _native
+from commfuse import _checks, _native
 from conftest import mesh1d, place, rand, sharded_fn, spec_on
 from jax.sharding import PartitionSpec as P
 
@@ -96,7 +96,7 @@ def test_an_fp8_result_type_other_than_bf16_f16_f32_is_a_type_error(out):
 def pretend_cuda(monkeypatch):
     """The trace-time backend check passes and the CUDA target 'exists', so
     the lowering can be inspected on a machine without a GPU."""
-    monkeypatch.setattr(_fused, "_require_fp8_backend", lambda op, dtype: None)
+    monkeypatch.setattr(_checks, "_require_fp8_backend", lambda op, dtype: None)
     monkeypatch.setattr(_native, "cuda_target", lambda: _native.CUDA_TARGET)
 
 

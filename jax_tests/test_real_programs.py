@@ -5,6 +5,8 @@ not to fuse, and a report line for every shard_map body."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import commfuse
+from commfuse import _calibration
 from conftest import assert_close, place, rand
 from programs import fsdp_mlp, make_mesh
 
@@ -237,8 +240,15 @@ def test_matmul_all_reduce_refuses_rows_that_do_not_split_for_a_fused_schedule()
 # --------------------------------------------------------------------------
 # auto may choose not to fuse; overlap(schedule=...)
 # --------------------------------------------------------------------------
-def test_auto_runs_small_calls_unfused_and_says_why(monkeypatch):
+def test_auto_runs_small_calls_unfused_and_says_why(monkeypatch, tmp_path):
+    """With this machine's figures cached as a fused call costing 1 ms, a
+    small call's predicted gain is less: auto keeps it unfused and says so."""
     monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
+    _calibration.forget()
+    monkeypatch.setattr(_calibration, "_MEMORY", {})
+    figures = {"cpu_gemm_gflops": 50.0, **{f"cpu_call_overhead_s/{n}": 1e-3 for n in range(2, 17)}}
+    _calibration.path().write_text(json.dumps({"figures": figures}))
     mesh = make_mesh({"x": 4})
     body = lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True)  # noqa: E731
     f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))

@@ -31,6 +31,24 @@ pub const KINDS: [OpKind; 10] = [
     OpKind::MatmulAllToAllCols,
 ];
 
+/// The attributes of a fused op's call, as Python's lowering writes them
+/// (`_fused._lower_target`) and `call::SiteKey` and the CUDA handler read
+/// them: `tf32` (CUDA), `local_ordinals`, `nccl_groups` and `nccl_ids`
+/// (CUDA, meshes spanning processes) are optional.
+pub const ATTRIBUTES: [&str; 11] = [
+    "kind",
+    "site",
+    "schedule",
+    "dimension",
+    "mesh_devices",
+    "mesh_shape",
+    "axes",
+    "tf32",
+    "local_ordinals",
+    "nccl_groups",
+    "nccl_ids",
+];
+
 /// The op kind of a `kind` code.
 pub fn kind(code: i64) -> Result<OpKind> {
     usize::try_from(code)
@@ -82,9 +100,7 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                     plan::MAX_CHUNKS
                 )));
             }
-            if !Schedule::sliceable(kind.pattern())
-                || !matches!(kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter)
-            {
+            if !Schedule::sliceable(kind.pattern()) || !kind.row_blocks() {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: schedule \"{what}\" exists only for all_gather_matmul and matmul_reduce_scatter along a \
                      row dim"
@@ -203,8 +219,18 @@ pub fn tables() -> Value {
     let schedules: serde_json::Map<String, Value> = SCHEDULES.iter().map(|&(n, c)| (n.to_string(), json!(c))).collect();
     let dtypes: serde_json::Map<String, Value> =
         DTYPES.iter().map(|&(d, c)| (d.name().to_string(), json!(c))).collect();
+    // What each kind takes, for Python's checks (one definition, here).
+    let kind_info: serde_json::Map<String, Value> = KINDS
+        .iter()
+        .map(|&k| {
+            let info = json!({"operands": k.operand_names(), "op": k.name(), "row_blocks": k.row_blocks()});
+            (screaming_snake(&format!("{k:?}")), info)
+        })
+        .collect();
     json!({
         "kinds": kinds,
+        "kind_info": kind_info,
+        "attributes": ATTRIBUTES,
         "schedules": schedules,
         "chunks_shift": CHUNKS_SHIFT,
         "dtypes": dtypes,

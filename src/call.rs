@@ -1,8 +1,9 @@
-//! One XLA call of a fused op, decoded once from its frame for either
-//! backend: the op, its schedule, the group, the problem and this rank's
-//! plan, and the deadline settings as they are when the call runs. Each
-//! backend's handler (`backend::cpu::handler`, `backend::cuda::handler`)
-//! reads its buffers and calls `Call::decode`.
+//! One XLA call of a fused op, decoded for either backend: the op, its
+//! schedule, the group, the problem and this rank's plan (a `CallSite`,
+//! decoded once per call site and device and kept, see `sites`), and the
+//! deadline settings as they are when the call runs. Each backend's handler
+//! (`backend::cpu::handler`, `backend::cuda::handler`) reads its buffers and
+//! calls `Call::decode`.
 #![forbid(unsafe_code)]
 
 use crate::abi;
@@ -12,9 +13,49 @@ use crate::group::Group;
 use crate::plan::{self, Plan, Schedule};
 use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
+use std::ops::Deref;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub struct Call {
+/// The attributes of a fused op's call, as `python/commfuse/_fused.py`
+/// lowers them (`_lower_target`), with its operands' shapes:
+/// all a call site decodes from, so also the key its `CallSite` is kept under.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SiteKey {
+    pub kind: i64,
+    pub site: i64,
+    pub schedule: i64,
+    pub dimension: i64,
+    pub mesh_devices: Vec<i64>,
+    pub mesh_shape: Vec<i64>,
+    pub axes: Vec<i64>,
+    /// This call's device id in the mesh.
+    pub device: i64,
+    /// Operands x, w and result out: dims and dtype, as the backend read them.
+    pub operands: [(Vec<i64>, DType); 3],
+}
+
+impl SiteKey {
+    pub fn decode(frame: &Frame<'_>, [x, w, out]: [(&[i64], DType); 3], device: i64) -> Result<SiteKey> {
+        let array = |name| frame.attr_i64_array(name).map(<[i64]>::to_vec);
+        Ok(SiteKey {
+            kind: frame.attr_i64("kind")?,
+            site: frame.attr_i64("site")?,
+            schedule: frame.attr_i64("schedule")?,
+            dimension: frame.attr_i64("dimension")?,
+            mesh_devices: array("mesh_devices")?,
+            mesh_shape: array("mesh_shape")?,
+            axes: array("axes")?,
+            device,
+            operands: [x, w, out].map(|(dims, dtype)| (dims.to_vec(), dtype)),
+        })
+    }
+}
+
+/// What one call site decodes to on one device: everything a call needs but
+/// its buffers and its clock.
+#[derive(Debug)]
+pub struct CallSite {
     pub kind: OpKind,
     /// The call site (the lowering's `site` attribute).
     pub site: i64,
@@ -23,6 +64,27 @@ pub struct Call {
     /// The problem as the schedule cuts it, and this rank's plan.
     pub problem: Problem,
     pub plan: Plan,
+    /// All of this rank's GEMM work, in floating-point operations (`plan_flops`).
+    pub flops: f64,
+}
+
+impl CallSite {
+    fn decode(key: &SiteKey) -> Result<CallSite> {
+        let kind = abi::kind(key.kind)?;
+        let schedule = abi::schedule(kind, key.schedule)?;
+        let group = Group::from_mesh(&key.mesh_devices, &key.mesh_shape, &key.axes, key.device)?;
+        let [x, w, out] = &key.operands;
+        let dims = [(x.0.as_slice(), x.1), (w.0.as_slice(), w.1), (out.0.as_slice(), out.1)];
+        let (problem, plan) = problem_and_plan(kind, schedule, dims, key.dimension, &group)?;
+        let flops = plan_flops(&problem, &plan);
+        Ok(CallSite { kind, site: key.site, schedule, group, problem, plan, flops })
+    }
+}
+
+/// One call: its decoded site (shared with every other call of the site)
+/// and what is read when XLA calls the handler.
+pub struct Call {
+    pub decoded: Arc<CallSite>,
     /// How long a wait may go without progress (`config::timeout`).
     pub timeout: Duration,
     /// When XLA called the handler: host waits that have no progress to
@@ -32,24 +94,24 @@ pub struct Call {
     pub interrupts: u64,
 }
 
+impl Deref for Call {
+    type Target = CallSite;
+
+    fn deref(&self) -> &CallSite {
+        &self.decoded
+    }
+}
+
 impl Call {
     /// Decodes the attributes of `frame` for operands `x`, `w` and result
     /// `out` (dims and dtype, as the backend read them), with `device` this
-    /// call's device id in the mesh.
-    pub fn decode(frame: &Frame<'_>, [x, w, out]: [(&[i64], DType); 3], device: i64) -> Result<Call> {
+    /// call's device id in the mesh; the site's plan is made once (`sites`).
+    pub fn decode(frame: &Frame<'_>, operands: [(&[i64], DType); 3], device: i64) -> Result<Call> {
         let started = Instant::now();
         let interrupts = crate::config::interrupts();
-        let kind = abi::kind(frame.attr_i64("kind")?)?;
-        let site = frame.attr_i64("site")?;
-        let schedule = abi::schedule(kind, frame.attr_i64("schedule")?)?;
-        let group = Group::from_mesh(
-            frame.attr_i64_array("mesh_devices")?,
-            frame.attr_i64_array("mesh_shape")?,
-            frame.attr_i64_array("axes")?,
-            device,
-        )?;
-        let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], frame.attr_i64("dimension")?, &group)?;
-        Ok(Call { kind, site, schedule, group, problem, plan, timeout: crate::config::timeout()?, started, interrupts })
+        let key = SiteKey::decode(frame, operands, device)?;
+        let decoded = sites::get_or_decode(key)?;
+        Ok(Call { decoded, timeout: crate::config::timeout()?, started, interrupts })
     }
 
     /// The user's names of operands 0 and 1 of `frame`'s call (see
@@ -61,6 +123,48 @@ impl Call {
 
     pub fn deadline(&self) -> Instant {
         self.started + self.timeout
+    }
+}
+
+/// The decoded call sites of this process, by `SiteKey`. A site's
+/// attributes and shapes are fixed once lowered, so its plan is made on its
+/// first call and shared by the later ones (a plan of N ranks is O(N)
+/// steps: made per call it would cost each call that much again). Bounded:
+/// when full it starts over, so a process that lowers programs forever
+/// keeps only recent sites.
+pub mod sites {
+    use super::{CallSite, SiteKey};
+    use crate::error::Result;
+    use crate::sync::lock;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    /// The most sites kept (every device of a site is one).
+    pub const MOST: usize = 4096;
+
+    fn cache() -> &'static Mutex<HashMap<SiteKey, Arc<CallSite>>> {
+        static CACHE: OnceLock<Mutex<HashMap<SiteKey, Arc<CallSite>>>> = OnceLock::new();
+        CACHE.get_or_init(Default::default)
+    }
+
+    /// The site `key` describes, decoded on its first call. A key that
+    /// does not decode is not kept: each call fails with its error again.
+    pub fn get_or_decode(key: SiteKey) -> Result<Arc<CallSite>> {
+        if let Some(site) = lock(cache()).get(&key) {
+            return Ok(site.clone());
+        }
+        // Decoded outside the lock: other devices' calls need not wait for it.
+        let site = Arc::new(CallSite::decode(&key)?);
+        let mut cache = lock(cache());
+        if cache.len() >= MOST {
+            cache.clear();
+        }
+        Ok(cache.entry(key).or_insert(site).clone())
+    }
+
+    #[cfg(test)]
+    pub fn contains(key: &SiteKey) -> bool {
+        lock(cache()).contains_key(key)
     }
 }
 
@@ -79,4 +183,59 @@ pub fn problem_and_plan(
     let problem = Problem::new(kind, operand(x), operand(w), operand(out), dimension, group.size())?;
     let problem = problem.for_schedule(schedule)?;
     Ok((problem, plan::plan(kind.pattern(), schedule, group.size(), group.rank)))
+}
+
+/// All of one rank's GEMM work in `plan`, in floating-point operations (2 per multiply-add).
+pub fn plan_flops(problem: &Problem, plan: &Plan) -> f64 {
+    plan.steps
+        .iter()
+        .filter_map(|step| match step.action {
+            plan::Action::Matmul { block, src, dst, .. } => Some(problem.gemms(block, src, dst)),
+            _ => None,
+        })
+        .flatten()
+        .map(|g| 2.0 * g.lhs.1.rows as f64 * g.lhs.1.cols as f64 * g.rhs.1.cols as f64)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(site: i64, device: i64, rows: i64) -> SiteKey {
+        SiteKey {
+            kind: 0,
+            site,
+            schedule: 1,
+            dimension: 0,
+            mesh_devices: vec![10, 11, 12, 13],
+            mesh_shape: vec![4],
+            axes: vec![0],
+            device,
+            operands: [(vec![rows, 8], DType::F32), (vec![8, 4], DType::F32), (vec![4 * rows, 4], DType::F32)],
+        }
+    }
+
+    #[test]
+    fn a_site_is_decoded_once_and_shared_by_its_calls() {
+        let first = sites::get_or_decode(key(-501, 11, 2)).unwrap();
+        let again = sites::get_or_decode(key(-501, 11, 2)).unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        assert_eq!((first.group.rank, first.kind), (1, OpKind::AllGatherMatmul));
+        // Another device, or other shapes, is another site.
+        let other_device = sites::get_or_decode(key(-501, 12, 2)).unwrap();
+        let other_shapes = sites::get_or_decode(key(-501, 11, 3)).unwrap();
+        assert!(!Arc::ptr_eq(&first, &other_device) && !Arc::ptr_eq(&first, &other_shapes));
+        assert_eq!(other_device.group.rank, 2);
+    }
+
+    #[test]
+    fn a_site_that_does_not_decode_fails_every_call_and_is_not_kept() {
+        let bad = key(-502, 99, 2); // device 99 is not in the mesh
+        for _ in 0..2 {
+            let e = sites::get_or_decode(bad.clone()).unwrap_err();
+            assert!(e.to_string().contains("not in the mesh"), "{e}");
+            assert!(!sites::contains(&bad));
+        }
+    }
 }

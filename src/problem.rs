@@ -59,6 +59,13 @@ impl OpKind {
         }
     }
 
+    /// Whether the kind gathers or scatters row blocks of `x` (any row dim):
+    /// the kinds the "sliced" and "tiled" schedules cut, fp8 takes and vmap
+    /// batches over `x` (a batch dim becomes one more row dim).
+    pub fn row_blocks(self) -> bool {
+        matches!(self, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter)
+    }
+
     pub fn pattern(self) -> Pattern {
         use OpKind::*;
         match self {
@@ -382,7 +389,7 @@ impl Problem {
     /// `sliced` and `tiled`; `what` and `unit` name the schedule and its chunks in errors.
     fn cut_blocks(mut self, slices: usize, what: &str, unit: &str) -> Result<Problem> {
         let name = self.kind.name();
-        if !matches!(self.kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter) {
+        if !self.kind.row_blocks() {
             bail!(InvalidArgument, "{name}: the {what} schedule needs a row gather or scatter");
         }
         if slices == 0 {

@@ -128,7 +128,7 @@ fn every_kernel_compiles_to_cubin_for_sm80_sm90_and_sm100() {
 #[test]
 #[ignore = "needs pip's NVRTC: .ci/run runs it with COMMFUSE_TEST_CUDA_ROOT for CUDA 12 and 13"]
 fn sum_kernels_take_the_parameters_the_launch_passes() {
-    use commfuse::backend::cuda::{device::SUM_KERNELS, lowering::MAX_TERMS};
+    use commfuse::backend::cuda::{addresses::MAX_TERMS, device::SUM_KERNELS};
     install();
     let ptx = compile(SOURCES[0], &Target::Ptx(80), &[]).unwrap().image;
     let ptx = String::from_utf8_lossy(&ptx);

@@ -55,7 +55,7 @@ fn an_interrupt_ends_a_wait_at_once_and_later_calls_run() {
 #[cfg(feature = "cuda")]
 #[test]
 fn an_interrupt_ends_a_host_side_poll_of_the_cuda_backend() {
-    use commfuse::backend::cuda::lowering::{poll_until, Poll};
+    use commfuse::backend::cuda::addresses::{poll_until, Poll};
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let start = Instant::now();
     let interrupter = std::thread::spawn(|| {

@@ -87,7 +87,7 @@ FP8_CODES = {
 CODES = {**DTYPE_CODES, **FP8_CODES}
 
 
-class Call(NamedTuple):
+class CallShapes(NamedTuple):
     """One call as the library takes it (``abi::CallShapes``): the operands
     in the kind's layout; the result's shape follows from them."""
     kind: int
@@ -100,8 +100,9 @@ class Call(NamedTuple):
     output: int
 
 
-def call(kind, schedule: int, ranks: int, dimension: int, x_shape, w_shape, input_dtype, output_dtype) -> Call:
-    return Call(int(kind), int(schedule), int(ranks), int(dimension), tuple(int(d) for d in x_shape),
+def call_shapes(kind, schedule: int, ranks: int, dimension: int, x_shape, w_shape, input_dtype,
+                output_dtype) -> CallShapes:
+    return CallShapes(int(kind), int(schedule), int(ranks), int(dimension), tuple(int(d) for d in x_shape),
                 tuple(int(d) for d in w_shape), CODES[jnp.dtype(input_dtype)], CODES[jnp.dtype(output_dtype)])
 
 
@@ -125,7 +126,7 @@ def _ask(function, *args) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def prepare(call: Call, machine: str | None = None, gemm_gflops: float | None = None, explain: bool = False) -> dict:
+def prepare(call: CallShapes, machine: str | None = None, gemm_gflops: float | None = None, explain: bool = False) -> dict:
     """The library's answer for `call` (``src/prepare.rs``): ``out`` (the
     result's shape), ``schedule`` (the code to run: the one asked for, or
     ``auto``'s pick on `machine`), ``schedule_name``, ``workspace``
@@ -143,10 +144,15 @@ def prepare(call: Call, machine: str | None = None, gemm_gflops: float | None = 
 
 
 def tables() -> dict:
-    """The library's tables (``abi::tables``): kinds, schedules, chunks shift, dtypes, limits."""
+    """The library's tables (``abi::tables``): kinds and what each takes,
+    schedules, chunks shift, dtypes, limits, attribute names."""
     return json.loads(_ask(lib.commfuse_abi_tables))
 
 
 # The library's limits on axis sizes, chunk counts and element counts
 # (``plan::MAX_*``, ``problem::MAX_ELEMENTS``), checked again at trace time.
 LIMITS = tables()["limits"]
+# Each kind's facts (``OpKind``'s, exported): the kinds of row blocks (what
+# "sliced"/"tiled", fp8 and vmap take), and the attribute names of a call.
+ROW_BLOCK_KINDS = frozenset(Kind[name] for name, info in tables()["kind_info"].items() if info["row_blocks"])
+ATTRIBUTES = tuple(tables()["attributes"])

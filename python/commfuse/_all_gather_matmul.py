@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from . import _fused
+from . import _checks, _fp8, _fused
 from ._abi import Kind
 
 OP = "all_gather_matmul"
@@ -38,18 +38,18 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", s
     ``preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w)))``,
     bfloat16 by default. On CPU, fp8 operands are a TypeError.
     """
-    axes, ranks = _fused.axis_group(OP, axis_name)
-    _fused.check_matmul_operands(OP, x, w)
-    _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)  # not the contraction
+    axes, ranks = _checks.axis_group(OP, axis_name)
+    _checks.check_matmul_operands(OP, x, w)
+    _checks.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)  # not the contraction
     kind, dimension, _, _ = layout(x.shape, w.shape, ranks, gather_dimension)
-    code = _fused.check_schedule(OP, schedule, slices, tiles)
-    fp8 = _fused.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
+    code = _checks.check_schedule(OP, schedule, slices, tiles)
+    fp8 = _checks.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
     if fp8 is not None:
-        _fused.check_precision(OP, precision)
-        return _fused.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
+        _checks.check_precision(OP, precision)
+        return _fp8.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
                                schedule=code)
-    x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
-                                  precision=precision, preferred_element_type=preferred_element_type)
+    x, w, static = _fused.static_of(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
+                                    precision=precision, preferred_element_type=preferred_element_type)
     return _gather_rows(x, w, static)
 
 
@@ -58,7 +58,7 @@ def layout(x_shape, w_shape, ranks: int, gather_dimension: int = 0) -> tuple:
     shapes: (kind, its dimension, the first operand's shape, the second's).
     Gathering x's last dim (the contraction: this op's weight gradient) is
     the accumulating kind; `commfuse.explain` takes it too."""
-    d = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, len(x_shape), allow_last=True)
+    d = _checks.normalize_dimension(OP, "gather_dimension", gather_dimension, len(x_shape), allow_last=True)
     if d == len(x_shape) - 1:
         return Kind.ALL_GATHER_MATMUL_CONTRACT, 0, (math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)
     return Kind.ALL_GATHER_MATMUL, d, tuple(x_shape), tuple(w_shape)

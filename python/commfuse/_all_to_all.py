@@ -18,7 +18,7 @@ from functools import partial
 
 import jax
 
-from . import _fused, reference
+from . import _checks, _fused, reference
 from ._abi import Kind
 
 A2A_MM = "all_to_all_matmul"
@@ -27,22 +27,22 @@ MM_A2A = "matmul_all_to_all"
 
 def _check(op, x, w, axis_name, split_dimension, concat_dimension, schedule, precision, preferred_element_type,
            split_may_be_last):
-    axes, ranks = _fused.axis_group(op, axis_name)
+    axes, ranks = _checks.axis_group(op, axis_name)
     if x.ndim < 2 or w.ndim != 2:
-        _fused.check_matmul_operands(op, x, w)  # the rank errors, before the dims are read
-    split = _fused.normalize_dimension(op, "split_dimension", split_dimension, x.ndim, allow_last=split_may_be_last)
-    concat = _fused.normalize_dimension(op, "concat_dimension", concat_dimension, x.ndim, allow_last=True)
+        _checks.check_matmul_operands(op, x, w)  # the rank errors, before the dims are read
+    split = _checks.normalize_dimension(op, "split_dimension", split_dimension, x.ndim, allow_last=split_may_be_last)
+    concat = _checks.normalize_dimension(op, "concat_dimension", concat_dimension, x.ndim, allow_last=True)
     # all_to_all_matmul contracts after the exchange, which widens x's last dim when it concatenates there.
     widens = op == A2A_MM and concat == x.ndim - 1
-    _fused.check_matmul_operands(op, x, w, x_factor=ranks if widens else 1)
+    _checks.check_matmul_operands(op, x, w, x_factor=ranks if widens else 1)
     size = w.shape[1] if split == x.ndim - 1 else x.shape[split]
     if size % ranks:
         raise ValueError(
             f"commfuse.{op}: split_dimension {split} has size {size}, which is not divisible by the size "
             f"{ranks} of axis {axis_name!r}")
-    code = _fused.check_schedule(op, schedule)
-    x, w, static = _fused.prepare(op, x, w, axes=axes, ranks=ranks, dimension=0, schedule_code=code,
-                                  precision=precision, preferred_element_type=preferred_element_type)
+    code = _checks.check_schedule(op, schedule)
+    x, w, static = _fused.static_of(op, x, w, axes=axes, ranks=ranks, dimension=0, schedule_code=code,
+                                    precision=precision, preferred_element_type=preferred_element_type)
     return x, w, (split, concat), static
 
 

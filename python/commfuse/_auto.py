@@ -74,7 +74,7 @@ def machine_rate(spec: str) -> float | None:
     return cpu_gemm_gflops() if spec.startswith("cpu_here") else None
 
 
-def _prepared(shapes: _abi.Call, spec: str) -> dict:
+def _prepared(shapes: _abi.CallShapes, spec: str) -> dict:
     try:
         return _abi.prepare(shapes, spec, machine_rate(spec))
     except ValueError as e:
@@ -85,7 +85,7 @@ def _prepared(shapes: _abi.Call, spec: str) -> dict:
             from None
 
 
-def prepare(shapes: _abi.Call, measure_overhead, *, decline: bool = True) -> tuple:
+def resolve(shapes: _abi.CallShapes, measure_overhead, *, decline: bool = True) -> tuple:
     """(prepared, schedule code, why) for an ``auto`` call: the library's
     answer on `default_machine()`, and the schedule to run, the model's pick
     or `_abi.UNFUSED` (see `decide`; never unfused when not `decline`).
@@ -174,7 +174,7 @@ def decide_dot(m: int, k: int, n: int, dtype, out_dtype, mesh_axes: dict | None,
     spec = default_machine()
     verdicts = []
     for op, kind, x_shape, w_shape in layouts:
-        shapes = _abi.call(kind, _abi.AUTO, ranks, 0, x_shape, w_shape, dtype, out_dtype)
+        shapes = _abi.call_shapes(kind, _abi.AUTO, ranks, 0, x_shape, w_shape, dtype, out_dtype)
         code, why = decide(_prepared(shapes, spec), ranks, spec, measure_overhead, True)
         verdicts.append((code != _abi.UNFUSED, f"as {op} over {ranks}: {why}"))
     fuse = all(ok for ok, _ in verdicts)

@@ -93,7 +93,7 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
         raise ValueError(f"commfuse.explain: gemm_gflops must be positive, got {gemm_gflops!r}")
     rate = float(gemm_gflops) if gemm_gflops is not None else _auto.machine_rate(spec)
     kind, dim, first, second = _layout(op, x, w, n, int(dimension))
-    shapes = _abi.call(kind, _abi.AUTO, n, dim, first, second, jnp.dtype(dtype), jnp.dtype(dtype))
+    shapes = _abi.call_shapes(kind, _abi.AUTO, n, dim, first, second, jnp.dtype(dtype), jnp.dtype(dtype))
     try:
         prepared = _abi.prepare(shapes, spec, rate, explain=True)
     except ValueError as e:

@@ -48,7 +48,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _auto, _both_sides, _compat, _fused, _matmul_all_reduce
+from . import _abi, _auto, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
 from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
 
@@ -101,9 +101,9 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     code = _schedule_code(schedule)
     if not hasattr(x, "ndim") or not hasattr(w, "ndim"):
         x, w = jnp.asarray(x), jnp.asarray(w)
-    _fused.check_matmul_operands(OP, x, w)
-    _fused.fast_f32(OP, precision)  # checks it
-    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    _checks.check_matmul_operands(OP, x, w)
+    _checks.fast_f32(OP, precision)  # checks it
+    x, w, out_dtype = _checks.promote(OP, x, w, preferred_element_type)
     matmul_dims = (((x.ndim - 1,), (0,)), ((), ()))
     static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding, code, 0,
                        next(_sites), code == _abi.AUTO)
@@ -222,8 +222,8 @@ def _fused_dot(lhs, rhs, static: DotStatic):
                    static.preferred_element_type)
     want = jax.eval_shape(static.plain, lhs, rhs)
     x, w = form.prep_x(lhs), form.prep_w(rhs)
-    fast = _fused.fast_f32(OP, static.precision)
-    x, w, out_dtype = _fused.promote(OP, x, w, static.preferred_element_type)
+    fast = _checks.fast_f32(OP, static.precision)
+    x, w, out_dtype = _checks.promote(OP, x, w, static.preferred_element_type)
     out_sharding = _mapped_out_sharding(static.out_sharding, form) if _named(static.out_sharding) else None
     settings = Settings(static.schedule, np.dtype(out_dtype), fast, static.precision, x.ndim, static.site,
                         out_sharding, static.owner, decline=not static.decided_early)
@@ -468,7 +468,7 @@ def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
                                            schedule_name=_abi.schedule_name(settings.schedule))
         return _matmul_all_reduce.forward(x, w, static)
     kind = choice.kind
-    if kind in (Kind.ALL_GATHER_MATMUL, Kind.MATMUL_REDUCE_SCATTER):
+    if kind in _abi.ROW_BLOCK_KINDS:
         out = _fused.call(kind, x, w, dimension=choice.dimension, **common)
     else:
         rows = _fused.rows_2d(x)

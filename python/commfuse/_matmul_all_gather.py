@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import _fused
+from . import _checks, _fused
 from ._abi import Kind
 
 OP = "matmul_all_gather"
@@ -25,16 +25,16 @@ def matmul_all_gather(x, w, axis_name, *, gather_dimension=1, schedule="auto", p
     gathered weight's first. ``gather_dimension=1`` gathers columns (the
     output's column blocks), ``0`` gathers rows (the contraction).
     """
-    axes, ranks = _fused.axis_group(OP, axis_name)
+    axes, ranks = _checks.axis_group(OP, axis_name)
     if w.ndim != 2:
         raise ValueError(f"commfuse.{OP}: `w` must be 2-D (rank 2), got shape {w.shape}")
     if x.ndim < 2:
         raise ValueError(f"commfuse.{OP}: `x` must have rank >= 2, got shape {x.shape}")
     kind, _, _, _ = layout(x.shape, w.shape, ranks, gather_dimension)
-    _fused.check_matmul_operands(OP, x, w, w_factor=ranks if kind == Kind.MATMUL_ALL_GATHER_CONTRACT else 1)
-    code = _fused.check_schedule(OP, schedule)
-    x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=0, schedule_code=code,
-                                  precision=precision, preferred_element_type=preferred_element_type)
+    _checks.check_matmul_operands(OP, x, w, w_factor=ranks if kind == Kind.MATMUL_ALL_GATHER_CONTRACT else 1)
+    code = _checks.check_schedule(OP, schedule)
+    x, w, static = _fused.static_of(OP, x, w, axes=axes, ranks=ranks, dimension=0, schedule_code=code,
+                                    precision=precision, preferred_element_type=preferred_element_type)
     rows = _fused.rows_2d(x)
     out = (_gather_cols if kind == Kind.MATMUL_ALL_GATHER else _gather_contraction)(w, rows, static)
     return out.reshape(x.shape[:-1] + (out.shape[-1],))
@@ -44,7 +44,7 @@ def layout(x_shape, w_shape, ranks: int, gather_dimension: int = 1) -> tuple:
     """The library call this op makes on one device's operands of these
     shapes: (kind, its dimension, the first operand's shape, the second's).
     `w` travels, so it is the first."""
-    d = _fused.normalize_dimension(OP, "gather_dimension", gather_dimension, 2, allow_last=True)
+    d = _checks.normalize_dimension(OP, "gather_dimension", gather_dimension, 2, allow_last=True)
     rows = (math.prod(x_shape[:-1]), x_shape[-1])
     kind = Kind.MATMUL_ALL_GATHER if d == 1 else Kind.MATMUL_ALL_GATHER_CONTRACT
     return kind, 0, tuple(w_shape), rows

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _abi, _auto, _fused
+from . import _abi, _auto, _checks, _fused, _varying
 
 OP = "matmul_all_reduce"
 
@@ -49,16 +49,16 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     "sequential") and all-gathered while the next chunk is reduce-scattered.
     ``schedule="unfused"`` is jax.lax's own ``psum`` of the product.
     """
-    axes, ranks = _fused.axis_group(OP, axis_name)
-    _fused.check_matmul_operands(OP, x, w)
-    code = _fused.check_schedule(OP, schedule)
+    axes, ranks = _checks.axis_group(OP, axis_name)
+    _checks.check_matmul_operands(OP, x, w)
+    code = _checks.check_schedule(OP, schedule)
     if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
         raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
-    fast = _fused.fast_f32(OP, precision)
-    x, w, out_dtype = _fused.promote(OP, x, w, preferred_element_type)
+    fast = _checks.fast_f32(OP, precision)
+    x, w, out_dtype = _checks.promote(OP, x, w, preferred_element_type)
     settings = settle(x.shape, w.shape, x.dtype, out_dtype, axes=axes, ranks=ranks, schedule=code, tiles=tiles,
                       fast_f32=fast, schedule_name=schedule)
-    x, w = _fused.vary_together(x, w, axes)
+    x, w = _varying.vary_together(x, w, axes)
     return _all_reduce(x, w, settings)
 
 
@@ -87,9 +87,9 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: in
     if code == _abi.AUTO and ranks > 1:
         # The cost model judges one chunk's reduce-scatter; unfused, the
         # whole op is one psum rather than chunked gathers.
-        shapes = _abi.call(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x_shape[-1]),
+        shapes = _abi.call_shapes(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x_shape[-1]),
                            w_shape, dtype, out_dtype)
-        _, code, why = _auto.prepare(shapes, _fused.measure_call_overhead_s, decline=decline)
+        _, code, why = _auto.resolve(shapes, _fused.measure_call_overhead_s, decline=decline)
         if code == _abi.UNFUSED:
             _fused.record_decision(OP, "unfused", why)
     return _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast_f32)
@@ -104,7 +104,7 @@ def _unfused(x, w, static):
 def _gather_invariant(y, axes):
     """all_gather typed as the same on every rank (as psum's result is), where
     varying axes are tracked; JAX spells the option ``to="invarying"``."""
-    if not _fused.vma_checked():
+    if not _varying.vma_checked():
         return jax.lax.all_gather(y, axes, tiled=True)
     try:
         return jax.lax.all_gather(y, axes, tiled=True, to="invarying")
@@ -146,11 +146,11 @@ def _fwd(x, w, static):
 def _bwd(static, residuals, dy):
     x, w = residuals
     precision = None if static.fast_f32 else jax.lax.Precision.HIGHEST
-    if not _fused.vma_checked():
+    if not _varying.vma_checked():
         dy = jax.lax.psum(dy, static.axes)
-    dy_x, w_x = _fused.vary_together(dy, w, ())
+    dy_x, w_x = _varying.vary_together(dy, w, ())
     dx = jnp.matmul(dy_x, w_x.T, precision=precision).astype(x.dtype)
-    x2, dy2 = _fused.vary_together(_fused.rows_2d(x), _fused.rows_2d(dy), ())
+    x2, dy2 = _varying.vary_together(_fused.rows_2d(x), _fused.rows_2d(dy), ())
     dw = jnp.matmul(x2.T, dy2, precision=precision).astype(w.dtype)
     return _match(dx, x), _match(dw, w)
 
@@ -158,9 +158,9 @@ def _bwd(static, residuals, dy):
 def _match(ct, primal):
     """A cotangent typed as varying over exactly the primal's axes (a product
     of an invariant cotangent and a varying operand varies over more)."""
-    if not _fused.vma_checked():
+    if not _varying.vma_checked():
         return ct
-    extra = _fused.varying_axes(ct) - _fused.varying_axes(primal)
+    extra = _varying.varying_axes(ct) - _varying.varying_axes(primal)
     return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 

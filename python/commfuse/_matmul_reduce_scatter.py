@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from . import _fused
+from . import _checks, _fp8, _fused
 from ._abi import Kind
 
 OP = "matmul_reduce_scatter"
@@ -43,20 +43,20 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     ``all_gather_matmul``: ``x_scale`` and ``w_scale`` float32 scalars,
     result ``preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w)))``.
     """
-    axes, ranks = _fused.axis_group(OP, axis_name)
-    _fused.check_matmul_operands(OP, x, w)
+    axes, ranks = _checks.axis_group(OP, axis_name)
+    _checks.check_matmul_operands(OP, x, w)
     kind, dimension, _, _ = layout(x.shape, w.shape, ranks, scatter_dimension, axis_name=axis_name)
-    code = _fused.check_schedule(OP, schedule, slices, tiles)
-    fp8 = _fused.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
+    code = _checks.check_schedule(OP, schedule, slices, tiles)
+    fp8 = _checks.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
     if fp8 is not None:
         if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
             raise NotImplementedError(
                 f"commfuse.{OP}: fp8 operands are supported for a row scatter_dimension only, not the last dim")
-        _fused.check_precision(OP, precision)
-        return _fused.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
+        _checks.check_precision(OP, precision)
+        return _fp8.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
                                schedule=code)
-    x, w, static = _fused.prepare(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
-                                  precision=precision, preferred_element_type=preferred_element_type)
+    x, w, static = _fused.static_of(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
+                                    precision=precision, preferred_element_type=preferred_element_type)
     if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
         out = _scatter_cols(_fused.rows_2d(x), w, static)
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
@@ -67,7 +67,7 @@ def layout(x_shape, w_shape, ranks: int, scatter_dimension: int = 0, *, axis_nam
     """The library call this op makes on one device's operands of these
     shapes: (kind, its dimension, the first operand's shape, the second's);
     ValueError if the scattered dim does not divide over `ranks`."""
-    d = _fused.normalize_dimension(OP, "scatter_dimension", scatter_dimension, len(x_shape), allow_last=True)
+    d = _checks.normalize_dimension(OP, "scatter_dimension", scatter_dimension, len(x_shape), allow_last=True)
     size = w_shape[1] if d == len(x_shape) - 1 else x_shape[d]
     if size % ranks:
         raise ValueError(

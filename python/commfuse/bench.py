@@ -124,7 +124,7 @@ def _shapes(op, n, m, k, cols, dtype, schedule=_abi.AUTO):
     """One device's call of `op`, as the op's own module lays it out."""
     layout = _all_gather_matmul.layout if op == "all_gather_matmul" else _matmul_reduce_scatter.layout
     kind, dim, first, second = layout((m, k) if op == "all_gather_matmul" else (n * m, k), (k, cols), n, 0)
-    return _abi.call(kind, schedule, n, dim, first, second, dtype, dtype)
+    return _abi.call_shapes(kind, schedule, n, dim, first, second, dtype, dtype)
 
 
 def _model(op, n, m, k, cols, dtype, spec, gflops):

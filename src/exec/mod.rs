@@ -3,9 +3,10 @@
 //! ends (a matmul or sum finishes, an exchange is bounded by the backend's
 //! transport), and a failing lane cancels the others.
 //!
-//! Lanes run on their own threads here (the compute lane on the caller's); a
-//! backend only has to do one action at a time. A GPU backend gets the same
-//! per-lane programs (`lane_programs`), where a dependency becomes an event.
+//! Lanes run on their own threads here (the compute lane on the caller's), or
+//! all on the caller's thread in plan order (`run_in_order`); a backend only
+//! has to do one action at a time. A stream-based backend (CUDA) issues the
+//! plan's stream form instead (`stream`), where a dependency becomes an event.
 //!
 //! A run may be watched ([`Observer`]): the executor reports each step's
 //! wait and run, the backend each transfer of an exchange, with the times it

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from .. import _compat, _fused
+from .. import _compat, _varying
 from .._dot_form import Unsupported
 
 ALL_GATHER = "all_gather"
@@ -153,7 +153,7 @@ _cast_varying = _compat.cast_varying
 
 def vary(value, axes):
     """``value`` typed as varying over ``axes`` too (a no-op on its values)."""
-    if not _fused.vma_checked():
+    if not _varying.vma_checked():
         return value
     missing = tuple(a for a in dict.fromkeys(axes) if a not in vma(typeof(value)))
     return _cast_varying(value, missing) if missing else value
@@ -166,7 +166,7 @@ def match_vma(value, aval):
     may vary over more (a ``pvary`` between the pair). Where the fused result varies
     over more axes than the original (only possible with check_vma=False, where
     the types are not checked), it is left as it is."""
-    if not _fused.vma_checked():
+    if not _varying.vma_checked():
         return value
     missing = tuple(sorted(vma(aval) - vma(typeof(value))))
     return _cast_varying(value, missing) if missing else value

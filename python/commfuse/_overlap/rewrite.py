@@ -209,7 +209,7 @@ class Rewriter:
             why = f"{name} operand is produced by {eqns[p].primitive.name}, not a dot_general"
         elif not self._single_use(src):
             n = len(self.users.get(src, ()))
-            why = (f"the dot_general's result is also an output of the body" if self.outputs[src]
+            why = ("the dot_general's result is also an output of the body" if self.outputs[src]
                    else f"the dot_general's result has other users ({n} uses)")
         elif len(eqns[c].invars) != 1:
             why = f"{name} of {len(eqns[c].invars)} values at once"
@@ -428,8 +428,8 @@ class Rewriter:
             return False
         if f.side == "in" and f.coll in self.replaced:
             # dot -> collective -> dot: the collective went with the dot before it.
-            self.reasons[f.coll].append(f"it is fused with the dot_general before it; a collective is fused "
-                                        f"with one dot")
+            self.reasons[f.coll].append("it is fused with the dot_general before it; a collective is fused "
+                                        "with one dot")
             return False
         out = self._try_input(f) if f.side == "in" else self._try_output(f)
         if out is None:
@@ -670,7 +670,7 @@ class Products:
             return cls(form, [(x, w, {})])
         calls = [(batched.take(x_side, x, index), batched.take(1 - x_side, w, index), {})
                  for index in batched.indices()]
-        return cls(form, calls, batched.stack, notes=f" [grouped matmul: one fused call per batch]")
+        return cls(form, calls, batched.stack, notes=" [grouped matmul: one fused call per batch]")
 
 
 class _StridedExperts:

@@ -113,13 +113,14 @@ impl CpuCall {
             timeout: call.timeout,
             interrupts: call.interrupts,
         };
+        let lanes = super::Lanes::by_work(call.flops, link.is_some());
         let endpoint = Endpoint::join(key, participant).with_link(link);
         let recording = Recording::begin(&call.plan, || {
             CallLabel::new(device, call.site, call.kind.name(), &call.plan, &call.problem, x.len())
         });
         let buffers = super::Buffers { x, w, out, workspace };
         let observer = recording.as_ref().map(|r| r as &dyn Observer);
-        let result = super::run(&call.problem, &call.plan, buffers, &endpoint, observer);
+        let result = super::run_lanes(&call.problem, &call.plan, buffers, &endpoint, observer, lanes);
         if let Err(e) = &result {
             endpoint.fail(e);
             // Also said here: other devices of this program may be waiting in

@@ -37,13 +37,30 @@ pub struct Buffers<'a> {
     pub workspace: &'a mut [u8],
 }
 
-/// How a call's lanes run (see `CpuBackend::run`).
+/// How a call's lanes run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lanes {
-    /// In plan order on the calling thread when small and unmodelled, else on threads.
+    /// As `Lanes::by_work` says for the plan (its work counted per call).
     ByWork,
+    /// In plan order on the calling thread (`exec::run_in_order`).
     InOrder,
+    /// Each lane on a thread of its own (`exec::run`).
     Threads,
+}
+
+impl Lanes {
+    /// Without the link model a transfer is a handover that takes no time,
+    /// so a call whose GEMMs are small (`IN_ORDER_MAX_FLOPS`) runs in plan
+    /// order: a second lane would only add a thread wake-up per step.
+    /// Larger calls keep their lanes, so a rank computes ahead of a late
+    /// peer as far as its plan allows.
+    pub fn by_work(flops: f64, link_modelled: bool) -> Lanes {
+        if !link_modelled && flops <= IN_ORDER_MAX_FLOPS {
+            Lanes::InOrder
+        } else {
+            Lanes::Threads
+        }
+    }
 }
 
 /// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes
@@ -215,25 +232,12 @@ impl CpuLayout {
 }
 
 /// The most floating-point work (2 x multiply-adds, all of one rank's
-/// GEMMs) of a call run on one thread (`CpuBackend::run`): about 100 us on
+/// GEMMs) of a call run on one thread (`Lanes::by_work`): about 100 us on
 /// these hosts' cores, where waking a second lane's thread at each step
 /// costs about as much again (measured by `python -m commfuse.bench_call`).
 const IN_ORDER_MAX_FLOPS: f64 = 1.0e7;
 
 impl<'a, A: Accum> CpuBackend<'a, A> {
-    /// All of this rank's GEMM work in `plan`, in floating-point operations.
-    fn flops(&self, plan: &Plan) -> f64 {
-        plan.steps
-            .iter()
-            .filter_map(|step| match step.action {
-                crate::plan::Action::Matmul { block, src, dst, .. } => Some(self.problem.gemms(block, src, dst)),
-                _ => None,
-            })
-            .flatten()
-            .map(|g| 2.0 * g.lhs.1.rows as f64 * g.lhs.1.cols as f64 * g.rhs.1.cols as f64)
-            .sum()
-    }
-
     fn new(problem: &Problem, plan: &Plan, buffers: Buffers<'a>, endpoint: &'a Endpoint) -> Result<Self> {
         let layout = CpuLayout::new(problem)?;
         if buffers.workspace.len() < layout.total() {
@@ -279,19 +283,15 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         })
     }
 
-    /// Runs the plan, then tells the observer what it copied. Without the
-    /// link model a transfer is a handover that takes no time, so a call
-    /// whose GEMMs are small (`IN_ORDER_MAX_FLOPS`) runs on this thread in
-    /// plan order (`exec::run_in_order`): a second lane would only add a
-    /// thread wake-up per step. Larger calls keep their lanes, so a rank
-    /// computes ahead of a late peer as far as its plan allows.
+    /// Runs the plan's lanes as `lanes` says, then tells the observer what it copied.
     fn run(&self, plan: &Plan, observer: Option<&dyn Observer>, lanes: Lanes) -> Result<()> {
-        let in_order = match lanes {
-            Lanes::ByWork => !self.endpoint.link_modelled() && self.flops(plan) <= IN_ORDER_MAX_FLOPS,
-            Lanes::InOrder => true,
-            Lanes::Threads => false,
+        let lanes = match lanes {
+            Lanes::ByWork => {
+                Lanes::by_work(crate::call::plan_flops(&self.problem, plan), self.endpoint.link_modelled())
+            }
+            decided => decided,
         };
-        if in_order {
+        if lanes == Lanes::InOrder {
             exec::run_in_order(plan, self, observer)?;
         } else {
             exec::run(plan, self, observer)?;

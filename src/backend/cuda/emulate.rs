@@ -3,7 +3,7 @@
 //!
 //! Every rank's call is issued exactly as the handler issues it
 //! (`stream_issue::issue` over `exec::stream::StreamSchedule`, each step lowered by
-//! `lowering::Resolver::lower` onto XLA-style device addresses), into recorded
+//! `addresses::Resolver::lower` onto XLA-style device addresses), into recorded
 //! per-stream command lists. Then the streams of all ranks run in a
 //! discrete-event model of CUDA and NCCL: a stream runs its commands in
 //! order, a wait blocks until the event's record has run, a GEMM follows
@@ -14,9 +14,9 @@
 //! calls). The outputs must equal those of the CPU backend on the same inputs.
 #![forbid(unsafe_code)]
 
+use super::addresses::{DeviceBuffers, DeviceOp, Region, Resolver};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
-use super::lowering::{DeviceBuffers, DeviceOp, Region, Resolver};
 use super::stream_issue::{events_needed, issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
@@ -349,7 +349,7 @@ fn the_cuda_path_computes_what_the_cpu_backend_computes() {
             let op = |dims| Operand { dims, dtype: DType::F32 };
             let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
             let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-            if matches!(kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter) {
+            if kind.row_blocks() {
                 schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows
             }
             for schedule in schedules {

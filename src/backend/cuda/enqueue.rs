@@ -3,10 +3,10 @@
 //! NCCL send/receive groups, events between the lanes and the watchdog's
 //! progress marks, all on the device's internal streams forked from XLA's.
 
+use super::addresses::{self, grid, poll_until, DeviceOp, Resolver, SumLaunch, BLOCK};
 use super::api::{self, check_cu};
 use super::device::Device;
 use super::device_watch::CallWatch;
-use super::lowering::{self, grid, poll_until, DeviceOp, Resolver, SumLaunch, BLOCK};
 use super::nccl::{self, P2p};
 use super::nccl_group::probe;
 use super::stream_issue::StreamOps;
@@ -101,7 +101,7 @@ impl CallOps<'_> {
         // `Terms` being eight pointers by value, laid out as `[u64; 8]`.
         let mut params: [*mut c_void; 4] = [
             (&mut out as *mut u64).cast(),
-            (&mut terms as *mut [u64; lowering::MAX_TERMS]).cast(),
+            (&mut terms as *mut [u64; addresses::MAX_TERMS]).cast(),
             (&mut k as *mut i32).cast(),
             (&mut n as *mut u64).cast(),
         ];
@@ -172,11 +172,11 @@ impl StreamOps for CallOps<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cuda::addresses::{DeviceBuffers, Region};
     use crate::backend::cuda::communicators::CommKey;
     use crate::backend::cuda::emulate::{cases, fill, reference};
     use crate::backend::cuda::handles::{Context, DeviceMemory, Stream};
     use crate::backend::cuda::libs::Lib;
-    use crate::backend::cuda::lowering::{DeviceBuffers, Region};
     use crate::backend::cuda::stream_issue::{events_needed, issue};
     use crate::backend::cuda::{device, nccl_group};
     use crate::dtype::DType;

@@ -13,7 +13,7 @@
 //!
 //! [`Fp8Gemm::lower`] (pure, tested without a device) checks cuBLASLt's fp8
 //! rules and gives the descriptors' contents; [`enqueue`] builds them and
-//! enqueues `cublasLtMatmul`. `lowering::Resolver::fp8_gemm` builds them from
+//! enqueues `cublasLtMatmul`. `addresses::Resolver::fp8_gemm` builds them from
 //! the plans' GEMM views (the lowering asks XLA for `w` in K-major layout).
 
 use crate::error::{Error, Result};

@@ -10,17 +10,17 @@
 //! something waiting for this device.
 #![forbid(unsafe_code)]
 
+use super::addresses::{DeviceBuffers, Region, Resolver};
 use super::api::require;
 use super::communicators::{CommKey, Placement};
 use super::device;
 use super::device_watch::{self, CallWatch};
 use super::enqueue::CallOps;
 use super::libs::Lib;
-use super::lowering::{DeviceBuffers, Region, Resolver};
 use super::nccl_group::{self, GroupComms};
 use super::workspace::CudaLayout;
-use super::{communicators, lowering, stream_issue, watchdog};
-use crate::call::Call;
+use super::{addresses, communicators, stream_issue, watchdog};
+use crate::call::{Call, CallSite};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::exec::stream::StreamSchedule;
@@ -110,7 +110,7 @@ fn communicators(
 ) -> Result<std::sync::Arc<GroupComms>> {
     let key = CommKey::of(group);
     let d = crate::sync::lock(dev);
-    lowering::check_same_device(ordinal, d.ordinal)?;
+    addresses::check_same_device(ordinal, d.ordinal)?;
     let members = placement.members(mesh_devices, &key, device::device_count()?)?;
     let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
     nccl_group::group_comms(&key, &members, id.as_ref(), &d, deadline)
@@ -156,7 +156,8 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     if x.dtype.is_fp8() {
         require(&[Lib::CublasLt])?;
     }
-    let Call { kind, site, group, problem, plan, timeout, .. } = &call;
+    let CallSite { kind, site, group, problem, plan, .. } = &*call.decoded;
+    let timeout = &call.timeout;
     if problem.is_trivial() {
         // Nothing to multiply or move (every rank skips alike): zeros, as
         // jax.lax gives for an empty contraction.

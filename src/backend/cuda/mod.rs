@@ -1,29 +1,32 @@
 //! The CUDA backend (`--features cuda`): the CUDA libraries are opened at
 //! run time (`libs`: the copy JAX mapped, else a standard install's) and
 //! called through the project's function tables over cudarc's generated
-//! types (`api`), so the crate builds and its logic is tested where CUDA is
-//! absent.
+//! types (`api`), with owning wrappers in `handles`, so the crate builds and
+//! its logic is tested where CUDA is absent.
 //!
 //! It shares the plans, the GEMM geometry and the stream ordering with the
-//! CPU path: `exec::stream` turns a plan into per-stream commands, `issue`
-//! forks lanes off XLA's stream and joins them back, `gemm` runs each
-//! `Problem::gemms` view with cuBLAS on XLA's buffers (`lt`: fp8 GEMMs with
-//! cuBLASLt, for fp8 operands with their two scale operands), `nccl` posts each
-//! exchange as one group, `comms` keys and caches communicators and maps
-//! groups spanning processes (placement, exchanged unique ids), `kernels`
-//! compiles `kernels/` with NVRTC to CUBIN for each device, loaded at the
-//! handler's INITIALIZE stage, before any execution.
+//! CPU path: `exec::stream` turns a plan into per-stream commands,
+//! `stream_issue` forks lanes off XLA's stream, issues them and joins them
+//! back, `enqueue` puts each step on a device: `gemm` runs each
+//! `Problem::gemms` view with cuBLAS on XLA's buffers (`fp8_gemm`: fp8 GEMMs
+//! with cuBLASLt and their two scale operands), `nccl` posts each exchange
+//! as one group, `nccl_group` and `communicators` key and cache
+//! communicators and map groups spanning processes (placement, exchanged
+//! unique ids), `kernels` compiles `kernels/` with NVRTC to CUBIN for each
+//! device, loaded at the handler's INITIALIZE stage, before any execution.
 //!
-//! `calls` maps a call's plan buffers onto XLA's device addresses (pure,
-//! tested without a device) and `device` drives the driver, cuBLAS, the
-//! kernels and NCCL with them. `watchdog` bounds the device side: a call
-//! whose communication never finishes on the device has its communicators
-//! aborted, and its device's next call fails. What still needs a GPU to be
-//! verified, and what is missing, is in GPU.md.
+//! `addresses` maps a call's plan buffers onto XLA's device addresses (pure,
+//! tested without a device) and `device` holds each device's state. `watchdog`
+//! and `device_watch` bound the device side: a call whose communication
+//! never finishes on the device has its communicators aborted, and its
+//! device's next call fails. What still needs a GPU to be verified, and what
+//! is missing, is in GPU.md.
 #![deny(unsafe_code)]
 
 pub mod workspace;
 
+#[cfg(feature = "cuda")]
+pub mod addresses;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod api;
@@ -57,8 +60,6 @@ pub mod kernels;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod libs;
-#[cfg(feature = "cuda")]
-pub mod lowering;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 pub mod nccl;

@@ -6,11 +6,11 @@
 //! poll of `ncclCommGetAsyncError` bounded by the call's deadline, after
 //! which the communicator is aborted and the call reports DEADLINE_EXCEEDED.
 
+use super::addresses::{self, poll_until, Poll};
 use super::api::{self, check_nccl};
 use super::communicators::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
 use super::device::Device;
 use super::handles::Context;
-use super::lowering::{self, poll_until, Poll};
 use super::nccl::{self, P2p};
 use super::watchdog::WatchedGroup;
 use crate::error::{Error, Result};
@@ -215,7 +215,7 @@ fn config() -> Result<nsys::ncclConfig_t> {
     Ok(nsys::ncclConfig_t {
         size: std::mem::size_of::<nsys::ncclConfig_t>(),
         magic: 0xcafe_beef,
-        version: lowering::nccl_config_version(runtime),
+        version: addresses::nccl_config_version(runtime),
         blocking: 0,
         cgaClusterSize: UNDEF,
         minCTAs: UNDEF,

@@ -23,12 +23,12 @@
 //! (a receive that times out aborts the communicator).
 #![deny(unsafe_code)]
 
+use super::addresses::{check_same_device, poll_until};
 use super::api::{self, require};
 use super::communicators::CommKey;
 use super::device::{self, Device};
 use super::device_watch::{self, CallWatch};
 use super::libs::Lib;
-use super::lowering::{check_same_device, poll_until};
 use super::nccl::{self, P2p};
 use super::nccl_group::{self, probe, GroupComms};
 use crate::error::{Error, Result};

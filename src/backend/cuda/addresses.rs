@@ -12,7 +12,7 @@ use super::nccl::P2p;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::{Action, Buf, SlotKind, Transfer, Workspace};
-use crate::problem::{Gemm, OpKind, Problem, Side, View};
+use crate::problem::{Gemm, Problem, Side, View};
 use std::time::{Duration, Instant};
 
 /// A device buffer: address, length in bytes, element type.
@@ -322,7 +322,7 @@ fn check_fp8(problem: &Problem, buffers: &DeviceBuffers) -> Result<()> {
             "cuBLASLt has no fp8 GEMM with both operands float8_e5m2; make one of them float8_e4m3fn".into(),
         ));
     }
-    if !matches!(problem.kind, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter) {
+    if !problem.kind.row_blocks() {
         return Err(Error::Unimplemented(format!(
             "{}: fp8 operands are supported by all_gather_matmul and matmul_reduce_scatter (row dims) only",
             problem.kind.name()

@@ -1,0 +1,66 @@
+"""Each op kind as jax.lax's own collective and dot, in the kind's layout
+(see `_abi.Kind`): what the fused op computes, what ``schedule="unfused"``
+and a declining ``auto`` run, and zeros for an empty problem. The user-level
+references the tests compare against are in `reference`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._abi import Kind
+from ._varying import make_varying, varying_axes, vma_checked
+
+def empty_result(x, w, shape, dtype, axes):
+    """Zeros of `shape`, typed as varying like a fused op's result."""
+    zeros = jnp.zeros(shape, dtype)
+    if not vma_checked():
+        return zeros
+    return make_varying(zeros, varying_axes(x) | varying_axes(w) | frozenset(axes))
+
+
+def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, fast_f32: bool):
+    """`kind`'s op in its canonical layout (see `Kind`) as jax.lax's own
+    collective and dot: what the fused op computes, and its fallback."""
+    K = Kind
+    precision = None if fast_f32 else jax.lax.Precision.HIGHEST
+    axes = tuple(axes)
+
+    def dot(a, b):
+        return jnp.matmul(a, b, precision=precision, preferred_element_type=out_dtype).astype(out_dtype)
+
+    def gather(a, axis):
+        return jax.lax.all_gather(a, axes, axis=axis, tiled=True)
+
+    def scatter(a, axis):
+        return jax.lax.psum_scatter(a, axes, scatter_dimension=axis, tiled=True)
+
+    def a2a(a):  # stacked blocks [N, ...]: block j to rank j, received ones stacked by sender
+        return jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
+
+    if kind == K.ALL_GATHER_MATMUL:
+        return dot(gather(x, dimension), w)
+    if kind == K.ALL_GATHER_MATMUL_CONTRACT:
+        return dot(gather(x, 1), w)
+    if kind == K.MATMUL_ALL_GATHER:  # (w [k, c] travels, x [m, k])
+        return dot(w, gather(x, 1))
+    if kind == K.MATMUL_ALL_GATHER_CONTRACT:  # (w [kb, n] travels, x [m, N*kb])
+        return dot(w, gather(x, 0))
+    if kind == K.MATMUL_REDUCE_SCATTER:
+        return scatter(dot(x, w), dimension)
+    if kind == K.MATMUL_REDUCE_SCATTER_COLS:
+        return scatter(dot(x, w), 1)
+    if kind == K.ALL_TO_ALL_MATMUL:
+        return dot(a2a(x), w)
+    if kind == K.ALL_TO_ALL_MATMUL_CONTRACT:  # x [N, m, kb]: received blocks side by side along k
+        moved = a2a(x)
+        return dot(jnp.moveaxis(moved, 0, 1).reshape(moved.shape[1], moved.shape[0] * moved.shape[2]), w)
+    if kind == K.MATMUL_ALL_TO_ALL:
+        return a2a(dot(x, w))
+    # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
+    y = dot(x, w)
+    return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))
+
+
+ALL_TO_ALL_KINDS = (Kind.ALL_TO_ALL_MATMUL, Kind.ALL_TO_ALL_MATMUL_CONTRACT, Kind.MATMUL_ALL_TO_ALL,
+                     Kind.MATMUL_ALL_TO_ALL_COLS)

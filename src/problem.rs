@@ -443,6 +443,11 @@ impl Problem {
     /// Nothing to compute: the result is empty, or the contraction is (the
     /// result is then zeros, as `jax.lax.dot` gives). Every rank has the
     /// same shapes, so every rank skips the op alike, sending nothing.
+    /// The group size.
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
     pub fn is_trivial(&self) -> bool {
         self.out_len == 0 || self.k == 0
     }

@@ -113,7 +113,7 @@ impl CpuCall {
             timeout: call.timeout,
             interrupts: call.interrupts,
         };
-        let lanes = super::Lanes::by_work(call.flops, link.is_some());
+        let lanes = super::Lanes::by_work(call.flops, link.is_some(), call.group.size());
         let endpoint = Endpoint::join(key, participant).with_link(link);
         let recording = Recording::begin(&call.plan, || {
             CallLabel::new(device, call.site, call.kind.name(), &call.plan, &call.problem, x.len())

@@ -120,7 +120,7 @@ impl CpuCall {
         });
         let buffers = super::Buffers { x, w, out, workspace };
         let observer = recording.as_ref().map(|r| r as &dyn Observer);
-        let result = super::run_lanes(&call.problem, &call.plan, buffers, &endpoint, observer, lanes);
+        let result = super::run(&call.problem, &call.plan, buffers, &endpoint, observer, lanes);
         if let Err(e) = &result {
             endpoint.fail(e);
             // Also said here: other devices of this program may be waiting in

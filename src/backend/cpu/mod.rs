@@ -74,19 +74,8 @@ fn cores() -> usize {
 }
 
 /// Runs `plan` for one device call, accumulating in f32 or f64 as the dtypes
-/// ask, watched by `observer` if any.
+/// ask, its lanes run as `lanes` says, watched by `observer` if any.
 pub fn run(
-    problem: &Problem,
-    plan: &Plan,
-    buffers: Buffers<'_>,
-    endpoint: &Endpoint,
-    observer: Option<&dyn Observer>,
-) -> Result<()> {
-    run_lanes(problem, plan, buffers, endpoint, observer, Lanes::ByWork)
-}
-
-/// `run`, with its lanes run as `lanes` says.
-pub fn run_lanes(
     problem: &Problem,
     plan: &Plan,
     buffers: Buffers<'_>,
@@ -697,7 +686,7 @@ mod tests {
                         let endpoint = Endpoint::join(key, info);
                         let watch = Watch::default();
                         let buffers = Buffers { x: &xb, w: &wb, out: &mut ob, workspace };
-                        run_lanes(&problem, &plan, buffers, &endpoint, Some(&watch), lanes).unwrap();
+                        run(&problem, &plan, buffers, &endpoint, Some(&watch), lanes).unwrap();
                         let copies = watch.copies.lock().unwrap().expect("the run reports its copies");
                         let computed = std::mem::take(&mut *watch.computed.lock().unwrap());
                         RankRun { started, copies, computed, out: ob }

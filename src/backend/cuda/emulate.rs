@@ -301,7 +301,7 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
                     };
                     let endpoint = transport::Endpoint::join(key, info);
                     let buffers = cpu::Buffers { x: &x, w: &w, out: &mut out, workspace };
-                    cpu::run(problem, &p, buffers, &endpoint, None).unwrap();
+                    cpu::run(problem, &p, buffers, &endpoint, None, cpu::Lanes::ByWork).unwrap();
                     out
                 })
             })

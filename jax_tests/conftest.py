@@ -277,3 +277,20 @@ def restore_commfuse_timeout():
     """Puts commfuse's timeout back to the environment's (or the default) afterwards."""
     yield
     commfuse.configure(timeout_s=None)
+
+
+@pytest.fixture
+def declining(monkeypatch, tmp_path):
+    """``auto`` with its veto on and this machine's figures replaced by a
+    fused call costing a second: it declines every product (a cache of its
+    own in `tmp_path`, so the machine's figures are not touched)."""
+    from commfuse import _calibration
+
+    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
+    _calibration.forget()
+    figures = {f"cpu_call_overhead_s/{n}": 1.0 for n in range(2, 17)}
+    figures["cpu_gemm_gflops"] = 50.0
+    _calibration.path().write_text(__import__("json").dumps({"figures": figures}))
+    yield
+    _calibration.forget()

@@ -23,15 +23,16 @@ from jax.sharding import PartitionSpec as P
 import commfuse
 from commfuse import _calibration
 from conftest import REPO_ROOT, assert_close
-from programs import all_jit_programs, make_mesh
+from programs import all_jit_programs, all_programs, make_mesh
 
 PROGRAMS = all_jit_programs()
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def collectives(text: str) -> dict:
-    """XLA's collectives and commfuse's calls in a compiled program's text."""
-    counts = {c: len(re.findall(rf"= \S+ {c}(?:-start)?\(", text)) for c in _COLLECTIVES}
+    """XLA's collectives and commfuse's calls in a compiled program's text
+    (a collective of several operands has a tuple type: any text before it)."""
+    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in _COLLECTIVES}
     counts["commfuse"] = text.count('custom_call_target="commfuse_collective_matmul')
     return {k: v for k, v in counts.items() if v}
 
@@ -45,20 +46,6 @@ def _build(program, seed=0):
 
 def _grads(fn, n):
     return jax.value_and_grad(lambda *a: fn(*a)[0], argnums=tuple(range(n)))
-
-
-@pytest.fixture
-def declining(monkeypatch, tmp_path):
-    """auto with this machine's figures replaced by a fused call costing a
-    second: it declines every product."""
-    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
-    monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
-    _calibration.forget()
-    figures = {f"cpu_call_overhead_s/{n}": 1.0 for n in range(2, 17)}
-    figures["cpu_gemm_gflops"] = 50.0
-    _calibration.path().write_text(json.dumps({"figures": figures}))
-    yield
-    _calibration.forget()
 
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
@@ -76,6 +63,25 @@ def test_auto_that_fuses_nothing_compiles_the_plain_programs_collectives(program
         jax.jit(reported)(*args)
     assert any("kept dot_general" in line and "auto: " in line for line in reported.last_report), \
         "\n".join(reported.last_report)
+
+
+@pytest.mark.parametrize("program", all_programs(), ids=lambda p: p.name)
+def test_auto_that_fuses_nothing_in_shard_map_bodies_leaves_them_as_written(program, declining):
+    """Grouped matmuls, tiles and every other rewrite included: a body in
+    which auto declines every fused call compiles to the plain program's
+    collectives (a per-batch or per-tile unfused form would have more)."""
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(0))
+
+    def loss(*a):
+        out = fn(*a)
+        return out[0] if isinstance(out, tuple) else out
+
+    gradient = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
+    for what, f in (("forward", fn), ("gradient", gradient)):
+        plain = collectives(jax.jit(f).lower(*args).compile().as_text())
+        rewritten = collectives(jax.jit(commfuse.overlap(f)).lower(*args).compile().as_text())
+        assert rewritten == plain, f"{program.name} {what}: overlap(f) {rewritten} vs plain {plain}"
 
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
@@ -173,3 +179,28 @@ def test_a_kept_dot_says_why_and_a_fused_one_is_counted(monkeypatch):
     fused = commfuse.overlap(lambda x, w: x @ w)
     jax.jit(fused)(x, w)
     assert sum(entry.fused for entry in fused.last_partitioned) == 1, "\n".join(fused.last_report)
+
+
+@pytest.mark.parametrize("shapes", [(8, 8, 131072), (64, 512, 512), (512, 64, 64)])
+def test_auto_makes_the_same_products_in_both_orders_of_grad_and_overlap(shapes, monkeypatch, tmp_path):
+    """A dot auto declines keeps a backward whose products are judged one by
+    one, as overlap(grad(f)) judges them (the first shape: the forward is
+    declined, a weight gradient fused)."""
+    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
+    _calibration.forget()
+    figures = {"cpu_gemm_gflops": 50.0, **{f"cpu_call_overhead_s/{n}": 20e-6 for n in range(2, 17)}}
+    _calibration.path().write_text(json.dumps({"figures": figures}))
+    m, k, n = shapes
+    mesh = make_mesh({"i": 8})
+    x = jax.device_put(jnp.ones((m, k)), NamedSharding(mesh, P("i", None)))
+    w = jax.device_put(jnp.ones((k, n)), NamedSharding(mesh, P(None, "i")))
+
+    def f(x, w):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    with jax.set_mesh(mesh):
+        outer = jax.jit(jax.grad(commfuse.overlap(f), argnums=(0, 1))).lower(x, w).compile().as_text()
+        inner = jax.jit(commfuse.overlap(jax.grad(f, argnums=(0, 1)))).lower(x, w).compile().as_text()
+    assert collectives(outer) == collectives(inner)
+    _calibration.forget()

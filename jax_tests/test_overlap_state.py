@@ -183,3 +183,47 @@ def test_updates_through_tuples_rebuild_them_and_immutable_roots_are_refused():
     pair = ({"w": jnp.zeros(2)},)
     commfuse.overlap(h)(pair, _x())
     np.testing.assert_array_equal(np.asarray(pair[0]["w"]), np.ones(2))
+
+
+def test_a_variable_tied_between_two_places_stays_one_variable():
+    """Tied embeddings: an update through one place is seen through the
+    other, and both places' gradients reach it, as without overlap."""
+    nnx = pytest.importorskip("flax.nnx", reason="needs flax (the `test` extra installs it)")
+
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.ones(3))
+            self.b = self.a
+
+    def bump(m, x):
+        m.a[...] += x
+        return m.b[...].sum()
+
+    def sgd(m, x):
+        grads = nnx.grad(lambda m: jnp.sum(m.a[...] * x) + jnp.sum(m.b[...] * x))(m)
+        nnx.update(m, jax.tree.map(lambda p, g: p - g, nnx.state(m, nnx.Param), grads))
+
+    for fn in (bump, sgd):
+        results = []
+        for wrap in (nnx.jit, lambda f: nnx.jit(commfuse.overlap(f)), commfuse.overlap):
+            m = Tied()
+            out = wrap(fn)(m, jnp.ones(3))
+            assert m.b is m.a
+            results.append((None if out is None else float(out), np.asarray(m.a[...])))
+        for got in results[1:]:
+            assert got[0] == results[0][0]
+            np.testing.assert_array_equal(got[1], results[0][1])
+
+
+def test_a_later_call_with_other_shapes_does_not_reuse_an_earlier_traces_updates():
+    def f(x, d):
+        if x.shape[0] == 4:
+            d["a"] = d["a"] + 1
+        else:
+            d["b"] = d["b"] + 100
+        return x.shape[0]
+
+    g = commfuse.overlap(f)
+    d = {"a": jnp.zeros(()), "b": jnp.ones(())}
+    assert [g(jnp.ones(4), d), g(jnp.ones(8), d), g(jnp.ones(4), d)] == [4, 8, 4]
+    assert (float(d["a"]), float(d["b"])) == (2.0, 101.0)

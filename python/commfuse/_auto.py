@@ -136,14 +136,14 @@ def call_overhead_s(spec: str, n: int, measure_overhead) -> float:
     for the GPU presets. 0 (auto then fuses) where it cannot be measured."""
     if not spec.startswith("cpu_here"):
         return _GPU_CALL_OVERHEAD_S
-
-    def measure():
-        try:
-            return max(0.0, _calibration.robust(lambda: measure_overhead(n)))
-        except Exception:  # noqa: BLE001 - no figure: auto then always fuses
-            return 0.0
-
-    return _calibration.figure(f"cpu_call_overhead_s/{n}", measure)
+    # Under the link model the fused call's transfers take modelled time:
+    # a figure of its own.
+    name = f"cpu_call_overhead_s/{n}" + spec[len("cpu_here"):]
+    try:
+        return _calibration.figure(name, lambda: max(0.0, _calibration.robust(lambda: measure_overhead(n))))
+    except Exception:  # noqa: BLE001 - no figure (kept for this process only): auto then fuses
+        _calibration.remember(name, 0.0)
+        return 0.0
 
 
 # ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ cannot be written (a read-only home) leaves the figures in this process only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -89,26 +90,47 @@ def _store(file: pathlib.Path, figures: dict) -> None:
 
 def figure(name: str, measure) -> float:
     """The figure `name`: this process's, else the machine's cached one, else
-    ``measure()`` (once, then cached). `measure` runs on a thread of its own:
-    callers are usually tracing, and JAX's trace and mesh contexts are the
-    calling thread's."""
+    ``measure()`` (once, then cached; an exception is raised, not cached).
+    `measure` runs on a thread of its own: callers are usually tracing, and
+    JAX's trace and mesh contexts are the calling thread's. Processes take
+    turns on the file (a lock beside it), so a figure is measured once."""
     with _LOCK:
         if name in _MEMORY:
             return _MEMORY[name]
         file = path()
-        cached = _load(file)
-        if name in cached:
-            _MEMORY[name] = float(cached[name])
-            return _MEMORY[name]
-        value = _measure_off_thread(measure)
-        cached = _load(file)  # another process may have written meanwhile: keep its figures too
-        if name in cached:
-            value = float(cached[name])
-        else:
-            cached[name] = value
-            _store(file, cached)
+        with _file_lock(file):
+            cached = _load(file)
+            if name not in cached:
+                cached[name] = _measure_off_thread(measure)
+                _store(file, cached)
+        _MEMORY[name] = float(cached[name])
+        return _MEMORY[name]
+
+
+def remember(name: str, value: float) -> None:
+    """`value` as figure `name` for this process only (not written)."""
+    with _LOCK:
         _MEMORY[name] = value
-        return value
+
+
+@contextlib.contextmanager
+def _file_lock(file: pathlib.Path):
+    """An exclusive lock on ``file``'s lock file, while held; none where the
+    cache folder cannot be written (then each process measures for itself)."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(file.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            pass  # no locking here: at worst two processes measure the same figure
+        yield
 
 
 def _measure_off_thread(measure) -> float:

@@ -7,6 +7,7 @@ in `_checks`, the varying-axes typing in `_varying`, the unfused forms in
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -120,22 +121,29 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
     return op
 
 
-# What each op this thread issued since `decisions()` was last cleared ran
-# as: (op name, schedule name, why). `overlap(report=True)` reports them.
+# What the ops issued on this thread ran as, (op name, schedule name, why),
+# collected for whoever asked (`collecting`): overlap's report, the
+# partitioner's. Recorded nowhere when nobody collects.
 _DECISIONS = threading.local()
 
 
-def decisions(clear: bool = False) -> list:
-    made = getattr(_DECISIONS, "made", [])
-    if clear:
-        _DECISIONS.made = []
-    return list(made)
+@contextlib.contextmanager
+def collecting():
+    """A list that gets every decision made on this thread while open
+    (nested collections: the innermost gets them)."""
+    stack = _DECISIONS.__dict__.setdefault("stack", [])
+    made: list = []
+    stack.append(made)
+    try:
+        yield made
+    finally:
+        stack.pop()
 
 
 def record_decision(op: str, schedule: str, why: str) -> None:
-    if not hasattr(_DECISIONS, "made"):
-        _DECISIONS.made = []
-    _DECISIONS.made.append((op, schedule, why))
+    stack = getattr(_DECISIONS, "stack", None)
+    if stack:
+        stack[-1].append((op, schedule, why))
 
 
 def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=(),
@@ -203,7 +211,7 @@ def measure_call_overhead_s(n: int) -> float:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    devices = jax.devices("cpu")
+    devices = jax.local_devices(backend="cpu")
     if len(devices) < n:
         return 0.0
     mesh = Mesh(np.array(devices[:n]), ("i",))

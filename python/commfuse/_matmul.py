@@ -110,20 +110,21 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     if code == _abi.AUTO:
         fuse, _ = _decide_early(x, w, DotForm(x.shape, w.shape, matmul_dims, 0), out_dtype)
         if not fuse:  # judged before partitioning: XLA's own dot, as jnp.matmul would be
-            return static.plain(x, w)
+            return _kept_dot(x, w, static)
     return _fused_dot(x, w, static)
 
 
 def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_element_type=None, out_sharding=None,
                 schedule="auto", owner=0, decide_early=False):
     """``jax.lax.dot_general(lhs, rhs, ...)`` as `matmul` where it is ``x @
-    w`` up to transposes and flattening (`DotForm`): ``(result, site)``.
-    Raises `Unsupported` (nothing traced) for any other dot: batch dims, an
-    outer product, dtypes the library lacks, no elements, or an explicit
-    result sharding the 2-D product cannot take; and, under "auto" with
-    `decide_early`, a dot the cost model declines before partitioning
-    (`_auto.decide_dot`), so that it stays XLA's own. Its backward products
-    are decided the same way."""
+    w`` up to transposes and flattening (`DotForm`): ``(result, site, why)``.
+    Under "auto" with `decide_early`, a dot the cost model declines before
+    partitioning (`_auto.decide_dot`) is XLA's own dot (`site` None, `why`
+    says why); its backward products are judged each on its own, as
+    ``overlap(grad(f))`` judges them. Raises `Unsupported` (nothing traced)
+    for any other dot: batch dims, an outer product, dtypes the library
+    lacks, no elements, or an explicit result sharding the 2-D product
+    cannot take."""
     form = DotForm(lhs.shape, rhs.shape, dimension_numbers, 0, precision, preferred_element_type)
     dtypes = [np.dtype(a.dtype) for a in (lhs, rhs)]
     if any(d not in _abi.DTYPE_CODES for d in dtypes):
@@ -133,14 +134,14 @@ def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_elemen
     if _named(out_sharding) and _mapped_out_sharding(out_sharding, form) is None:
         raise Unsupported(f"its explicit out_sharding cannot be given to the 2-D product{form.notes()}")
     code = _schedule_code(schedule)
-    if code == _abi.AUTO and decide_early:
-        fuse, why = _decide_early(lhs, rhs, form, preferred_element_type)
-        if not fuse:
-            raise Unsupported(f"auto: {why}")
     pet = None if preferred_element_type is None else np.dtype(preferred_element_type)
     static = DotStatic(_hashable_dims(dimension_numbers), _hashable_precision(precision), pet, out_sharding,
                        code, owner, next(_sites), decide_early)
-    return _fused_dot(lhs, rhs, static), static.site
+    if code == _abi.AUTO and decide_early:
+        fuse, why = _decide_early(lhs, rhs, form, preferred_element_type)
+        if not fuse:
+            return _kept_dot(lhs, rhs, static), None, f"auto: {why}"
+    return _fused_dot(lhs, rhs, static), static.site, None
 
 
 def _decide_early(lhs, rhs, form: DotForm, preferred_element_type) -> tuple[bool, str]:
@@ -246,6 +247,16 @@ def _fused_dot_bwd(static, residuals, ct):
 _fused_dot.defvjp(_fused_dot_fwd, _fused_dot_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _kept_dot(lhs, rhs, static: DotStatic):
+    """A dot `auto` declined: XLA's own, with a backward whose products are
+    judged one by one (`_fused_dot_bwd`)."""
+    return static.plain(lhs, rhs)
+
+
+_kept_dot.defvjp(lambda lhs, rhs, static: (static.plain(lhs, rhs), (lhs, rhs)), _fused_dot_bwd)
+
+
 def _report_backward(static: DotStatic):
     """What the backward of `static`'s dot did with each of its dots, for its owner's report."""
     if not static.owner:
@@ -253,7 +264,7 @@ def _report_backward(static: DotStatic):
 
     def on_dot(eqn, site, why):
         what = f"commfuse.matmul#{site}" if site is not None else f"kept ({why})"
-        _record(Traced(static.owner, f"backward of commfuse.matmul#{static.site}: {_describe(eqn)} -> {what}"))
+        _record(Traced(static.owner, f"backward of dot #{static.site}: {_describe(eqn)} -> {what}"))
 
     return on_dot
 
@@ -287,13 +298,13 @@ def fuse_dots(jaxpr, consts, args, *, schedule: str, owner: int, decide_early: b
         if eqn.primitive.name == "dot_general":
             p = eqn.params
             try:
-                out, site = dot_general(*invals, p["dimension_numbers"], precision=p.get("precision"),
-                                        preferred_element_type=p.get("preferred_element_type"),
-                                        out_sharding=p.get("out_sharding"), schedule=schedule, owner=owner,
-                                        decide_early=decide_early)
+                out, site, why = dot_general(*invals, p["dimension_numbers"], precision=p.get("precision"),
+                                             preferred_element_type=p.get("preferred_element_type"),
+                                             out_sharding=p.get("out_sharding"), schedule=schedule, owner=owner,
+                                             decide_early=decide_early)
                 outs = [out]
                 if on_dot is not None:
-                    on_dot(eqn, site, None)
+                    on_dot(eqn, site, why)
             except Unsupported as e:
                 if on_dot is not None:
                     on_dot(eqn, None, str(e))
@@ -445,11 +456,15 @@ def run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
     if choice.op in ("local", "fallback") or settings.schedule == _abi.UNFUSED:
         return _run_choice(choice, x, w, settings, ranks)
     try:
-        return _run_choice(choice, x, w, settings, ranks)
-    except (ValueError, TypeError) as e:
+        with _fused.collecting() as tried:
+            out = _run_choice(choice, x, w, settings, ranks)
+    except (ValueError, TypeError) as e:  # what the failed attempt decided is dropped with it
         _fused.record_decision(choice.op, "unfused", f"schedule={_abi.schedule_name(settings.schedule)!r} cannot run "
                                                      f"on these shards: {e}")
         return _run_choice(choice, x, w, settings._replace(schedule=_abi.UNFUSED), ranks)
+    for decision in tried:
+        _fused.record_decision(*decision)
+    return out
 
 
 def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
@@ -605,11 +620,9 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     def lower(x_local, w_local):
         # Traced by the partitioner once this returns; what the fused ops
         # decided (auto's pick) is known only then.
-        made = len(_fused.decisions())
-        with _compat.auto_axes_scope():
+        with _fused.collecting() as ran, _compat.auto_axes_scope():
             out = run_choice(choice, x_local, w_local, settings, ranks)
-        _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), choice, tuple(_fused.decisions()[made:]),
-                            settings.owner))
+        _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), choice, tuple(ran), settings.owner))
         return out
 
     return (mesh, lower, _sharding(mesh, choice.out_spec),

@@ -77,18 +77,21 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: in
         # empty chunk): jax.lax's own psum of the product, empty or zeros.
         code = _abi.UNFUSED
         _fused.record_decision(OP, "unfused", "an operand has no elements")
+    elif code == _abi.UNFUSED:
+        _fused.record_decision(OP, "unfused", "as asked")
     elif tiles is None or rows % (tiles * ranks):
-        if code not in (_abi.AUTO, _abi.UNFUSED):
-            into = f"tiles={tiles} chunks" if tiles is not None else "1, 2 or 4 chunks"
-            raise ValueError(
-                f"commfuse.{OP}: the {rows} rows of x (all dims but the last, x.shape={tuple(x_shape)}) must divide "
-                f"into {into} of a multiple of the axis size {ranks} for schedule={schedule_name!r}")
+        into = f"tiles={tiles} chunks" if tiles is not None else "1, 2 or 4 chunks"
+        why = (f"the {rows} rows of x (all dims but the last, x.shape={tuple(x_shape)}) must divide into {into} of "
+               f"a multiple of the axis size {ranks}")
+        if code != _abi.AUTO:
+            raise ValueError(f"commfuse.{OP}: {why} for schedule={schedule_name!r}")
         code = _abi.UNFUSED  # "auto": nothing to cut into a ring's blocks
+        _fused.record_decision(OP, "unfused", f"auto: {why}")
     if code == _abi.AUTO and ranks > 1:
         # The cost model judges one chunk's reduce-scatter; unfused, the
         # whole op is one psum rather than chunked gathers.
-        shapes = _abi.call_shapes(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0, (rows // tiles, x_shape[-1]),
-                           w_shape, dtype, out_dtype)
+        shapes = _abi.call_shapes(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0,
+                                  (rows // tiles, x_shape[-1]), w_shape, dtype, out_dtype)
         _, code, why = _auto.resolve(shapes, _fused.measure_call_overhead_s, decline=decline)
         if code == _abi.UNFUSED:
             _fused.record_decision(OP, "unfused", why)

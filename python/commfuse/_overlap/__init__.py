@@ -164,7 +164,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             wrapper.last_partitioned.extend(partitioned)
             say(line)
 
-    def rewritten(treedef, static, n_leaves, state, out_box, *dyn):
+    def rewritten(treedef, static, ties, n_leaves, state, out_box, *dyn):
         """Traces ``fun`` and evaluates the rewritten program on ``dyn`` (the array leaves)."""
         static_at = {j: leaf for j, _, leaf in static}
 
@@ -172,6 +172,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             it = iter(dyn_args)
             leaves = [static_at[j] if j in static_at else next(it) for j in range(n_leaves)]
             traced_args = jax.tree.unflatten(treedef, leaves)
+            inplace.tie(traced_args, treedef, ties)
             args, kwargs = traced_args
             out_leaves, out_tree = jax.tree.flatten(fun(*args, **kwargs))
             # What `fun` did to its (copied) arguments in place goes out as
@@ -210,15 +211,20 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
         # Python scalars, strings, ... are static, as if named in jit's static_argnums.
         static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
+        ties = inplace.alias_groups((args, kwargs), treedef)
         if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
             # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
             state, out_box = State(schedule, owner), [None, None, None]
-            outs = rewritten(treedef, static, len(leaves), state, out_box, *dyn)
+            outs = rewritten(treedef, static, ties, len(leaves), state, out_box, *dyn)
             emit(state.lines)
             return finish(out_box, outs, (args, kwargs), treedef)
-        # Concrete arguments: one jitted program per static part of the call.
+        # Concrete arguments: one jitted program per static part and per
+        # argument signature (what a trace of `fun` records, its results'
+        # structure and in-place updates, belongs to that trace alone).
+        signature = tuple((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf))),
+                           bool(getattr(leaf, "weak_type", False))) for leaf in dyn)
         try:
-            key = (treedef, static)
+            key = (treedef, static, ties, signature)
             hash(key)
         except TypeError:  # unhashable static leaves: no reuse
             key = None
@@ -226,10 +232,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         if entry is None:
             state, out_box = State(schedule, owner), [None, None, None]
             state.fresh = False
-            fn = jax.jit(functools.partial(rewritten, treedef, static, len(leaves), state, out_box))
+            fn = jax.jit(functools.partial(rewritten, treedef, static, ties, len(leaves), state, out_box))
             entry = (fn, state, out_box)
             if key is not None:
-                if len(jitted_cache) >= 16:
+                if len(jitted_cache) >= 64:
                     jitted_cache.pop(next(iter(jitted_cache)))
                 jitted_cache[key] = entry
         fn, state, out_box = entry

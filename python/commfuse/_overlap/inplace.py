@@ -85,6 +85,47 @@ def _structure_message(treedef, before, with_paths_after) -> str:
             "removed attributes or entries: return the new structure instead")
 
 
+def alias_groups(root, treedef) -> tuple:
+    """Where the caller's arguments hold one mutable object at several places
+    (a Variable tied between two modules, a dict reachable twice): per such
+    object, one leaf index under each place. The traced copies are tied the
+    same way (`tie`), so an update through one place is seen through the
+    others, as it is without ``overlap``."""
+    by_object: dict = {}
+    for j, path in enumerate(_paths(root, treedef)):
+        if len(path) < 2:
+            continue
+        parent = _walk(root, path[:-1])
+        if isinstance(parent, tuple):  # immutable: nothing can be updated through it
+            continue
+        places = by_object.setdefault(id(parent), {})
+        places.setdefault(tuple(path[:-1]), j)
+    return tuple(tuple(places.values()) for places in by_object.values() if len(places) > 1)
+
+
+def tie(root, treedef, groups: tuple) -> None:
+    """Makes the copies in `root` (``(args, kwargs)`` rebuilt from leaves)
+    share what `alias_groups` found shared in the caller's arguments."""
+    if not groups:
+        return
+    paths = _paths(root, treedef)
+    for group in groups:
+        first = _walk(root, paths[group[0]][:-1])
+        for j in group[1:]:
+            if len(paths[j]) < 3:  # passed twice as an argument: the argument tuple cannot be written
+                raise InPlaceUpdateError(
+                    f"commfuse.overlap: {_where(paths[j][:-1])} is the same object as {_where(paths[group[0]][:-1])}; "
+                    "pass it once")
+            _assign(root, paths[j][:-1], 0, first, write=True)
+
+
+def _walk(root, path):
+    obj = root
+    for key in path:
+        obj = _child(obj, key, path)
+    return obj
+
+
 def check_writable(root, treedef, updates: Updates) -> None:
     """Raises `InPlaceUpdateError` if an update's path cannot be written in
     `root` (the caller's own ``(args, kwargs)``): checked before anything is

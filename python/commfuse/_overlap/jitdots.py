@@ -18,13 +18,16 @@ def eval_dot(eqn, invals, state: State, where: str) -> list:
     state.jit_dots += 1
     p = eqn.params
     try:
-        out, site = _matmul.dot_general(*invals, p["dimension_numbers"], precision=p.get("precision"),
-                                        preferred_element_type=p.get("preferred_element_type"),
-                                        out_sharding=p.get("out_sharding"), schedule=state.schedule,
-                                        owner=state.owner, decide_early=True)
+        out, site, why = _matmul.dot_general(*invals, p["dimension_numbers"], precision=p.get("precision"),
+                                             preferred_element_type=p.get("preferred_element_type"),
+                                             out_sharding=p.get("out_sharding"), schedule=state.schedule,
+                                             owner=state.owner, decide_early=True)
     except (Unsupported, TypeError, ValueError) as e:
         state.lines.append(f"overlap[{here}]: kept {describe_dot(eqn)}: {e}")
         return bind_eqn(eqn, invals)
+    if site is None:  # auto keeps it XLA's own (its backward products are judged one by one)
+        state.lines.append(f"overlap[{here}]: kept {describe_dot(eqn)}: {why}")
+        return [out]
     state.matmul_sites.add(site)
     state.lines.append(f"overlap[{here}]: {describe_dot(eqn)} -> commfuse.matmul#{site}{DotForm.of(eqn, 0).notes()}")
     return [out]

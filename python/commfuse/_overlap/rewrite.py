@@ -372,29 +372,29 @@ class Rewriter:
         sum_axes = collective_axes(coll)
         op_name = "all_gather_matmul" if role == "x" else "matmul_all_gather"
         op = fused_ops()[op_name]
-        _fused.decisions(clear=True)
+        x_side = k if role == "x" else 1 - k
         try:
-            parts = []
-            for t in range(tiling.count):
-                a_t = tiling.tile(a, t)
-                gathered = list(a_t.shape)
-                gathered[g] *= plan["ranks"]
-                shapes = (tuple(gathered), other.shape) if k == 0 else (other.shape, tuple(gathered))
-                x_side = k if role == "x" else 1 - k
-                form = DotForm(shapes[0], shapes[1], dot.params["dimension_numbers"], x_side,
-                               dot.params.get("precision"), dot.params.get("preferred_element_type"))
-                dim = form.x_dim(g) if role == "x" else form.w_dim(g)
-                x, w = (a_t, other) if role == "x" else (other, a_t)
-                y = form.finish(op(form.prep_x(x), form.prep_w(w), gather_axes, gather_dimension=dim,
-                                   schedule=self.state.schedule, **form.kwargs))
-                if perm != sorted(perm):
-                    y = y.transpose(perm)
-                if coll.primitive.name in REDUCE_SCATTER:
-                    y = jax.lax.psum_scatter(y, sum_axes, scatter_dimension=coll.params["scatter_dimension"],
-                                             tiled=True)
-                else:
-                    y = jax.lax.psum(y, sum_axes)
-                parts.append(y)
+            with _fused.collecting() as ran:
+                parts = []
+                for t in range(tiling.count):
+                    a_t = tiling.tile(a, t)
+                    gathered = list(a_t.shape)
+                    gathered[g] *= plan["ranks"]
+                    shapes = (tuple(gathered), other.shape) if k == 0 else (other.shape, tuple(gathered))
+                    form = DotForm(shapes[0], shapes[1], dot.params["dimension_numbers"], x_side,
+                                   dot.params.get("precision"), dot.params.get("preferred_element_type"))
+                    dim = form.x_dim(g) if role == "x" else form.w_dim(g)
+                    x, w = (a_t, other) if role == "x" else (other, a_t)
+                    y = form.finish(op(form.prep_x(x), form.prep_w(w), gather_axes, gather_dimension=dim,
+                                       schedule=self.state.schedule, **form.kwargs))
+                    if perm != sorted(perm):
+                        y = y.transpose(perm)
+                    if coll.primitive.name in REDUCE_SCATTER:
+                        y = jax.lax.psum_scatter(y, sum_axes, scatter_dimension=coll.params["scatter_dimension"],
+                                                 tiled=True)
+                    else:
+                        y = jax.lax.psum(y, sum_axes)
+                    parts.append(y)
             out = match_vma(tiling.combine(parts), coll.outvars[0].aval)
         except Exception as e:  # noqa: BLE001 - keep the candidates one side at a time
             self.reasons[f_out.coll].append(f"the tiled composition raised {type(e).__name__}: {e}")
@@ -403,11 +403,13 @@ class Rewriter:
         if tuple(out.shape) != tuple(want.shape) or np.dtype(out.dtype) != np.dtype(want.dtype):
             self.reasons[f_out.coll].append(f"the tiled composition gave {fmt(out)} where {fmt(want)} was expected")
             return False
+        how = "; ".join(dict.fromkeys(why for _, _, why in ran))
+        if _declined(ran):
+            self.reasons[f_out.coll].append(f"kept as written: the tiles would run unfused ({how})")
+            return False
         self.write(coll.outvars[0], out)
         self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
         self.replaced.add(f_out.coll)
-        ran = _fused.decisions(clear=True)
-        how = "; ".join(dict.fromkeys(why for _, _, why in ran))
         pair = f"{describe_collective(gather)} + {describe_dot(dot)} + {describe_collective(coll)}"
         line = (f"overlap[{self.where}]: rewrote {pair} -> {tiling.count} x commfuse.{op_name} (tiles of dim "
                 f"{tiling.dim} of the gathered operand{', interleaved' if tiling.interleaved else ''}), each followed "
@@ -448,10 +450,11 @@ class Rewriter:
         op = fused_ops()[op_name]
         kwargs = {**kwargs, "schedule": self.state.schedule}
         form = products.form
-        _fused.decisions(clear=True)
         try:
-            ys = [products.after(form.finish(op(form.prep_x(x), form.prep_w(w), **kwargs, **extra, **form.kwargs)))
-                  for x, w, extra in products.calls]
+            with _fused.collecting() as ran:
+                ys = [products.after(form.finish(op(form.prep_x(x), form.prep_w(w), **kwargs, **extra,
+                                                    **form.kwargs)))
+                      for x, w, extra in products.calls]
             y = products.combine(ys)
             if finish is not None:
                 y = finish(y)
@@ -466,13 +469,14 @@ class Rewriter:
             return None
         x, w, extra = products.calls[0]
         args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, **extra}.items())
-        ran = _fused.decisions(clear=True)
-        verb = "rewrote"
-        if ran and all(schedule == "unfused" for _, schedule, _ in ran):
-            verb = "kept unfused (as jax.lax's collective and dot)"
         how = "; ".join(dict.fromkeys(why for _, _, why in ran))
+        if _declined(ran):
+            # Nothing fused: the equations stay as the program wrote them (what
+            # was traced here is dead code), so a declining `auto` changes nothing.
+            self.reasons[f.coll].append(f"kept as written: commfuse.{op_name} would run unfused ({how})")
+            return None
         times = f"{len(products.calls)} x " if len(products.calls) > 1 else ""
-        self.done[f.coll].append(f"overlap[{self.where}]: {verb} {pair} -> {times}commfuse.{op_name}(x: {fmt(x)}, "
+        self.done[f.coll].append(f"overlap[{self.where}]: rewrote {pair} -> {times}commfuse.{op_name}(x: {fmt(x)}, "
                                  f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}{products.notes}"
                                  + (f": {how}" if how else ""))
         return out
@@ -646,6 +650,12 @@ class Rewriter:
         if not lines:
             lines.append((0, f"overlap[{self.where}]: no collective next to a dot_general; nothing to fuse"))
         self.state.lines.extend(line for _, line in sorted(lines, key=lambda t: t[0]))
+
+
+def _declined(ran: list) -> bool:
+    """Whether none of the library calls a fusion attempt made runs fused
+    (auto declined them, "unfused" was asked, or nothing was left to do)."""
+    return bool(ran) and all(schedule in ("unfused", "none") for _, schedule, _ in ran)
 
 
 @dataclass

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 python312=""
 if command -v pyenv >/dev/null 2>&1; then
-    prefix=$(pyenv prefix 3.12 2>/dev/null || pyenv prefix 3.12.1 2>/dev/null || true)
+    prefix=$(pyenv prefix "$(pyenv latest 3.12 2>/dev/null)" 2>/dev/null || pyenv prefix 3.12.1 2>/dev/null || true)
     [ -n "$prefix" ] && [ -x "$prefix/bin/python3.12" ] && python312="$prefix/bin/python3.12"
 fi
 if [ -z "$python312" ] && command -v python3.12 >/dev/null 2>&1; then

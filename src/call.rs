@@ -8,13 +8,14 @@
 
 use crate::abi;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::plan::{self, Plan, Schedule};
 use crate::problem::{OpKind, Operand, Problem};
 use crate::xla::Frame;
+use std::any::Any;
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The attributes of a fused op's call, as `python/commfuse/_fused.py`
@@ -66,6 +67,18 @@ pub struct CallSite {
     pub plan: Plan,
     /// All of this rank's GEMM work, in floating-point operations (`plan_flops`).
     pub flops: f64,
+    /// What a backend derives from the site alone (`derived`).
+    backend: Derived,
+}
+
+/// A backend's state of one site, made on its first call.
+#[derive(Default)]
+struct Derived(OnceLock<Arc<dyn Any + Send + Sync>>);
+
+impl std::fmt::Debug for Derived {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() { "Derived(made)" } else { "Derived(not yet)" })
+    }
 }
 
 impl CallSite {
@@ -77,7 +90,22 @@ impl CallSite {
         let dims = [(x.0.as_slice(), x.1), (w.0.as_slice(), w.1), (out.0.as_slice(), out.1)];
         let (problem, plan) = problem_and_plan(kind, schedule, dims, key.dimension, &group)?;
         let flops = plan_flops(&problem, &plan);
-        Ok(CallSite { kind, site: key.site, schedule, group, problem, plan, flops })
+        Ok(CallSite { kind, site: key.site, schedule, group, problem, plan, flops, backend: Derived::default() })
+    }
+
+    /// What a backend derives from this site alone (the CUDA backend's
+    /// lowered device operations), made by `make` on the site's first call
+    /// and shared by its later calls. A site serves one backend, so one
+    /// type; a failure is not kept (each call fails with it again).
+    pub fn derived<T: Any + Send + Sync>(&self, make: impl FnOnce(&CallSite) -> Result<T>) -> Result<Arc<T>> {
+        let wrong_type = || Error::Internal(format!("call site {} holds another backend's state", self.site));
+        if let Some(made) = self.backend.0.get() {
+            return made.clone().downcast::<T>().map_err(|_| wrong_type());
+        }
+        // Two devices' first calls may both make it: the first kept wins.
+        let made: Arc<dyn Any + Send + Sync> = Arc::new(make(self)?);
+        let kept = self.backend.0.get_or_init(|| made).clone();
+        kept.downcast::<T>().map_err(|_| wrong_type())
     }
 }
 
@@ -227,6 +255,25 @@ mod tests {
         let other_shapes = sites::get_or_decode(key(-501, 11, 3)).unwrap();
         assert!(!Arc::ptr_eq(&first, &other_device) && !Arc::ptr_eq(&first, &other_shapes));
         assert_eq!(other_device.group.rank, 2);
+    }
+
+    #[test]
+    fn a_backend_derives_its_state_once_per_site() {
+        let site = sites::get_or_decode(key(-503, 10, 2)).unwrap();
+        let made = std::sync::atomic::AtomicUsize::new(0);
+        let make = |s: &CallSite| {
+            made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(s.plan.steps.len())
+        };
+        let first = site.derived(make).unwrap();
+        let again = site.derived(make).unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        assert_eq!((*first, made.into_inner()), (site.plan.steps.len(), 1));
+        assert!(site.derived(|_| Ok(1.5f64)).is_err(), "another type is refused, not transmuted");
+        // A failure is not kept.
+        let fresh = sites::get_or_decode(key(-504, 10, 2)).unwrap();
+        assert!(fresh.derived::<u8>(|_| Err(Error::Internal("no".into()))).is_err());
+        assert_eq!(*fresh.derived(|_| Ok(7u8)).unwrap(), 7);
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod error;
 pub mod exec;
 #[allow(unsafe_code)]
 pub mod exports;
+#[cfg(feature = "testing")]
 pub mod fuzzing;
 pub mod group;
 pub mod plan;

@@ -4,6 +4,10 @@
 //! group's members are. No device is touched here, so all of it is tested
 //! without a GPU; `device` feeds these descriptions to the driver, cuBLAS and
 //! NCCL.
+//!
+//! A step's device operations are lowered once per call site (`site_ops`),
+//! addressed relative to the call's buffers ([`Addr`]); each call binds them
+//! to its buffers' device addresses ([`Bases`]) as it enqueues them.
 #![forbid(unsafe_code)]
 
 use super::fp8_gemm::{Fp8, Fp8Gemm, Matrix, OutType};
@@ -38,57 +42,164 @@ pub struct DeviceBuffers {
     pub scales: Option<(u64, u64)>,
 }
 
+impl DeviceBuffers {
+    /// The device address of each [`Base`]: what binds a site's device
+    /// operations to this call (absent scales bind to 0, which the fp8
+    /// lowering refuses).
+    pub fn bases(&self) -> Bases {
+        let (x_scale, w_scale) = self.scales.unwrap_or((0, 0));
+        Bases([self.x.addr, self.w.addr, self.out.addr, self.workspace.0, x_scale, w_scale])
+    }
+}
+
+/// The buffers of one call that its device operations address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Base {
+    X = 0,
+    W = 1,
+    Out = 2,
+    Workspace = 3,
+    XScale = 4,
+    WScale = 5,
+}
+
+/// A place in one of a call's buffers: `offset` bytes into `base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Addr {
+    pub base: Base,
+    pub offset: u64,
+}
+
+impl Addr {
+    pub fn of(base: Base) -> Addr {
+        Addr { base, offset: 0 }
+    }
+
+    pub fn plus(self, bytes: u64) -> Addr {
+        Addr { base: self.base, offset: self.offset + bytes }
+    }
+}
+
+/// One call's device address of each [`Base`] (`DeviceBuffers::bases`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bases(pub [u64; 6]);
+
+impl Bases {
+    pub fn at(&self, a: Addr) -> u64 {
+        self.0[a.base as usize] + a.offset
+    }
+}
+
+impl Operands<Addr> {
+    pub fn bind(&self, bases: &Bases) -> Operands {
+        let at = |(a, dtype): (Addr, DType)| (bases.at(a), dtype);
+        Operands { lhs: at(self.lhs), rhs: at(self.rhs), dst: at(self.dst) }
+    }
+}
+
+impl P2p<Addr> {
+    pub fn bind(&self, bases: &Bases) -> P2p {
+        P2p { addr: bases.at(self.addr), bytes: self.bytes, peer: self.peer }
+    }
+}
+
+impl<T: Copy> Matrix<T, Addr> {
+    pub fn bind(&self, bases: &Bases) -> Matrix<T> {
+        Matrix { addr: bases.at(self.addr), dtype: self.dtype, ld: self.ld }
+    }
+}
+
+impl Fp8Gemm<Addr> {
+    pub fn bind(&self, bases: &Bases) -> Fp8Gemm {
+        Fp8Gemm {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            x: self.x.bind(bases),
+            w: self.w.bind(bases),
+            out: self.out.bind(bases),
+            x_scale: bases.at(self.x_scale),
+            w_scale: bases.at(self.w_scale),
+            accumulate: self.accumulate,
+        }
+    }
+}
+
 /// The most terms one sum kernel takes (`MAX_TERMS` in `kernels/elementwise.cu`).
 pub const MAX_TERMS: usize = 8;
 
 /// One launch of a `sum_*` kernel of `kernels/elementwise.cu`:
-/// `dst[i] = Σ_{t<k} terms[t][i]` for `i < n`, in f32.
+/// `dst[i] = Σ_{t<k} terms[t][i]` for `i < n`, in f32. `A` is how it is
+/// addressed: [`Addr`] as lowered for a site, device addresses once bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SumLaunch {
+pub struct SumLaunch<A = u64> {
     pub kernel: &'static str,
-    pub dst: u64,
-    pub terms: [u64; MAX_TERMS],
+    pub dst: A,
+    /// The first `k` are the terms.
+    pub terms: [Option<A>; MAX_TERMS],
     pub k: i32,
     pub n: u64,
 }
 
-/// What one plan step becomes on the device, in enqueue order.
+impl SumLaunch<Addr> {
+    pub fn bind(&self, bases: &Bases) -> SumLaunch {
+        SumLaunch {
+            kernel: self.kernel,
+            dst: bases.at(self.dst),
+            terms: self.terms.map(|t| t.map(|a| bases.at(a))),
+            k: self.k,
+            n: self.n,
+        }
+    }
+}
+
+impl SumLaunch {
+    /// The kernel's `Terms` parameter: eight pointers, null past the `k` terms.
+    pub fn kernel_terms(&self) -> [u64; MAX_TERMS] {
+        self.terms.map(|t| t.unwrap_or(0))
+    }
+}
+
+/// What one plan step becomes on the device, in enqueue order, addressed
+/// relative to the call's buffers (bound per call with [`Bases`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum DeviceOp {
     /// One `cublasGemmEx` (`gemm::enqueue`).
-    Gemm { gemm: Gemm, ops: Operands, accumulate: bool },
+    Gemm { gemm: Gemm, ops: Operands<Addr>, accumulate: bool },
     /// One launch of a sum kernel.
-    Sum(SumLaunch),
+    Sum(SumLaunch<Addr>),
     /// One cuBLASLt fp8 GEMM (`fp8_gemm::enqueue` of `Fp8Gemm::lower`).
-    Fp8Gemm(Fp8Gemm),
+    Fp8Gemm(Fp8Gemm<Addr>),
     /// One NCCL group of sends and receives (`nccl::enqueue_exchange`).
-    Exchange { sends: Vec<P2p>, recvs: Vec<P2p> },
+    Exchange { sends: Vec<P2p<Addr>>, recvs: Vec<P2p<Addr>> },
 }
 
-/// Maps the plan's buffers onto XLA's memory for one call.
+/// A workspace slot: where it starts, its bytes and element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub addr: Addr,
+    pub bytes: usize,
+    pub dtype: DType,
+}
+
+/// Maps the plan's buffers onto a call's buffers ([`Addr`]s), once per site.
 pub struct Resolver<'a> {
     pub problem: &'a Problem,
     pub layout: &'a Workspace,
     pub slot_kinds: &'a [SlotKind],
-    pub buffers: DeviceBuffers,
 }
 
 impl Resolver<'_> {
     /// Checks that the GPU path takes the call: float32, bfloat16 or float16
-    /// in and out (f32 accumulation), and a workspace as large as the layout.
-    pub fn new<'a>(
-        problem: &'a Problem,
-        layout: &'a Workspace,
-        slot_kinds: &'a [SlotKind],
-        buffers: DeviceBuffers,
-    ) -> Result<Resolver<'a>> {
+    /// in and out (f32 accumulation), or the fp8 combinations `check_fp8` names.
+    pub fn new<'a>(problem: &'a Problem, layout: &'a Workspace, slot_kinds: &'a [SlotKind]) -> Result<Resolver<'a>> {
         for dtype in [problem.input, problem.output] {
             if dtype == DType::F64 {
                 return Err(Error::Unimplemented("the CUDA backend does not take float64".into()));
             }
         }
         if problem.input.is_fp8() || problem.output.is_fp8() {
-            check_fp8(problem, &buffers)?;
+            check_fp8(problem)?;
         }
         // cublasGemmEx with f32 compute takes f32→f32, bf16→bf16|f32 and
         // f16→f16|f32 (A and B of the input type, C of the output type);
@@ -108,35 +219,35 @@ impl Resolver<'_> {
         if problem.accumulator() != DType::F32 {
             return Err(Error::Internal(format!("accumulator {:?} on the GPU path", problem.accumulator())));
         }
-        if buffers.workspace.1 < layout.total {
-            return Err(Error::InvalidArgument(format!(
-                "workspace has {} bytes, the plan needs {}",
-                buffers.workspace.1, layout.total
-            )));
-        }
         if slot_kinds.len() != layout.slots.len() {
             return Err(Error::Internal("slot kinds and workspace layout disagree".into()));
         }
-        Ok(Resolver { problem, layout, slot_kinds, buffers })
+        Ok(Resolver { problem, layout, slot_kinds })
+    }
+
+    /// Bytes of `x`, `w` and `out` (the problem's sizes in their types).
+    pub fn buffer_bytes(&self) -> [usize; 3] {
+        let s = self.problem.sizes();
+        [s.x * self.problem.input.size(), s.w * self.problem.input.size(), s.result * self.problem.output.size()]
     }
 
     /// Workspace slot `i`: its region, in the input type (travelling blocks)
     /// or in f32 (partials and results).
-    pub fn slot(&self, i: usize) -> Result<Region> {
+    pub fn slot(&self, i: usize) -> Result<Slot> {
         let range = self.layout.slots.get(i).ok_or_else(|| Error::Internal(format!("no slot {i}")))?;
         let dtype = match self.slot_kinds[i] {
             SlotKind::Input => self.problem.input,
             SlotKind::Partial | SlotKind::Result => DType::F32,
         };
-        Ok(Region { addr: self.buffers.workspace.0 + range.start as u64, bytes: range.len(), dtype })
+        Ok(Slot { addr: Addr::of(Base::Workspace).plus(range.start as u64), bytes: range.len(), dtype })
     }
 
     /// Base address and type of the `x`-side data a matmul reads from `src`
     /// (`Problem::gemms` offsets are relative to the whole of `x` for `X` and
     /// `XBlock`, and to the slot for a received block).
-    fn src(&self, src: Buf) -> Result<(u64, DType)> {
+    fn src(&self, src: Buf) -> Result<(Addr, DType)> {
         match src {
-            Buf::X | Buf::XBlock(_) => Ok((self.buffers.x.addr, self.buffers.x.dtype)),
+            Buf::X | Buf::XBlock(_) => Ok((Addr::of(Base::X), self.problem.input)),
             Buf::Slot(i) if self.slot_kinds.get(i) == Some(&SlotKind::Input) => {
                 let s = self.slot(i)?;
                 Ok((s.addr, s.dtype))
@@ -146,9 +257,9 @@ impl Resolver<'_> {
     }
 
     /// Base address and type a matmul writes into.
-    fn dst(&self, dst: Buf, accumulate: bool) -> Result<(u64, DType)> {
+    fn dst(&self, dst: Buf, accumulate: bool) -> Result<(Addr, DType)> {
         let (addr, dtype) = match dst {
-            Buf::Out | Buf::OutBlock(_) => (self.buffers.out.addr, self.buffers.out.dtype),
+            Buf::Out | Buf::OutBlock(_) => (Addr::of(Base::Out), self.problem.output),
             Buf::Slot(i) if self.slot_kinds.get(i) != Some(&SlotKind::Input) => {
                 let s = self.slot(i)?;
                 (s.addr, s.dtype)
@@ -164,9 +275,9 @@ impl Resolver<'_> {
     }
 
     /// The cuBLAS operands of one GEMM of a matmul step.
-    pub fn operands(&self, g: &Gemm, src: Buf, dst: Buf, accumulate: bool) -> Result<Operands> {
+    pub fn operands(&self, g: &Gemm, src: Buf, dst: Buf, accumulate: bool) -> Result<Operands<Addr>> {
         let src = self.src(src)?;
-        let w = (self.buffers.w.addr, self.buffers.w.dtype);
+        let w = (Addr::of(Base::W), self.problem.input);
         let side = |s: Side| if s == Side::Src { src } else { w };
         Ok(Operands { lhs: side(g.lhs.0), rhs: side(g.rhs.0), dst: self.dst(dst, accumulate)? })
     }
@@ -175,12 +286,12 @@ impl Resolver<'_> {
     /// (`[m, k]`, contiguous along k), `w` K-major (see `DeviceBuffers::scales`).
     /// The row kinds that take fp8 read the whole of `w` in every GEMM, so
     /// its K-major view is the whole `[n, k]` buffer.
-    pub fn fp8_gemm(&self, g: &Gemm, src: Buf, dst: Buf, accumulate: bool) -> Result<Fp8Gemm> {
-        let (Some((x_scale, w_scale)), (Side::Src, x), (Side::W, w)) = (self.buffers.scales, g.lhs, g.rhs) else {
-            return Err(Error::Internal(format!("an fp8 GEMM of {g:?} without scales or with w on the left")));
+    pub fn fp8_gemm(&self, g: &Gemm, src: Buf, dst: Buf, accumulate: bool) -> Result<Fp8Gemm<Addr>> {
+        let ((Side::Src, x), (Side::W, w)) = (g.lhs, g.rhs) else {
+            return Err(Error::Internal(format!("an fp8 GEMM of {g:?} with w on the left")));
         };
         let whole_w = View { offset: 0, rows: w.rows, cols: w.cols, row_stride: w.cols };
-        if w != whole_w || w.rows * w.cols != self.buffers.w.bytes {
+        if w != whole_w || w.rows * w.cols != self.problem.sizes().w {
             return Err(Error::Internal(format!("an fp8 GEMM reads part of w: {w:?}")));
         }
         let (src, in_type) = self.src(src)?;
@@ -191,15 +302,15 @@ impl Resolver<'_> {
             n: w.cols,
             k: x.cols,
             // fp8 elements are one byte: element offsets are byte offsets.
-            x: Matrix { addr: src + x.offset as u64, dtype: fp8(in_type)?, ld: ld(&x) },
-            w: Matrix { addr: self.buffers.w.addr, dtype: fp8(self.buffers.w.dtype)?, ld: w.rows },
+            x: Matrix { addr: src.plus(x.offset as u64), dtype: fp8(in_type)?, ld: ld(&x) },
+            w: Matrix { addr: Addr::of(Base::W), dtype: fp8(self.problem.input)?, ld: w.rows },
             out: Matrix {
-                addr: out + (g.dst.offset * out_type.size()) as u64,
+                addr: out.plus((g.dst.offset * out_type.size()) as u64),
                 dtype: out_of(out_type)?,
                 ld: ld(&g.dst),
             },
-            x_scale,
-            w_scale,
+            x_scale: Addr::of(Base::XScale),
+            w_scale: Addr::of(Base::WScale),
             accumulate,
         })
     }
@@ -235,13 +346,14 @@ impl Resolver<'_> {
     }
 
     /// Address and bytes of a transfer's buffer.
-    pub fn p2p(&self, t: &Transfer) -> Result<P2p> {
+    pub fn p2p(&self, t: &Transfer) -> Result<P2p<Addr>> {
+        let x_bytes = self.buffer_bytes()[0];
         let (addr, bytes) = match t.buf {
-            Buf::X => (self.buffers.x.addr, self.buffers.x.bytes),
+            Buf::X => (Addr::of(Base::X), x_bytes),
             Buf::XBlock(j) => {
                 let part = self.problem.x_block(j).ok_or_else(|| Error::Internal(format!("no part {j} of x")))?;
                 let size = self.problem.input.size();
-                (self.buffers.x.addr + (part.start * size) as u64, part.len() * size)
+                (Addr::of(Base::X).plus((part.start * size) as u64), part.len() * size)
             }
             Buf::Slot(i) => {
                 let s = self.slot(i)?;
@@ -254,11 +366,11 @@ impl Resolver<'_> {
 
     /// The kernel launch of a `Sum` step: in place into a slot (`dst` is
     /// `terms[0]`), or into (a block of) the output, converting to its type.
-    pub fn sum(&self, terms: &[Buf], dst: Buf) -> Result<SumLaunch> {
+    pub fn sum(&self, terms: &[Buf], dst: Buf) -> Result<SumLaunch<Addr>> {
         if terms.is_empty() || terms.len() > MAX_TERMS {
             return Err(Error::Internal(format!("a sum of {} terms", terms.len())));
         }
-        let mut addrs = [0u64; MAX_TERMS];
+        let mut addrs = [None; MAX_TERMS];
         let mut len = None;
         for (a, t) in addrs.iter_mut().zip(terms) {
             let Buf::Slot(i) = *t else {
@@ -271,28 +383,30 @@ impl Resolver<'_> {
             if *len.get_or_insert(s.bytes) != s.bytes {
                 return Err(Error::Internal(format!("sum of terms of different sizes: {terms:?}")));
             }
-            *a = s.addr;
+            *a = Some(s.addr);
         }
         let term_elems = len.unwrap_or(0) / 4;
+        let first = addrs[0].ok_or_else(|| Error::Internal("a sum without terms".into()))?;
         let (kernel, dst_addr, n) = match dst {
-            Buf::Slot(_) if dst == terms[0] => ("sum_f32", addrs[0], term_elems),
+            Buf::Slot(_) if dst == terms[0] => ("sum_f32", first, term_elems),
             Buf::Out | Buf::OutBlock(_) => {
                 let range = self.problem.out_range(dst);
-                let out = self.buffers.out;
-                let size = out.dtype.size();
-                if range.end * size > out.bytes {
-                    return Err(Error::Internal(format!("sum into {range:?} of a {}-byte output", out.bytes)));
+                let out = self.problem.output;
+                let size = out.size();
+                let out_bytes = self.buffer_bytes()[2];
+                if range.end * size > out_bytes {
+                    return Err(Error::Internal(format!("sum into {range:?} of a {out_bytes}-byte output")));
                 }
-                let kernel = match out.dtype {
+                let kernel = match out {
                     DType::F32 => "sum_f32",
                     DType::BF16 => "sum_to_bf16",
                     DType::F16 => "sum_to_f16",
                     DType::F64 => return Err(Error::Unimplemented("the CUDA backend does not take float64".into())),
                     DType::F8E4M3FN | DType::F8E5M2 => {
-                        return Err(Error::Internal(format!("a sum into a {} output", out.dtype.name())))
+                        return Err(Error::Internal(format!("a sum into a {} output", out.name())))
                     }
                 };
-                (kernel, out.addr + (range.start * size) as u64, range.len())
+                (kernel, Addr::of(Base::Out).plus((range.start * size) as u64), range.len())
             }
             other => return Err(Error::Internal(format!("sum writes {other:?}"))),
         };
@@ -306,8 +420,9 @@ impl Resolver<'_> {
 
 /// What the fp8 path takes (GPU.md, fp8): both operands of one fp8 format,
 /// not both e5m2 (cuBLASLt has no such kernel), a bf16, f16 or f32 result,
-/// the two scales, and the row gather or scatter ops.
-fn check_fp8(problem: &Problem, buffers: &DeviceBuffers) -> Result<()> {
+/// and the row gather or scatter ops (the two scales are checked per call,
+/// `site_ops::SiteOps::bind`).
+fn check_fp8(problem: &Problem) -> Result<()> {
     let (input, output) = (problem.input, problem.output);
     if !input.is_fp8() || output.is_fp8() {
         return Err(Error::Unimplemented(format!(
@@ -327,11 +442,6 @@ fn check_fp8(problem: &Problem, buffers: &DeviceBuffers) -> Result<()> {
             "{}: fp8 operands are supported by all_gather_matmul and matmul_reduce_scatter (row dims) only",
             problem.kind.name()
         )));
-    }
-    if buffers.scales.is_none() {
-        return Err(Error::InvalidArgument(
-            "fp8 operands need the float32 scalars `x_scale` and `w_scale` (operands 2 and 3)".into(),
-        ));
     }
     Ok(())
 }
@@ -422,6 +532,7 @@ pub fn check_same_device(xla_ordinal: i32, cuda_ordinal: i32) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cuda::site_ops::SiteOps;
     use crate::plan::{plan, Action, Direction, Pattern, Schedule, Tag};
     use crate::problem::{OpKind, Operand};
 
@@ -474,7 +585,8 @@ mod tests {
                         let plan = plan(kind.pattern(), schedule, 4, rank);
                         let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
                         let b = buffers(&p, &layout);
-                        let r = Resolver::new(&p, &layout, &plan.slots, b).unwrap();
+                        let r = Resolver::new(&p, &layout, &plan.slots).unwrap();
+                        let bases = b.bases();
                         let inside = |addr: u64, bytes: usize| {
                             [(X, b.x.bytes), (W, b.w.bytes), (OUT, b.out.bytes), (WS, layout.total)]
                                 .iter()
@@ -484,7 +596,7 @@ mod tests {
                             match &step.action {
                                 Action::Matmul { block, src, dst, accumulate } => {
                                     for g in p.gemms(*block, *src, *dst) {
-                                        let ops = r.operands(&g, *src, *dst, *accumulate).unwrap();
+                                        let ops = r.operands(&g, *src, *dst, *accumulate).unwrap().bind(&bases);
                                         for ((base, dtype), view) in
                                             [(ops.lhs, g.lhs.1), (ops.rhs, g.rhs.1), (ops.dst, g.dst)]
                                         {
@@ -496,22 +608,22 @@ mod tests {
                                     }
                                 }
                                 Action::Sum { terms, dst } => {
-                                    let s = r.sum(terms, *dst).unwrap();
+                                    let s = r.sum(terms, *dst).unwrap().bind(&bases);
                                     let out_size = if s.kernel == "sum_f32" { 4 } else { 2 };
                                     assert_eq!(
                                         s.kernel == "sum_f32",
                                         *dst != Buf::Out && !matches!(dst, Buf::OutBlock(_)) || output == DType::F32
                                     );
                                     assert!(inside(s.dst, s.n as usize * out_size), "{kind:?} {step:?}");
-                                    for t in &s.terms[..s.k as usize] {
+                                    for t in &s.kernel_terms()[..s.k as usize] {
                                         assert!(inside(*t, s.n as usize * 4));
                                     }
-                                    assert!(s.terms[s.k as usize..].iter().all(|&t| t == 0));
+                                    assert!(s.kernel_terms()[s.k as usize..].iter().all(|&t| t == 0));
                                     counts[1] += 1;
                                 }
                                 Action::Exchange { sends, recvs } => {
                                     for t in sends.iter().chain(recvs) {
-                                        let m = r.p2p(t).unwrap();
+                                        let m = r.p2p(t).unwrap().bind(&bases);
                                         assert!(m.bytes > 0 && inside(m.addr, m.bytes), "{kind:?} {t:?}");
                                         assert_eq!(m.peer, t.peer);
                                     }
@@ -560,7 +672,7 @@ mod tests {
                         let plan = plan(kind.pattern(), schedule, ranks, rank);
                         let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
                         let b = DeviceBuffers { scales: Some((xs, ws)), ..buffers(&p, &layout) };
-                        let r = Resolver::new(&p, &layout, &plan.slots, b).unwrap();
+                        let r = Resolver::new(&p, &layout, &plan.slots).unwrap();
                         let within = |addr: u64, bytes: usize, (base, len): (u64, usize)| {
                             addr >= base && addr + bytes as u64 <= base + len as u64
                         };
@@ -574,6 +686,7 @@ mod tests {
                                 let DeviceOp::Fp8Gemm(g) = op else {
                                     panic!("{kind:?}: an fp8 step lowered to {op:?}")
                                 };
+                                let g = g.bind(&b.bases());
                                 let call = g.lower((9, 0)).unwrap_or_else(|e| panic!("{kind:?} {schedule:?}: {e}"));
                                 assert_eq!((g.k, g.n, g.x_scale, g.w_scale), (k, n, xs, ws));
                                 assert_eq!((call.a, call.a_layout.ld, call.a_scale), (W, k as i64, ws));
@@ -605,10 +718,14 @@ mod tests {
             |p: &Problem| Workspace::layout(&plan(p.kind.pattern(), Schedule::Ring, 4, 0), &p.sizes()).unwrap();
         let check = |kind: OpKind, x: &[i64], w: &[i64], out: &[i64], input, output, scales| {
             let p = problem(kind, x, w, out, input, output);
-            let layout = layout_of(&p);
             let plan = plan(kind.pattern(), Schedule::Ring, 4, 0);
-            let b = DeviceBuffers { scales, ..buffers(&p, &layout) };
-            Resolver::new(&p, &layout, &plan.slots, b).err().map(|e| e.to_string())
+            let site = SiteOps::new(&p, &plan)?;
+            let mut b = DeviceBuffers { scales, ..buffers(&p, &layout_of(&p)) };
+            b.workspace.1 = site.layout.total();
+            site.bind(&b).map(|_| ())
+        };
+        let check = |kind, x, w, out, input, output, scales| {
+            check(kind, x, w, out, input, output, scales).err().map(|e: Error| e.to_string())
         };
         let s = Some((0x100, 0x110));
         let (x, w, out) = ([16, 32], [32, 16], [64, 16]);
@@ -629,11 +746,17 @@ mod tests {
         let p = problem(OpKind::MatmulReduceScatter, &[12, 8], &[8, 6], &[3, 6], DType::F32, DType::F32);
         let plan = plan(Pattern::Scatter, Schedule::Ring, 4, 1);
         let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
+        let site = SiteOps::new(&p, &plan).unwrap();
         let mut b = buffers(&p, &layout);
         b.workspace.1 -= 1;
-        assert!(matches!(Resolver::new(&p, &layout, &plan.slots, b), Err(Error::InvalidArgument(_))));
-        let b = buffers(&p, &layout);
-        let r = Resolver::new(&p, &layout, &plan.slots, b).unwrap();
+        let e = site.bind(&b).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("`workspace`")), "{e}");
+        let mut b = buffers(&p, &layout);
+        b.out.bytes += 4;
+        let e = site.bind(&b).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("`out`")), "{e}");
+        assert!(site.bind(&buffers(&p, &layout)).is_ok());
+        let r = Resolver::new(&p, &layout, &plan.slots).unwrap();
         let tag = Tag { direction: Direction::Forward, step: 0 };
         assert!(r.p2p(&Transfer { peer: 0, buf: Buf::Out, tag }).is_err());
         assert!(r.p2p(&Transfer { peer: 0, buf: Buf::XBlock(4), tag }).is_err());
@@ -644,14 +767,12 @@ mod tests {
         for (input, output) in [(DType::F32, DType::BF16), (DType::BF16, DType::F16), (DType::F16, DType::BF16)] {
             let p = problem(OpKind::MatmulReduceScatter, &[12, 8], &[8, 6], &[3, 6], input, output);
             let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
-            let b = buffers(&p, &layout);
-            let e = Resolver::new(&p, &layout, &plan.slots, b).err().unwrap();
+            let e = Resolver::new(&p, &layout, &plan.slots).err().unwrap();
             assert!(matches!(&e, Error::Unimplemented(m) if m.contains("cublasGemmEx")), "{e}");
         }
         let p64 = problem(OpKind::MatmulReduceScatter, &[12, 8], &[8, 6], &[3, 6], DType::F64, DType::F64);
         let layout = Workspace::layout(&plan, &p64.sizes()).unwrap();
-        let b = buffers(&p64, &layout);
-        assert!(matches!(Resolver::new(&p64, &layout, &plan.slots, b), Err(Error::Unimplemented(_))));
+        assert!(matches!(Resolver::new(&p64, &layout, &plan.slots), Err(Error::Unimplemented(_))));
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! side by side with the CPU backend.
 //!
 //! Every rank's call is issued exactly as the handler issues it
-//! (`stream_issue::issue` over `exec::stream::StreamSchedule`, each step lowered by
-//! `addresses::Resolver::lower` onto XLA-style device addresses), into recorded
-//! per-stream command lists. Then the streams of all ranks run in a
+//! (`stream_issue::issue` over the site's `site_ops::SiteOps`, each step's
+//! operations bound to the rank's buffers at XLA-style device addresses),
+//! into recorded per-stream command lists. Then the streams of all ranks run in a
 //! discrete-event model of CUDA and NCCL: a stream runs its commands in
 //! order, a wait blocks until the event's record has run, a GEMM follows
 //! `cublasGemmEx`'s column-major definition on the addresses `gemm::enqueue`
@@ -14,30 +14,32 @@
 //! calls). The outputs must equal those of the CPU backend on the same inputs.
 #![forbid(unsafe_code)]
 
-use super::addresses::{DeviceBuffers, DeviceOp, Region, Resolver};
+use super::addresses::{Bases, DeviceBuffers, DeviceOp, Region};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
-use super::stream_issue::{events_needed, issue, StreamOps};
+use super::site_ops::SiteOps;
+use super::stream_issue::{issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::exec::stream::StreamSchedule;
-use crate::plan::{plan, Schedule, Step, Workspace};
+use crate::plan::{plan, Schedule, Step};
 use crate::problem::{OpKind, Operand, Problem};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-/// One command on one stream of the emulated device.
+/// One command on one stream of the emulated device: a site's operation
+/// with the call's bases it is bound to.
 #[derive(Debug, Clone)]
 enum Cmd {
     Record(usize),
     Wait(usize),
-    Op(DeviceOp),
+    Op(Box<DeviceOp>, Bases),
 }
 
 /// Records what the handler would enqueue; stream `lanes.len()` is XLA's.
 struct Recorder<'a> {
-    resolver: &'a Resolver<'a>,
+    site: &'a SiteOps,
+    bases: Bases,
     streams: Vec<Vec<Cmd>>,
 }
 
@@ -58,8 +60,8 @@ impl StreamOps for Recorder<'_> {
         Ok(())
     }
     fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
-        let ops = self.resolver.lower(&step.action)?;
-        self.streams[lane].extend(ops.into_iter().map(Cmd::Op));
+        let bases = self.bases;
+        self.streams[lane].extend(self.site.steps[step.id].iter().map(|op| Cmd::Op(Box::new(op.clone()), bases)));
         Ok(())
     }
     /// Marks only tell the watchdog that a call moves: nothing to emulate.
@@ -106,6 +108,7 @@ impl Memory {
 /// Runs one device operation; `false` when an NCCL group must wait for a message.
 fn execute(
     op: &DeviceOp,
+    bases: &Bases,
     rank: usize,
     mem: &mut Memory,
     channels: &mut HashMap<(usize, usize), VecDeque<Vec<u8>>>,
@@ -117,7 +120,7 @@ fn execute(
                 assert_eq!(t, DType::F32, "the emulation is f32 only");
             }
             let Some(c) = ColMajor::of(gemm).unwrap() else { return true };
-            let (a, b, out) = c.addresses(*ops);
+            let (a, b, out) = c.addresses(ops.bind(bases));
             for j in 0..c.n {
                 for i in 0..c.m {
                     let mut acc = 0.0f32;
@@ -132,7 +135,7 @@ fn execute(
         }
         DeviceOp::Fp8Gemm(g) => {
             // cuBLASLt's TN call as `fp8_gemm::Fp8Gemm::lower` gives it, on bytes.
-            let call = g.lower((9, 0)).unwrap();
+            let call = g.bind(bases).lower((9, 0)).unwrap();
             assert_eq!(call.d_layout.dtype, LtType::F32, "the emulation writes f32 only");
             let scale = mem.f32(call.a_scale, 0) * mem.f32(call.b_scale, 0);
             let byte = |mem: &Memory, addr: u64, i: i64| mem.read(addr + i as u64, 1)[0];
@@ -152,15 +155,17 @@ fn execute(
         }
         DeviceOp::Sum(s) => {
             assert_eq!(s.kernel, "sum_f32", "the emulation is f32 only");
+            let s = s.bind(bases);
+            let terms = s.kernel_terms();
             for i in 0..s.n as usize {
-                let v = s.terms[..s.k as usize].iter().map(|&t| mem.f32(t, i)).sum();
+                let v = terms[..s.k as usize].iter().map(|&t| mem.f32(t, i)).sum();
                 mem.set_f32(s.dst, i, v);
             }
             true
         }
         DeviceOp::Exchange { sends, recvs } => {
             if !*posted {
-                for s in sends {
+                for s in sends.iter().map(|s| s.bind(bases)) {
                     let data = mem.read(s.addr, s.bytes);
                     channels.entry((rank, s.peer)).or_default().push_back(data);
                 }
@@ -174,7 +179,7 @@ fn execute(
             if !ready {
                 return false;
             }
-            for r in recvs {
+            for r in recvs.iter().map(|r| r.bind(bases)) {
                 let data = channels.get_mut(&(r.peer, rank)).unwrap().pop_front().unwrap();
                 assert_eq!(data.len(), r.bytes, "rank {rank}: a message of the wrong size from {}", r.peer);
                 mem.write(r.addr, &data);
@@ -211,25 +216,24 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, rever
     let mut ranks = Vec::new();
     for rank in 0..n {
         let p = plan(kind.pattern(), schedule, n, rank);
-        let layout = Workspace::layout(&p, &sizes).unwrap();
+        let site = SiteOps::new(problem, &p).unwrap();
         let id = mem.buffers.len();
         mem.buffers.push(fill(sizes.x, rank));
         mem.buffers.push(fill(sizes.w, 100 + rank));
         mem.buffers.push(vec![0xff; sizes.result * 4]); // garbage: every element must be written
-        mem.buffers.push(vec![0xff; layout.total]);
+        mem.buffers.push(vec![0xff; site.layout.total()]);
         let region = |i: usize, bytes| Region { addr: base(i), bytes, dtype: DType::F32 };
         let buffers = DeviceBuffers {
             x: region(id, sizes.x * 4),
             w: region(id + 1, sizes.w * 4),
             out: region(id + 2, sizes.result * 4),
-            workspace: (base(id + 3), layout.total),
+            workspace: (base(id + 3), site.layout.total()),
             scales: None,
         };
-        let resolver = Resolver::new(problem, &layout, &p.slots, buffers).unwrap();
-        let sched = StreamSchedule::new(&p);
-        let mut rec = Recorder { resolver: &resolver, streams: vec![Vec::new(); sched.lanes.len() + 1] };
-        issue(&p, &sched, &mut rec, 0, None).unwrap();
-        ranks.push((id, rec.streams, events_needed(&sched)));
+        let bases = site.bind(&buffers).unwrap();
+        let mut rec = Recorder { site: &site, bases, streams: vec![Vec::new(); site.streams.lanes.len() + 1] };
+        issue(&p, &site.streams, &mut rec, 0, None).unwrap();
+        ranks.push((id, rec.streams, site.events));
     }
     // Run all streams of all ranks until none can move.
     let mut channels = HashMap::new();
@@ -252,7 +256,7 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, rever
                         true
                     }
                     Cmd::Wait(e) => recorded[r][*e],
-                    Cmd::Op(op) => execute(op, r, &mut mem, &mut channels, &mut posted[r][s]),
+                    Cmd::Op(op, bases) => execute(op, bases, r, &mut mem, &mut channels, &mut posted[r][s]),
                 };
                 if !done {
                     break;

@@ -3,12 +3,13 @@
 //! NCCL send/receive groups, events between the lanes and the watchdog's
 //! progress marks, all on the device's internal streams forked from XLA's.
 
-use super::addresses::{self, grid, poll_until, DeviceOp, Resolver, SumLaunch, BLOCK};
+use super::addresses::{grid, poll_until, Addr, Bases, DeviceOp, SumLaunch, BLOCK, MAX_TERMS};
 use super::api::{self, check_cu};
 use super::device::Device;
 use super::device_watch::CallWatch;
 use super::nccl::{self, P2p};
 use super::nccl_group::probe;
+use super::site_ops::SiteOps;
 use super::stream_issue::StreamOps;
 use super::{fp8_gemm, gemm};
 use crate::error::{Error, Result};
@@ -25,9 +26,9 @@ use std::time::Instant;
 pub struct CallOps<'a> {
     pub device: &'a mut Device,
     pub xla: *mut c_void,
-    /// The stream of each schedule lane (by index into `StreamSchedule::lanes`).
-    pub lanes: Vec<usize>,
-    pub resolver: &'a Resolver<'a>,
+    /// The site's device operations, and where this call's buffers are.
+    pub site: &'a SiteOps,
+    pub bases: Bases,
     pub comm: Option<nsys::ncclComm_t>,
     pub deadline: Instant,
     /// Set when a communicator failed or timed out: the caller aborts and evicts it.
@@ -47,19 +48,12 @@ impl CallOps<'_> {
         device.reserve_events(events)
     }
 
-    /// Index 0 is the compute stream, 1 the communication stream.
-    pub fn lane_stream(lane: crate::plan::Lane) -> usize {
-        match lane {
-            crate::plan::Lane::Compute => 0,
-            crate::plan::Lane::Comm => 1,
-        }
-    }
-
     fn stream(&self, stream: Option<usize>) -> Result<dsys::CUstream> {
         match stream {
             None => Ok(self.xla as dsys::CUstream),
             Some(l) => self
-                .lanes
+                .site
+                .lane_streams
                 .get(l)
                 .and_then(|&s| self.device.lane_stream(s))
                 .ok_or_else(|| Error::Internal(format!("no lane {l}"))),
@@ -70,13 +64,22 @@ impl CallOps<'_> {
         self.device.event(event).ok_or_else(|| Error::Internal(format!("no event {event}")))
     }
 
-    fn exchange(&mut self, stream: dsys::CUstream, sends: &[P2p], recvs: &[P2p]) -> Result<()> {
+    fn exchange(&mut self, stream: dsys::CUstream, sends: &[P2p<Addr>], recvs: &[P2p<Addr>]) -> Result<()> {
         let comm = self.comm.ok_or_else(|| Error::Internal("an exchange without a communicator".into()))?;
         // SAFETY: `comm` is this device's communicator of the group, `stream`
         // its communication stream; the addresses are inside XLA's buffers
-        // (checked by the resolver), which live until XLA's stream passes the
-        // join event, after these transfers.
-        let posted = unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, sends, recvs) };
+        // (lowered by the resolver, bound to buffers `SiteOps::bind` checked),
+        // which live until XLA's stream passes the join event, after these
+        // transfers.
+        let bases = self.bases;
+        let posted = unsafe {
+            nccl::enqueue_exchange(
+                comm,
+                stream as nsys::cudaStream_t,
+                sends.iter().map(|p| p.bind(&bases)),
+                recvs.iter().map(|p| p.bind(&bases)),
+            )
+        };
         // Non-blocking communicators may still be connecting or enqueueing:
         // wait (host side, bounded) until NCCL has taken the group.
         let result = posted.and_then(|()| {
@@ -91,17 +94,18 @@ impl CallOps<'_> {
         result
     }
 
-    fn launch_sum(&mut self, stream: dsys::CUstream, launch: SumLaunch) -> Result<()> {
+    fn launch_sum(&mut self, stream: dsys::CUstream, launch: &SumLaunch<Addr>) -> Result<()> {
         if launch.n == 0 {
             return Ok(());
         }
+        let launch = launch.bind(&self.bases);
         let f = self.device.sum_kernel(launch.kernel)?.0;
-        let (mut out, mut terms, mut k, mut n) = (launch.dst, launch.terms, launch.k, launch.n);
+        let (mut out, mut terms, mut k, mut n) = (launch.dst, launch.kernel_terms(), launch.k, launch.n);
         // The kernel's parameters: (T* dst, Terms terms, int k, u64 n),
         // `Terms` being eight pointers by value, laid out as `[u64; 8]`.
         let mut params: [*mut c_void; 4] = [
             (&mut out as *mut u64).cast(),
-            (&mut terms as *mut [u64; addresses::MAX_TERMS]).cast(),
+            (&mut terms as *mut [u64; MAX_TERMS]).cast(),
             (&mut k as *mut i32).cast(),
             (&mut n as *mut u64).cast(),
         ];
@@ -139,17 +143,20 @@ impl StreamOps for CallOps<'_> {
 
     fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
         let stream = self.stream(Some(lane))?;
-        for op in self.resolver.lower(&step.action)? {
+        let site = self.site;
+        let ops = site.steps.get(step.id).ok_or_else(|| Error::Internal(format!("no step {}", step.id)))?;
+        for op in ops {
             match op {
                 DeviceOp::Gemm { gemm, ops, accumulate } => {
                     let handle = self.device.blas_for(stream)?.raw();
                     // SAFETY: `handle` is bound to this lane's stream in this
                     // device's (current) context; the resolver placed every
-                    // view inside XLA's buffers, alive until the join.
-                    unsafe { gemm::enqueue(handle, &gemm, ops, accumulate, self.tf32) }?;
+                    // view inside the call's buffers (`SiteOps::bind` checked
+                    // them), alive until the join.
+                    unsafe { gemm::enqueue(handle, gemm, ops.bind(&self.bases), *accumulate, self.tf32) }?;
                 }
                 DeviceOp::Fp8Gemm(g) => {
-                    let call = g.lower(self.device.capability)?;
+                    let call = g.bind(&self.bases).lower(self.device.capability)?;
                     let handle = self.device.lt_handle()?.raw();
                     let workspace = self.fp8_workspace.ok_or_else(|| {
                         Error::Internal("an fp8 GEMM without its workspace in the call's workspace".into())
@@ -162,7 +169,7 @@ impl StreamOps for CallOps<'_> {
                     unsafe { fp8_gemm::enqueue(handle, stream as ltsys::cudaStream_t, &call, workspace) }?;
                 }
                 DeviceOp::Sum(launch) => self.launch_sum(stream, launch)?,
-                DeviceOp::Exchange { sends, recvs } => self.exchange(stream, &sends, &recvs)?,
+                DeviceOp::Exchange { sends, recvs } => self.exchange(stream, sends, recvs)?,
             }
         }
         Ok(())
@@ -177,11 +184,10 @@ mod tests {
     use crate::backend::cuda::emulate::{cases, fill, reference};
     use crate::backend::cuda::handles::{Context, DeviceMemory, Stream};
     use crate::backend::cuda::libs::Lib;
-    use crate::backend::cuda::stream_issue::{events_needed, issue};
+    use crate::backend::cuda::stream_issue::issue;
     use crate::backend::cuda::{device, nccl_group};
     use crate::dtype::DType;
-    use crate::exec::stream::StreamSchedule;
-    use crate::plan::{plan, Schedule, Workspace};
+    use crate::plan::{plan, Schedule};
     use crate::problem::{Operand, Problem};
     use std::time::Duration;
 
@@ -198,21 +204,20 @@ mod tests {
         let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
         let sizes = problem.sizes();
         let p = plan(kind.pattern(), schedule, n, rank);
-        let layout = Workspace::layout(&p, &sizes).unwrap();
+        let site = SiteOps::new(&problem, &p).unwrap();
         let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
         let (xd, wd) = (memory(&fill(sizes.x, rank)), memory(&fill(sizes.w, 100 + rank)));
         let outd = memory(&vec![0xff; sizes.result * 4]);
-        let wsd = memory(&vec![0; layout.total]);
+        let wsd = memory(&vec![0; site.layout.total()]);
         let region = |m: &DeviceMemory, elems: usize| Region { addr: m.addr(), bytes: elems * 4, dtype: DType::F32 };
         let buffers = DeviceBuffers {
             x: region(&xd, sizes.x),
             w: region(&wd, sizes.w),
             out: region(&outd, sizes.result),
-            workspace: (wsd.addr(), layout.total),
+            workspace: (wsd.addr(), site.layout.total()),
             scales: None,
         };
-        let resolver = Resolver::new(&problem, &layout, &p.slots, buffers).unwrap();
-        let sched = StreamSchedule::new(&p);
+        let bases = site.bind(&buffers).unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
         let device = device::bind(stream as *mut c_void).unwrap();
         let comms = (n > 1).then(|| {
@@ -222,12 +227,12 @@ mod tests {
             nccl_group::group_comms(&key, &members, None, &d, deadline).unwrap()
         });
         let mut d = device.lock().unwrap();
-        CallOps::prepare(&mut d, events_needed(&sched)).unwrap();
+        CallOps::prepare(&mut d, site.events).unwrap();
         let mut ops = CallOps {
             device: &mut d,
             xla: stream as *mut c_void,
-            lanes: sched.lanes.iter().map(|&l| CallOps::lane_stream(l)).collect(),
-            resolver: &resolver,
+            site: &site,
+            bases,
             comm: comms.as_ref().map(|c| c.rank(rank).unwrap()),
             deadline,
             comm_failed: false,
@@ -235,7 +240,7 @@ mod tests {
             fp8_workspace: None,
             watch: None,
         };
-        issue(&p, &sched, &mut ops, 0, None).unwrap();
+        issue(&p, &site.streams, &mut ops, 0, None).unwrap();
         drop(d);
         // SAFETY: `stream` is live; the test (not the hot path) waits for it.
         unsafe { api::stream_synchronize(stream) }.unwrap();

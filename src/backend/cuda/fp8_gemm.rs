@@ -64,30 +64,32 @@ impl From<OutType> for LtType {
     }
 }
 
-/// One operand or result: a device address, its element type, its row stride.
+/// One operand or result: an address (`A`: a device address, or
+/// `addresses::Addr` as lowered for a site), its element type, its row stride.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Matrix<T> {
-    pub addr: u64,
+pub struct Matrix<T, A = u64> {
+    pub addr: A,
     pub dtype: T,
     /// Elements between consecutive rows (row-major).
     pub ld: usize,
 }
 
-/// One fp8 GEMM (see the module comment for the layouts).
+/// One fp8 GEMM (see the module comment for the layouts), addressed as `A`
+/// (see `Matrix`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fp8Gemm {
+pub struct Fp8Gemm<A = u64> {
     pub m: usize,
     pub n: usize,
     pub k: usize,
     /// `[m, k]`, row stride `ld`.
-    pub x: Matrix<Fp8>,
+    pub x: Matrix<Fp8, A>,
     /// `[n, k]` (K-major), row stride `ld`.
-    pub w: Matrix<Fp8>,
+    pub w: Matrix<Fp8, A>,
     /// `[m, n]`, row stride `ld`.
-    pub out: Matrix<OutType>,
-    /// Device addresses of one float32 each.
-    pub x_scale: u64,
-    pub w_scale: u64,
+    pub out: Matrix<OutType, A>,
+    /// Addresses of one float32 each.
+    pub x_scale: A,
+    pub w_scale: A,
     /// Adds to `out` (beta = 1) instead of overwriting it.
     pub accumulate: bool,
 }

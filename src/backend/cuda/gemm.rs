@@ -90,12 +90,14 @@ pub fn cuda_type(dtype: DType) -> Result<cudarc::cublas::sys::cudaDataType> {
     }
 }
 
-/// Device buffers of one GEMM: base addresses and element types.
+/// Buffers of one GEMM: base addresses and element types. `A` is how they
+/// are addressed: `addresses::Addr` as lowered for a site, device addresses
+/// once bound to a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Operands {
-    pub lhs: (u64, DType),
-    pub rhs: (u64, DType),
-    pub dst: (u64, DType),
+pub struct Operands<A = u64> {
+    pub lhs: (A, DType),
+    pub rhs: (A, DType),
+    pub dst: (A, DType),
 }
 
 /// Enqueues `g` on the stream `handle` is bound to: f32 compute (bf16/f16

@@ -10,7 +10,7 @@
 //! something waiting for this device.
 #![forbid(unsafe_code)]
 
-use super::addresses::{DeviceBuffers, Region, Resolver};
+use super::addresses::{DeviceBuffers, Region};
 use super::api::require;
 use super::communicators::{CommKey, Placement};
 use super::device;
@@ -18,15 +18,13 @@ use super::device_watch::{self, CallWatch};
 use super::enqueue::CallOps;
 use super::libs::Lib;
 use super::nccl_group::{self, GroupComms};
-use super::workspace::CudaLayout;
-use super::{addresses, communicators, stream_issue, watchdog};
+use super::site_ops::SiteOps;
+use super::{addresses, communicators, stream_issue};
 use crate::call::{Call, CallSite};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::exec::stream::StreamSchedule;
 use crate::exec::Observer;
 use crate::group::Group;
-use crate::plan::Action;
 use crate::trace::{CallLabel, Recording};
 use crate::xla::{Frame, Stage};
 use std::time::Instant;
@@ -57,19 +55,6 @@ fn scales(frame: &Frame<'_>) -> Result<(u64, u64)> {
         Ok(b.addr)
     };
     Ok((scalar(2, "x_scale")?, scalar(3, "w_scale")?))
-}
-
-/// The part of an fp8 call's workspace its cuBLASLt GEMMs may use, after
-/// the plan's buffers (`workspace::CudaLayout`).
-fn fp8_workspace(layout: &CudaLayout, addr: u64, bytes: usize) -> Result<Option<(u64, usize)>> {
-    let Some(region) = layout.fp8_gemm.clone() else { return Ok(None) };
-    if bytes < region.end {
-        return Err(Error::InvalidArgument(format!(
-            "`workspace` has {bytes} bytes; an fp8 call needs {} (its plan's buffers and the GEMMs' workspace)",
-            region.end
-        )));
-    }
-    Ok(Some((addr + region.start as u64, region.len())))
 }
 
 /// A fresh NCCL unique id for the lowering of a group spanning processes
@@ -165,8 +150,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         let dev = device::bind_for_execute(stream)?;
         return device::zero_result(&crate::sync::lock(&dev), &out, stream);
     }
-    let layout = CudaLayout::new(problem, plan)?;
-    let fp8_workspace = fp8_workspace(&layout, workspace.addr, workspace.bytes)?;
+    let site_ops = call.decoded.derived(|site| SiteOps::new(&site.problem, &site.plan))?;
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
     let buffers = DeviceBuffers {
         x: region(x.addr, x.bytes, x.dtype),
@@ -175,8 +159,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         workspace: (workspace.addr, workspace.bytes),
         scales: if x.dtype.is_fp8() { Some(scales(frame)?) } else { None },
     };
-    let resolver = Resolver::new(problem, &layout.plan, &plan.slots, buffers)?;
-    let streams = StreamSchedule::new(plan);
+    let bases = site_ops.bind(&buffers)?;
     let deadline = call.deadline();
 
     let xla_stream = frame.stream()?;
@@ -186,35 +169,34 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     device_watch::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
     // Communicators first (their creation takes the group's lock and sets
     // other devices' contexts), then this device's lock for the enqueueing.
-    let exchanges = plan.steps.iter().any(|s| matches!(s.action, Action::Exchange { .. }));
     let key = CommKey::of(group);
-    let comms =
-        exchanges.then(|| communicators(group, &placement, mesh_devices, ordinal, &dev, deadline)).transpose()?;
+    let comms = site_ops
+        .exchanges
+        .then(|| communicators(group, &placement, mesh_devices, ordinal, &dev, deadline))
+        .transpose()?;
     let mut d = crate::sync::lock(&dev);
-    CallOps::prepare(&mut d, stream_issue::events_needed(&streams))?;
+    CallOps::prepare(&mut d, site_ops.events)?;
     // Calls that communicate are watched until their work finishes on the
     // device: a peer that never arrives would leave the stream stalled.
-    let marks = stream_issue::marks_needed(&streams, watchdog::MAX_MARKS);
-    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c, marks)).transpose()?;
+    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c, site_ops.marks)).transpose()?;
     let mut ops = CallOps {
         device: &mut d,
         xla: xla_stream,
-        lanes: streams.lanes.iter().map(|&l| CallOps::lane_stream(l)).collect(),
-        resolver: &resolver,
+        site: &site_ops,
+        bases,
         comm: comms.as_ref().map(|c| c.rank(group.rank)).transpose()?,
         deadline,
         comm_failed: false,
         tf32: frame.has_attr("tf32") && frame.attr_i64("tf32")? != 0,
-        fp8_workspace,
+        fp8_workspace: site_ops.fp8_workspace(&buffers),
         watch: watch.as_ref(),
     };
-    let marked = if watch.is_some() { marks } else { 0 };
+    let marked = if watch.is_some() { site_ops.marks } else { 0 };
     let recording =
         Recording::begin(plan, || CallLabel::new(i64::from(ordinal), *site, kind.name(), plan, problem, x.bytes));
     let observer = recording.as_ref().map(|r| r as &dyn Observer);
-    let result = stream_issue::issue(plan, &streams, &mut ops, marked, observer);
+    let result = stream_issue::issue(plan, &site_ops.streams, &mut ops, marked, observer);
     let comm_failed = ops.comm_failed;
-    drop(ops);
     let result = match (result, watch) {
         (Ok(()), Some(w)) => w.submit(xla_stream, kind.name(), *site, group.rank, *timeout),
         (Err(e), Some(w)) => {

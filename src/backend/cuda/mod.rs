@@ -15,8 +15,10 @@
 //! unique ids), `kernels` compiles `kernels/` with NVRTC to CUBIN for each
 //! device, loaded at the handler's INITIALIZE stage, before any execution.
 //!
-//! `addresses` maps a call's plan buffers onto XLA's device addresses (pure,
-//! tested without a device) and `device` holds each device's state. `watchdog`
+//! `addresses` maps a call's plan buffers onto its buffers (pure, tested
+//! without a device), `site_ops` keeps each call site's lowered operations so
+//! a call only binds its buffers' addresses, and `device` holds each
+//! device's state. `watchdog`
 //! and `device_watch` bound the device side: a call whose communication
 //! never finishes on the device has its communicators aborted, and its
 //! device's next call fails. What still needs a GPU to be verified, and what
@@ -68,6 +70,8 @@ pub mod nccl;
 pub mod nccl_group;
 #[cfg(feature = "cuda")]
 pub mod reshard;
+#[cfg(feature = "cuda")]
+pub mod site_ops;
 #[cfg(feature = "cuda")]
 pub mod stream_issue;
 #[cfg(feature = "cuda")]

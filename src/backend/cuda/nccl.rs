@@ -5,11 +5,12 @@ use super::api::{self, check_nccl};
 use crate::error::{Error, Result};
 use cudarc::nccl::sys;
 
-/// One transfer of an exchange: a device address, its length in bytes, the
-/// peer's rank in the communicator.
+/// One transfer of an exchange: an address (`A`: a device address, or
+/// `addresses::Addr` as lowered for a site), its length in bytes, the peer's
+/// rank in the communicator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct P2p {
-    pub addr: u64,
+pub struct P2p<A = u64> {
+    pub addr: A,
     pub bytes: usize,
     pub peer: usize,
 }
@@ -25,8 +26,8 @@ pub struct P2p {
 pub unsafe fn enqueue_exchange(
     comm: sys::ncclComm_t,
     stream: sys::cudaStream_t,
-    sends: &[P2p],
-    recvs: &[P2p],
+    sends: impl IntoIterator<Item = P2p>,
+    recvs: impl IntoIterator<Item = P2p>,
 ) -> Result<()> {
     let nccl = api::nccl()?;
     let peer = |p: &P2p| {
@@ -38,12 +39,12 @@ pub unsafe fn enqueue_exchange(
     let posted = (|| -> Result<()> {
         for s in sends {
             // SAFETY: the caller's contract.
-            let status = unsafe { (nccl.send)(s.addr as *const _, s.bytes, bytes, peer(s)?, comm, stream) };
+            let status = unsafe { (nccl.send)(s.addr as *const _, s.bytes, bytes, peer(&s)?, comm, stream) };
             check_nccl(status, "ncclSend")?;
         }
         for r in recvs {
             // SAFETY: the caller's contract.
-            let status = unsafe { (nccl.recv)(r.addr as *mut _, r.bytes, bytes, peer(r)?, comm, stream) };
+            let status = unsafe { (nccl.recv)(r.addr as *mut _, r.bytes, bytes, peer(&r)?, comm, stream) };
             check_nccl(status, "ncclRecv")?;
         }
         Ok(())

@@ -95,7 +95,7 @@ impl GroupComms {
         // SAFETY: `comm` is this device's communicator of the group and
         // `stream` XLA's stream of this device; the scratch is this device's
         // memory, one byte sent and one byte per peer received, never freed.
-        unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, &sends, &recvs) }?;
+        unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, sends, recvs) }?;
         // SAFETY: `comm` is live.
         poll_until(deadline, "connecting the group's communicators (a peer may not have joined)", || unsafe {
             probe(comm, "connection")

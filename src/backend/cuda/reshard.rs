@@ -322,14 +322,14 @@ impl Comm<'_> {
     /// side, bounded) until NCCL has taken it.
     fn exchange(&self, stream: *mut c_void, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
         let p2p = |t: &Transfer| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer };
-        let (sends, recvs): (Vec<P2p>, Vec<P2p>) = (sends.iter().map(p2p).collect(), recvs.iter().map(p2p).collect());
+        let (sends, recvs) = (sends.iter().map(p2p), recvs.iter().map(p2p));
         let comm = self.comm;
         #[allow(unsafe_code)]
         // SAFETY: `comm` is this device's live communicator of the union and
         // `stream` a stream of this device; the addresses are inside the
         // call's buffers: a receive's until XLA's stream passes the group, a
         // send's in `staging`, which Python keeps until the receivers finished.
-        let posted = unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, &sends, &recvs) };
+        let posted = unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, sends, recvs) };
         let taken = posted.and_then(|()| {
             #[allow(unsafe_code)]
             // SAFETY: `comm` is live.

@@ -122,17 +122,17 @@ fn every_kernel_compiles_to_cubin_for_sm80_sm90_and_sm100() {
     assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
 }
 
-/// The parameters `device::CallOps::launch_sum` passes are those NVRTC gives
+/// The parameters `driver::SumKernels::launch` passes are those NVRTC gives
 /// each sum kernel: a pointer, `Terms` by value (eight 8-byte pointers,
 /// 8-aligned), an int and a u64 (read from the PTX).
 #[test]
 #[ignore = "needs pip's NVRTC: .ci/run runs it with COMMFUSE_TEST_CUDA_ROOT for CUDA 12 and 13"]
 fn sum_kernels_take_the_parameters_the_launch_passes() {
-    use commfuse::backend::cuda::{addresses::MAX_TERMS, device::SUM_KERNELS};
+    use commfuse::backend::cuda::{addresses::MAX_TERMS, driver::SumKernels};
     install();
     let ptx = compile(SOURCES[0], &Target::Ptx(80), &[]).unwrap().image;
     let ptx = String::from_utf8_lossy(&ptx);
-    for name in SUM_KERNELS {
+    for name in SumKernels::NAMES {
         let start = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no kernel {name}"));
         let params: Vec<String> = ptx[start..]
             .split_once('(')

@@ -12,12 +12,21 @@
 
 use super::fp8_gemm::{Fp8, Fp8Gemm, Matrix, OutType};
 use super::gemm::Operands;
-use super::nccl::P2p;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::{Action, Buf, SlotKind, Transfer, Workspace};
 use crate::problem::{Gemm, Problem, Side, View};
 use std::time::{Duration, Instant};
+
+/// One transfer of an exchange: an address (`A`: a device address, or
+/// [`Addr`] as lowered for a site), its length in bytes, the peer's
+/// rank in the communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2p<A = u64> {
+    pub addr: A,
+    pub bytes: usize,
+    pub peer: usize,
+}
 
 /// A device buffer: address, length in bytes, element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -567,6 +567,28 @@ mod tests {
         assert!(found.is_empty(), "calls through cudarc's loader:\n{}", found.join("\n"));
     }
 
+    /// `unsafe` lives in the library layers only (`api`, `libs`, and the safe
+    /// layers `driver`, `blas`, `nccl`, `nvrtc`); every other module of the
+    /// backend forbids it.
+    #[test]
+    fn unsafe_code_lives_in_the_library_layers_only() {
+        const LAYERS: [&str; 6] = ["api.rs", "libs.rs", "driver.rs", "blas.rs", "nccl.rs", "nvrtc.rs"];
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+        let mut wrong = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if LAYERS.contains(&name.as_str()) || name == "mod.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            if !text.contains(&["#![forbid(", "unsafe_code)]"].concat()) {
+                wrong.push(format!("{name} does not forbid unsafe code"));
+            }
+        }
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
+
     #[test]
     fn nccl_version_codes() {
         assert_eq!(nccl_version_string(22809), "2.28.9");

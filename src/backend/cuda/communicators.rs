@@ -14,7 +14,6 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::sync::lock;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Identifies one communicator: the group's global device ids in rank
@@ -151,49 +150,6 @@ impl<C> CommCache<C> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-/// Per-rank handles (communicators) that must be released exactly once:
-/// by an abort after a failure, or when their owner is dropped. A released
-/// handle is never handed out again, so a call holding a stale reference to
-/// an evicted group cannot use a communicator another call aborted (NCCL
-/// frees it).
-pub struct ReleaseOnce<H> {
-    handles: Vec<Option<H>>,
-    released: Vec<AtomicBool>,
-}
-
-impl<H: Copy> ReleaseOnce<H> {
-    /// `handles[rank]`: the rank's handle, `None` for a rank not in this process.
-    pub fn new(handles: Vec<Option<H>>) -> ReleaseOnce<H> {
-        let released = handles.iter().map(|_| AtomicBool::new(false)).collect();
-        ReleaseOnce { handles, released }
-    }
-
-    /// Rank `rank`'s handle, unless it is absent or was released.
-    pub fn get(&self, rank: usize) -> Option<H> {
-        let released = self.released.get(rank)?.load(Ordering::Acquire);
-        self.handles[rank].filter(|_| !released)
-    }
-
-    /// Rank `rank`'s handle, marked released: `Some` the first time only.
-    pub fn release(&self, rank: usize) -> Option<H> {
-        let first = !self.released.get(rank)?.swap(true, Ordering::AcqRel);
-        self.handles[rank].filter(|_| first)
-    }
-
-    /// Every handle not yet released, each marked released.
-    pub fn release_all(&self) -> impl Iterator<Item = H> + '_ {
-        (0..self.handles.len()).filter_map(|rank| self.release(rank))
-    }
-
-    pub fn len(&self) -> usize {
-        self.handles.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.handles.is_empty()
     }
 }
 
@@ -367,7 +323,7 @@ impl IdLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::mpsc;
     use std::time::{Duration, Instant};
 
@@ -523,35 +479,6 @@ mod tests {
         assert_eq!(results[0], Err(Error::Internal("init failed".into())));
         assert_eq!(results[1], Ok(5));
         assert_eq!(*cache.get_or_create(&k, || Ok(6)).unwrap(), 5);
-    }
-
-    #[test]
-    fn each_handle_is_released_once_and_never_handed_out_after() {
-        let group = ReleaseOnce::new(vec![Some(10), None, Some(12), Some(13)]);
-        assert_eq!((group.len(), group.get(0), group.get(1), group.get(4)), (4, Some(10), None, None));
-        // A failing rank aborts its own communicator; a second abort is a no-op.
-        assert_eq!(group.release(2), Some(12));
-        assert_eq!(group.release(2), None);
-        assert_eq!(group.get(2), None);
-        assert_eq!(group.release(1), None);
-        assert_eq!(group.release(9), None);
-        // The owner's drop releases the rest, each once.
-        assert_eq!(group.release_all().collect::<Vec<_>>(), vec![10, 13]);
-        assert_eq!(group.release_all().count(), 0);
-        assert_eq!(group.get(0), None);
-        // Threads racing to release one handle: exactly one wins.
-        let group = ReleaseOnce::new(vec![Some(1)]);
-        let wins = AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..8 {
-                s.spawn(|| {
-                    if group.release(0).is_some() {
-                        wins.fetch_add(1, Ordering::SeqCst);
-                    }
-                });
-            }
-        });
-        assert_eq!(wins.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -2,29 +2,18 @@
 //! driver's events recorded around each communicating call and queried by
 //! the watchdog thread, and the abort of a timed-out group's communicators.
 
-use super::api;
+#![forbid(unsafe_code)]
+
 use super::device::{bound, Device};
-use super::handles::Event;
+use super::driver::{KeptEvent, Queue};
 use super::nccl_group::{evict, GroupComms};
 use super::watchdog::{Abort, EventSource, Query, Watch, Watchdog, WatchedCall, MAX_MARKS};
 use crate::error::{Error, Result};
-use cudarc::driver::sys as dsys;
-use std::ffi::c_void;
 use std::sync::{Arc, OnceLock, TryLockError};
 use std::time::Duration;
 
-/// An event of the watchdog's pool, with the (primary, retained) context it
-/// was created in.
-#[derive(Clone, Copy)]
-pub struct WatchEvent {
-    ctx: dsys::CUcontext,
-    event: dsys::CUevent,
-}
-
-// SAFETY: driver handles, usable from any thread with their context current
-// (`query` makes it so); an event is used by one call or by the watchdog at a
-// time (the pool hands it to one owner).
-unsafe impl Send for WatchEvent {}
+/// An event of the watchdog's pool: kept for the process, with its context.
+pub type WatchEvent = KeptEvent;
 
 /// The watchdog's device side: the driver's events and NCCL's aborts.
 pub struct CudaEvents;
@@ -34,11 +23,7 @@ impl EventSource for CudaEvents {
     type Group = GroupComms;
 
     fn query(&self, e: WatchEvent) -> Query {
-        // SAFETY: the context is retained and the event never destroyed (the
-        // pool keeps its events for the life of the process). A device error
-        // counts as done: not a hang, and XLA reports it from its own stream.
-        let done = unsafe { api::set_current(e.ctx).is_err() || api::event_done(e.event) };
-        if done {
+        if e.done() {
             Query::Done
         } else {
             Query::Pending
@@ -118,13 +103,12 @@ impl CallWatch {
     /// Takes `2 + marks` events (created while the pool has too few: only
     /// while a device has more calls in flight than ever before) and records
     /// the first on `xla`. `device`'s context is current.
-    pub fn begin(device: &Device, xla: *mut c_void, group: &Arc<GroupComms>, marks: usize) -> Result<CallWatch> {
+    pub fn begin(device: &Device, xla: &impl Queue, group: &Arc<GroupComms>, marks: usize) -> Result<CallWatch> {
         let dog = watchdog()?;
         let interrupts = crate::config::interrupts();
         let take = || match dog.take_event(device.ordinal) {
             Some(e) => Ok(e),
-            None => Event::new("cuEventCreate (watchdog)")
-                .map(|event| WatchEvent { ctx: device.context(), event: event.into_raw() }),
+            None => KeptEvent::new(device.ordinal, "cuEventCreate (watchdog)"),
         };
         let start = take()?;
         let end = take().inspect_err(|_| dog.give_back(device.ordinal, &[start]))?;
@@ -155,9 +139,9 @@ impl CallWatch {
     }
 
     /// Records progress mark `mark` on `stream` (a lane of the call).
-    pub fn mark(&self, mark: usize, stream: dsys::CUstream) -> Result<()> {
+    pub fn mark(&self, mark: usize, stream: &impl Queue) -> Result<()> {
         match self.marks.get(mark).copied().flatten() {
-            Some(e) => record_on(e, stream as *mut c_void),
+            Some(e) => record_on(e, stream),
             None => Err(Error::Internal(format!("no progress mark {mark} was taken for this call"))),
         }
     }
@@ -165,7 +149,7 @@ impl CallWatch {
     /// Records the second event on `xla` (after the join) and hands the call
     /// to the watchdog, which expires it once it makes no progress on the
     /// device for `timeout`.
-    pub fn submit(self, xla: *mut c_void, op: &'static str, site: i64, rank: usize, timeout: Duration) -> Result<()> {
+    pub fn submit(self, xla: &impl Queue, op: &'static str, site: i64, rank: usize, timeout: Duration) -> Result<()> {
         if let Err(e) = record_on(self.end, xla) {
             self.cancel();
             return Err(e);
@@ -195,10 +179,10 @@ impl CallWatch {
     }
 }
 
-fn record_on(e: WatchEvent, xla: *mut c_void) -> Result<()> {
-    // SAFETY: XLA's stream is live for the call; the event is this device's
-    // and owned by the call until it is submitted or given back.
-    unsafe { api::event_record(e.event, xla as dsys::CUstream, "cuEventRecord (watchdog)") }
+/// Records `e` on `stream`: the event is this device's and owned by the
+/// call until it is submitted or given back.
+fn record_on(e: WatchEvent, stream: &impl Queue) -> Result<()> {
+    e.record(stream, "cuEventRecord (watchdog)")
 }
 
 #[cfg(test)]

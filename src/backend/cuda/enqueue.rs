@@ -1,35 +1,33 @@
 //! Enqueues one call's steps on a device ([`CallOps`], the `StreamOps` that
 //! `stream_issue` drives): GEMMs with cuBLAS or cuBLASLt, the sum kernels,
 //! NCCL send/receive groups, events between the lanes and the watchdog's
-//! progress marks, all on the device's internal streams forked from XLA's.
+//! progress marks, all on the device's internal streams forked from XLA's,
+//! through the safe layers (`driver`, `blas`, `nccl`), which check every
+//! address against the call's memory.
+#![forbid(unsafe_code)]
 
-use super::addresses::{grid, poll_until, Addr, Bases, DeviceOp, SumLaunch, BLOCK, MAX_TERMS};
-use super::api::{self, check_cu};
+use super::addresses::{poll_until, Addr, Bases, DeviceOp, P2p};
 use super::device::Device;
 use super::device_watch::CallWatch;
-use super::nccl::{self, P2p};
-use super::nccl_group::probe;
+use super::driver::{CallMemory, CallStream, Event, Stream};
+use super::nccl::Comm;
 use super::site_ops::SiteOps;
 use super::stream_issue::StreamOps;
-use super::{fp8_gemm, gemm};
 use crate::error::{Error, Result};
 use crate::plan::Step;
-use cudarc::cublaslt::sys as ltsys;
-use cudarc::driver::sys as dsys;
-use cudarc::nccl::sys as nsys;
-use std::ffi::c_void;
-use std::ptr;
 use std::time::Instant;
 
 /// Enqueues one call's steps: lanes `Compute`/`Comm` on the device's
 /// internal streams, the caller's stream being XLA's.
 pub struct CallOps<'a> {
-    pub device: &'a mut Device,
-    pub xla: *mut c_void,
+    pub device: &'a Device,
+    pub xla: &'a CallStream<'a>,
     /// The site's device operations, and where this call's buffers are.
     pub site: &'a SiteOps,
     pub bases: Bases,
-    pub comm: Option<nsys::ncclComm_t>,
+    /// The memory the call's work may touch (XLA's buffers of the call).
+    pub memory: &'a CallMemory<'a>,
+    pub comm: Option<&'a Comm>,
     pub deadline: Instant,
     /// Set when a communicator failed or timed out: the caller aborts and evicts it.
     pub comm_failed: bool,
@@ -41,51 +39,41 @@ pub struct CallOps<'a> {
     pub watch: Option<&'a CallWatch>,
 }
 
-impl CallOps<'_> {
+impl<'a> CallOps<'a> {
     /// Prepares the device for a call needing `events` events.
     pub fn prepare(device: &mut Device, events: usize) -> Result<()> {
         device.make_current()?;
         device.reserve_events(events)
     }
 
-    fn stream(&self, stream: Option<usize>) -> Result<dsys::CUstream> {
-        match stream {
-            None => Ok(self.xla as dsys::CUstream),
-            Some(l) => self
-                .site
-                .lane_streams
-                .get(l)
-                .and_then(|&s| self.device.lane_stream(s))
-                .ok_or_else(|| Error::Internal(format!("no lane {l}"))),
-        }
+    /// The device stream of schedule lane `l` (`site_ops::lane_stream`).
+    fn lane_index(&self, l: usize) -> Result<usize> {
+        self.site.lane_streams.get(l).copied().ok_or_else(|| Error::Internal(format!("no lane {l}")))
     }
 
-    fn event(&self, event: usize) -> Result<dsys::CUevent> {
+    fn lane(&self, l: usize) -> Result<&'a Stream> {
+        let index = self.lane_index(l)?;
+        self.device.lane_stream(index).ok_or_else(|| Error::Internal(format!("no lane {l}")))
+    }
+
+    fn event(&self, event: usize) -> Result<&'a Event> {
         self.device.event(event).ok_or_else(|| Error::Internal(format!("no event {event}")))
     }
 
-    fn exchange(&mut self, stream: dsys::CUstream, sends: &[P2p<Addr>], recvs: &[P2p<Addr>]) -> Result<()> {
+    fn exchange(&mut self, stream: &Stream, sends: &[P2p<Addr>], recvs: &[P2p<Addr>]) -> Result<()> {
         let comm = self.comm.ok_or_else(|| Error::Internal("an exchange without a communicator".into()))?;
-        // SAFETY: `comm` is this device's communicator of the group, `stream`
-        // its communication stream; the addresses are inside XLA's buffers
-        // (lowered by the resolver, bound to buffers `SiteOps::bind` checked),
-        // which live until XLA's stream passes the join event, after these
-        // transfers.
         let bases = self.bases;
-        let posted = unsafe {
-            nccl::enqueue_exchange(
-                comm,
-                stream as nsys::cudaStream_t,
-                sends.iter().map(|p| p.bind(&bases)),
-                recvs.iter().map(|p| p.bind(&bases)),
-            )
-        };
+        let posted = comm.exchange(
+            stream,
+            sends.iter().map(|p| p.bind(&bases)),
+            recvs.iter().map(|p| p.bind(&bases)),
+            self.memory,
+        );
         // Non-blocking communicators may still be connecting or enqueueing:
         // wait (host side, bounded) until NCCL has taken the group.
         let result = posted.and_then(|()| {
-            // SAFETY: `comm` is live.
-            poll_until(self.deadline, "an NCCL send/receive group (a peer may not have joined)", || unsafe {
-                probe(comm, "send/receive")
+            poll_until(self.deadline, "an NCCL send/receive group (a peer may not have joined)", || {
+                comm.probe("send/receive")
             })
         });
         if result.is_err() {
@@ -93,82 +81,54 @@ impl CallOps<'_> {
         }
         result
     }
-
-    fn launch_sum(&mut self, stream: dsys::CUstream, launch: &SumLaunch<Addr>) -> Result<()> {
-        if launch.n == 0 {
-            return Ok(());
-        }
-        let launch = launch.bind(&self.bases);
-        let f = self.device.sum_kernel(launch.kernel)?.0;
-        let (mut out, mut terms, mut k, mut n) = (launch.dst, launch.kernel_terms(), launch.k, launch.n);
-        // The kernel's parameters: (T* dst, Terms terms, int k, u64 n),
-        // `Terms` being eight pointers by value, laid out as `[u64; 8]`.
-        let mut params: [*mut c_void; 4] = [
-            (&mut out as *mut u64).cast(),
-            (&mut terms as *mut [u64; MAX_TERMS]).cast(),
-            (&mut k as *mut i32).cast(),
-            (&mut n as *mut u64).cast(),
-        ];
-        let grid = grid(launch.n, self.device.multiprocessors);
-        // SAFETY: `f` is a function of this device's module with exactly
-        // these parameters; their values live across the call (the driver
-        // copies them); the addresses are inside XLA's buffers (checked by
-        // the resolver), alive until the join.
-        let launch_kernel = api::driver()?.launch_kernel;
-        let launched =
-            unsafe { launch_kernel(f, grid, 1, 1, BLOCK, 1, 1, 0, stream, params.as_mut_ptr(), ptr::null_mut()) };
-        check_cu(launched, "cuLaunchKernel")
-    }
 }
 
 impl StreamOps for CallOps<'_> {
     fn record(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
-        let (s, e) = (self.stream(stream)?, self.event(event)?);
-        // SAFETY: both handles are live (XLA's stream for the call, ours cached).
-        unsafe { api::event_record(e, s, "cuEventRecord") }
+        let e = self.event(event)?;
+        match stream {
+            None => e.record(self.xla, "cuEventRecord"),
+            Some(l) => e.record(self.lane(l)?, "cuEventRecord"),
+        }
     }
 
     fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
-        let (s, e) = (self.stream(stream)?, self.event(event)?);
-        // SAFETY: as in `record`.
-        unsafe { api::stream_wait_event(s, e) }
+        let e = self.event(event)?;
+        match stream {
+            None => e.wait_on(self.xla),
+            Some(l) => e.wait_on(self.lane(l)?),
+        }
     }
 
     fn mark(&mut self, lane: usize, mark: usize) -> Result<()> {
         match self.watch {
-            Some(watch) => watch.mark(mark, self.stream(Some(lane))?),
+            Some(watch) => watch.mark(mark, self.lane(lane)?),
             None => Ok(()),
         }
     }
 
     fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
-        let stream = self.stream(Some(lane))?;
-        let site = self.site;
+        let (site, device, memory) = (self.site, self.device, self.memory);
+        let stream = self.lane(lane)?;
         let ops = site.steps.get(step.id).ok_or_else(|| Error::Internal(format!("no step {}", step.id)))?;
         for op in ops {
             match op {
                 DeviceOp::Gemm { gemm, ops, accumulate } => {
-                    let handle = self.device.blas_for(stream)?.raw();
-                    // SAFETY: `handle` is bound to this lane's stream in this
-                    // device's (current) context; the resolver placed every
-                    // view inside the call's buffers (`SiteOps::bind` checked
-                    // them), alive until the join.
-                    unsafe { gemm::enqueue(handle, gemm, ops.bind(&self.bases), *accumulate, self.tf32) }?;
+                    let handle = device.blas(self.lane_index(lane)?)?;
+                    handle.gemm(gemm, ops.bind(&self.bases), *accumulate, self.tf32, memory)?;
                 }
                 DeviceOp::Fp8Gemm(g) => {
-                    let call = g.bind(&self.bases).lower(self.device.capability)?;
-                    let handle = self.device.lt_handle()?.raw();
+                    let call = g.bind(&self.bases).lower(device.capability)?;
                     let workspace = self.fp8_workspace.ok_or_else(|| {
                         Error::Internal("an fp8 GEMM without its workspace in the call's workspace".into())
                     })?;
-                    // SAFETY: the handle belongs to this device's (current)
-                    // context; the resolver placed the operands, result and
-                    // scales inside XLA's buffers, and the workspace is the
-                    // call's own part of XLA's workspace (the call's GEMMs
-                    // all run on this one stream), alive until the join.
-                    unsafe { fp8_gemm::enqueue(handle, stream as ltsys::cudaStream_t, &call, workspace) }?;
+                    // The call's own part of XLA's workspace: the call's GEMMs
+                    // all run on this one stream.
+                    device.lt_handle()?.matmul(stream, &call, workspace, memory)?;
                 }
-                DeviceOp::Sum(launch) => self.launch_sum(stream, launch)?,
+                DeviceOp::Sum(launch) => {
+                    device.sums().launch(stream, &launch.bind(&self.bases), memory, device.multiprocessors)?
+                }
                 DeviceOp::Exchange { sends, recvs } => self.exchange(stream, sends, recvs)?,
             }
         }
@@ -181,8 +141,8 @@ mod tests {
     use super::*;
     use crate::backend::cuda::addresses::{DeviceBuffers, Region};
     use crate::backend::cuda::communicators::CommKey;
+    use crate::backend::cuda::driver::{synchronize, Context, DeviceMemory};
     use crate::backend::cuda::emulate::{cases, fill, reference};
-    use crate::backend::cuda::handles::{Context, DeviceMemory, Stream};
     use crate::backend::cuda::libs::Lib;
     use crate::backend::cuda::stream_issue::issue;
     use crate::backend::cuda::{device, nccl_group};
@@ -197,8 +157,8 @@ mod tests {
         let context = Context::primary(ordinal).unwrap();
         context.make_current().unwrap();
         // Plays XLA's stream.
-        let xla = Stream::new().unwrap();
-        let stream = xla.raw();
+        let xla_stream = Stream::new().unwrap();
+        let xla = CallStream::playing_xla(&xla_stream).unwrap();
         let (kind, x, w, out) = case;
         let op = |dims| Operand { dims, dtype: DType::F32 };
         let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
@@ -219,7 +179,8 @@ mod tests {
         };
         let bases = site.bind(&buffers).unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
-        let device = device::bind(stream as *mut c_void).unwrap();
+        let device = device::bind(&xla).unwrap();
+        let call_memory = CallMemory::of_owned(&[&xd, &wd, &outd, &wsd]);
         let comms = (n > 1).then(|| {
             let key = CommKey::fused_ops((0..n as i64).collect());
             let members: Vec<Option<i32>> = (0..n as i32).map(Some).collect();
@@ -229,10 +190,11 @@ mod tests {
         let mut d = device.lock().unwrap();
         CallOps::prepare(&mut d, site.events).unwrap();
         let mut ops = CallOps {
-            device: &mut d,
-            xla: stream as *mut c_void,
+            device: &d,
+            xla: &xla,
             site: &site,
             bases,
+            memory: &call_memory,
             comm: comms.as_ref().map(|c| c.rank(rank).unwrap()),
             deadline,
             comm_failed: false,
@@ -242,15 +204,14 @@ mod tests {
         };
         issue(&p, &site.streams, &mut ops, 0, None).unwrap();
         drop(d);
-        // SAFETY: `stream` is live; the test (not the hot path) waits for it.
-        unsafe { api::stream_synchronize(stream) }.unwrap();
+        synchronize(&xla).unwrap();
         outd.read(sizes.result * 4).unwrap()
     }
 
     /// The CUDA devices of this process; fails (these tests run only when
     /// asked for, on a GPU host) when the libraries or a GPU are missing.
     fn usable_devices() -> i32 {
-        api::require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc]).unwrap();
+        crate::backend::cuda::api::require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc]).unwrap();
         let n = device::device_count().unwrap();
         assert!(n > 0, "no CUDA device is visible");
         n

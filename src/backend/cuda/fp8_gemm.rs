@@ -12,9 +12,10 @@
 //! host.
 //!
 //! [`Fp8Gemm::lower`] (pure, tested without a device) checks cuBLASLt's fp8
-//! rules and gives the descriptors' contents; [`enqueue`] builds them and
-//! enqueues `cublasLtMatmul`. `addresses::Resolver::fp8_gemm` builds them from
+//! rules and gives the descriptors' contents; `blas::LtHandle::matmul` builds
+//! them and enqueues `cublasLtMatmul`. `addresses::Resolver::fp8_gemm` builds them from
 //! the plans' GEMM views (the lowering asks XLA for `w` in K-major layout).
+#![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
 
@@ -197,153 +198,6 @@ impl Fp8Gemm {
     }
 }
 
-mod device {
-    use super::{LtCall, LtType};
-    use crate::backend::cuda::api::{self, check_lt};
-    use crate::error::{Error, Result};
-    use cudarc::cublaslt::sys;
-    use std::ffi::c_void;
-
-    fn data_type(t: LtType) -> sys::cudaDataType {
-        match t {
-            LtType::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
-            LtType::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
-            LtType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
-            LtType::F16 => sys::cudaDataType::CUDA_R_16F,
-            LtType::F32 => sys::cudaDataType::CUDA_R_32F,
-        }
-    }
-
-    /// Host-side cuBLASLt descriptors, destroyed on drop (after
-    /// `cublasLtMatmul` has returned: it reads them while enqueueing only).
-    struct Descriptors<'a> {
-        lt: &'a api::CublasLt,
-        desc: sys::cublasLtMatmulDesc_t,
-        layouts: Vec<sys::cublasLtMatrixLayout_t>,
-        pref: sys::cublasLtMatmulPreference_t,
-    }
-
-    impl Drop for Descriptors<'_> {
-        fn drop(&mut self) {
-            // SAFETY: each handle was created by this struct and is destroyed once.
-            unsafe {
-                for &l in &self.layouts {
-                    let _ = (self.lt.matrix_layout_destroy)(l);
-                }
-                if !self.desc.is_null() {
-                    let _ = (self.lt.matmul_desc_destroy)(self.desc);
-                }
-                if !self.pref.is_null() {
-                    let _ = (self.lt.preference_destroy)(self.pref);
-                }
-            }
-        }
-    }
-
-    /// Enqueues `call` on `stream` with `handle`, letting cuBLASLt use up to
-    /// `workspace.1` bytes at `workspace.0` (device memory; may be 0 bytes).
-    ///
-    /// # Safety
-    /// `handle` is a live cuBLASLt handle of the current context, `stream` a
-    /// stream of it; `call`'s addresses (operands, result, the two float32
-    /// scales) and the workspace are device memory of that context of the
-    /// sizes its layouts imply, alive and unchanged (but the result) until
-    /// `stream` passes this GEMM.
-    pub unsafe fn enqueue(
-        handle: sys::cublasLtHandle_t,
-        stream: sys::cudaStream_t,
-        call: &LtCall,
-        workspace: (u64, usize),
-    ) -> Result<()> {
-        let lt = api::cublaslt()?;
-        let mut d =
-            Descriptors { lt, desc: std::ptr::null_mut(), layouts: Vec::with_capacity(3), pref: std::ptr::null_mut() };
-        let (compute, scale) = (sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F);
-        // SAFETY: a valid out-pointer.
-        check_lt(unsafe { (lt.matmul_desc_create)(&mut d.desc, compute, scale) }, "cublasLtMatmulDescCreate")?;
-        use sys::cublasLtMatmulDescAttributes_t as A;
-        // cublasOperation_t values: CUBLAS_OP_T = 1, CUBLAS_OP_N = 0.
-        let (transa, transb): (i32, i32) = (1, 0);
-        let (a_scale, b_scale) = (call.a_scale as *const c_void, call.b_scale as *const c_void);
-        let attrs: [(A, *const c_void, usize); 4] = [
-            (A::CUBLASLT_MATMUL_DESC_TRANSA, (&transa as *const i32).cast(), 4),
-            (A::CUBLASLT_MATMUL_DESC_TRANSB, (&transb as *const i32).cast(), 4),
-            (A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, (&a_scale as *const *const c_void).cast(), 8),
-            (A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, (&b_scale as *const *const c_void).cast(), 8),
-        ];
-        for (attr, value, size) in attrs {
-            // SAFETY: `d.desc` is live; `value` points at `size` bytes of the
-            // attribute's type, alive for the call (cuBLASLt copies it).
-            let status = unsafe { (lt.matmul_desc_set_attribute)(d.desc, attr, value, size) };
-            check_lt(status, "cublasLtMatmulDescSetAttribute")?;
-        }
-        for l in [call.a_layout, call.b_layout, call.d_layout] {
-            let mut layout = std::ptr::null_mut();
-            // SAFETY: a valid out-pointer; the layout is destroyed with `d`.
-            let status = unsafe { (lt.matrix_layout_create)(&mut layout, data_type(l.dtype), l.rows, l.cols, l.ld) };
-            check_lt(status, "cublasLtMatrixLayoutCreate")?;
-            d.layouts.push(layout);
-        }
-        // SAFETY: a valid out-pointer.
-        check_lt(unsafe { (lt.preference_create)(&mut d.pref) }, "cublasLtMatmulPreferenceCreate")?;
-        let max_workspace = workspace.1;
-        // SAFETY: `d.pref` is live; the value is a `usize` (uint64_t) for the call.
-        let status = unsafe {
-            (lt.preference_set_attribute)(
-                d.pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&max_workspace as *const usize).cast(),
-                std::mem::size_of::<usize>(),
-            )
-        };
-        check_lt(status, "cublasLtMatmulPreferenceSetAttribute")?;
-        let (a, b, dl) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-        // SAFETY: an all-zero heuristic result is a valid bit pattern (plain integers and arrays).
-        let mut heuristic: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        let mut found = 0;
-        // SAFETY: every descriptor is live; C and D share a layout; one result is asked for.
-        let status =
-            unsafe { (lt.algo_get_heuristic)(handle, d.desc, a, b, dl, dl, d.pref, 1, &mut heuristic, &mut found) };
-        check_lt(status, "cublasLtMatmulAlgoGetHeuristic")?;
-        if found < 1 {
-            return Err(Error::Internal("cuBLASLt has no fp8 algorithm for this shape and workspace".into()));
-        }
-        let (alpha, beta) = (1.0f32, call.beta);
-        // SAFETY: the caller's contract for the addresses, handle and stream;
-        // alpha and beta are host floats (the default pointer mode), alive
-        // for the call; the algorithm comes from this very configuration.
-        let status = unsafe {
-            (lt.matmul)(
-                handle,
-                d.desc,
-                (&alpha as *const f32).cast(),
-                call.a as *const c_void,
-                a,
-                call.b as *const c_void,
-                b,
-                (&beta as *const f32).cast(),
-                call.d as *const c_void,
-                dl,
-                call.d as *mut c_void,
-                dl,
-                &heuristic.algo,
-                workspace.0 as *mut c_void,
-                workspace.1,
-                stream,
-            )
-        };
-        check_lt(status, "cublasLtMatmul")
-    }
-
-    /// The cudaDataType of each `LtType` (checked against cuBLASLt's values).
-    #[cfg(test)]
-    pub(super) fn data_type_code(t: LtType) -> u32 {
-        data_type(t) as u32
-    }
-}
-
-pub use device::enqueue;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -444,7 +298,7 @@ mod tests {
         // cudaDataType_t values from library_types.h.
         let codes = [(LtType::E4M3, 28), (LtType::E5M2, 29), (LtType::Bf16, 14), (LtType::F16, 2), (LtType::F32, 0)];
         for (t, code) in codes {
-            assert_eq!(device::data_type_code(t), code, "{t:?}");
+            assert_eq!(crate::backend::cuda::blas::data_type_code(t), code, "{t:?}");
         }
     }
 }

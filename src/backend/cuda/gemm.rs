@@ -7,7 +7,8 @@
 //! `Cᵀ[n,m] (+)= Bᵀ[n,k] Aᵀ[k,m]`: cuBLAS's first operand is B, its second A,
 //! no transposes, leading dimensions the row strides. [`ColMajor::of`] is the
 //! pure part (unit-tested against a host model of cuBLAS's semantics); the
-//! call itself is the only unsafe code here.
+//! call itself is `blas::BlasHandle::gemm`.
+#![forbid(unsafe_code)]
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -85,7 +86,7 @@ pub fn cuda_type(dtype: DType) -> Result<cudarc::cublas::sys::cudaDataType> {
         DType::BF16 => Ok(CUDA_R_16BF),
         DType::F16 => Ok(CUDA_R_16F),
         DType::F64 => Err(Error::Unimplemented("the CUDA backend does not take float64".into())),
-        // Resolver::lower sends fp8 GEMMs to cuBLASLt (`lt`), never here.
+        // Resolver::lower sends fp8 GEMMs to cuBLASLt (`fp8_gemm`), never here.
         DType::F8E4M3FN | DType::F8E5M2 => Err(Error::Internal(format!("{} GEMM through cublasGemmEx", dtype.name()))),
     }
 }
@@ -98,61 +99,6 @@ pub struct Operands<A = u64> {
     pub lhs: (A, DType),
     pub rhs: (A, DType),
     pub dst: (A, DType),
-}
-
-/// Enqueues `g` on the stream `handle` is bound to: f32 compute (bf16/f16
-/// inputs accumulate in f32; f32 inputs use TF32 tensor cores when `tf32`,
-/// as XLA's own dot does at default precision), overwriting or
-/// (`accumulate`) adding to `dst`.
-///
-/// # Safety
-/// `handle` is a live cuBLAS handle whose stream is the compute stream; the
-/// operand addresses are device memory of the current context, holding every
-/// element `g`'s views touch, and stay valid until the stream reaches the GEMM.
-pub unsafe fn enqueue(
-    handle: cudarc::cublas::sys::cublasHandle_t,
-    g: &Gemm,
-    ops: Operands,
-    accumulate: bool,
-    tf32: bool,
-) -> Result<()> {
-    use cudarc::cublas::sys;
-    let Some(c) = ColMajor::of(g)? else { return Ok(()) };
-    let gemm_ex = super::api::cublas()?.gemm_ex;
-    let compute = if tf32 && ops.lhs.1 == DType::F32 && ops.rhs.1 == DType::F32 {
-        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-    } else {
-        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-    };
-    let (a, b, dst) = c.addresses(ops);
-    let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-    // The sizes fit in an int: checked by `ColMajor::of`.
-    let int = |x: usize| x as std::ffi::c_int;
-    // SAFETY: the caller's contract; alpha and beta are host f32 as COMPUTE_32F requires.
-    let status = unsafe {
-        gemm_ex(
-            handle,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            int(c.m),
-            int(c.n),
-            int(c.k),
-            (&alpha as *const f32).cast(),
-            a as *const std::ffi::c_void,
-            cuda_type(ops.rhs.1)?,
-            int(c.lda),
-            b as *const std::ffi::c_void,
-            cuda_type(ops.lhs.1)?,
-            int(c.ldb),
-            (&beta as *const f32).cast(),
-            dst as *mut std::ffi::c_void,
-            cuda_type(ops.dst.1)?,
-            int(c.ldc),
-            compute,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    };
-    super::api::check_blas(status, &format!("cublasGemmEx for {c:?}"))
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use super::api::require;
 use super::communicators::{CommKey, Placement};
 use super::device;
 use super::device_watch::{self, CallWatch};
+use super::driver::{CallMemory, CallStream};
 use super::enqueue::CallOps;
 use super::libs::Lib;
 use super::nccl_group::{self, GroupComms};
@@ -105,8 +106,8 @@ fn communicators(
 fn initialize(frame: &mut Frame<'_>) -> Result<()> {
     let start = Instant::now();
     require(&[Lib::Driver, Lib::Nvrtc])?;
-    let stream = frame.stream()?;
-    let dev = device::bind(stream)?;
+    let stream = CallStream::of(frame)?;
+    let dev = device::bind(&stream)?;
     let (device, placement, mesh_devices, ordinal) = placed(frame)?;
     let group =
         Group::from_mesh(mesh_devices, frame.attr_i64_array("mesh_shape")?, frame.attr_i64_array("axes")?, device)?;
@@ -117,7 +118,7 @@ fn initialize(frame: &mut Frame<'_>) -> Result<()> {
     let deadline = start + crate::config::timeout()?;
     let comms = communicators(&group, &placement, mesh_devices, ordinal, &dev, deadline)?;
     let mut d = crate::sync::lock(&dev);
-    let connected = comms.connect(group.rank, &mut d, stream, deadline);
+    let connected = comms.connect(group.rank, &mut d, &stream, deadline);
     if connected.is_err() {
         comms.abort_rank(group.rank);
         nccl_group::evict(&CommKey::of(&group), &comms);
@@ -143,12 +144,13 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     }
     let CallSite { kind, site, group, problem, plan, .. } = &*call.decoded;
     let timeout = &call.timeout;
+    let xla_stream = CallStream::of(frame)?;
+    let memory = CallMemory::of_frame(frame)?;
     if problem.is_trivial() {
         // Nothing to multiply or move (every rank skips alike): zeros, as
         // jax.lax gives for an empty contraction.
-        let stream = frame.stream()?;
-        let dev = device::bind_for_execute(stream)?;
-        return device::zero_result(&crate::sync::lock(&dev), &out, stream);
+        let dev = device::bind_for_execute(&xla_stream)?;
+        return device::zero_result(&crate::sync::lock(&dev), (out.addr, out.bytes), &xla_stream, &memory);
     }
     let site_ops = call.decoded.derived(|site| SiteOps::new(&site.problem, &site.plan))?;
     let region = |addr, bytes, dtype| Region { addr, bytes, dtype };
@@ -162,8 +164,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let bases = site_ops.bind(&buffers)?;
     let deadline = call.deadline();
 
-    let xla_stream = frame.stream()?;
-    let dev = device::bind_for_execute(xla_stream)?;
+    let dev = device::bind_for_execute(&xla_stream)?;
     // An earlier call on this device that timed out on the device (see
     // `watchdog`) fails this one before it touches the group again.
     device_watch::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
@@ -178,12 +179,13 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     CallOps::prepare(&mut d, site_ops.events)?;
     // Calls that communicate are watched until their work finishes on the
     // device: a peer that never arrives would leave the stream stalled.
-    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, xla_stream, c, site_ops.marks)).transpose()?;
+    let watch = comms.as_ref().map(|c| CallWatch::begin(&d, &xla_stream, c, site_ops.marks)).transpose()?;
     let mut ops = CallOps {
-        device: &mut d,
-        xla: xla_stream,
+        device: &d,
+        xla: &xla_stream,
         site: &site_ops,
         bases,
+        memory: &memory,
         comm: comms.as_ref().map(|c| c.rank(group.rank)).transpose()?,
         deadline,
         comm_failed: false,
@@ -198,7 +200,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let result = stream_issue::issue(plan, &site_ops.streams, &mut ops, marked, observer);
     let comm_failed = ops.comm_failed;
     let result = match (result, watch) {
-        (Ok(()), Some(w)) => w.submit(xla_stream, kind.name(), *site, group.rank, *timeout),
+        (Ok(()), Some(w)) => w.submit(&xla_stream, kind.name(), *site, group.rank, *timeout),
         (Err(e), Some(w)) => {
             w.cancel();
             Err(e)

@@ -6,16 +6,15 @@
 //! poll of `ncclCommGetAsyncError` bounded by the call's deadline, after
 //! which the communicator is aborted and the call reports DEADLINE_EXCEEDED.
 
-use super::addresses::{self, poll_until, Poll};
-use super::api::{self, check_nccl};
-use super::communicators::{CommCache, CommKey, IdLedger, ReleaseOnce, NCCL_ID_BYTES};
+#![forbid(unsafe_code)]
+
+use super::addresses::{self, poll_until, P2p};
+use super::communicators::{CommCache, CommKey, IdLedger, NCCL_ID_BYTES};
 use super::device::Device;
-use super::handles::Context;
-use super::nccl::{self, P2p};
+use super::driver::{CallMemory, Queue};
+use super::nccl::{self, Comm, Config, UniqueId};
 use super::watchdog::WatchedGroup;
 use crate::error::{Error, Result};
-use cudarc::nccl::sys as nsys;
-use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -23,8 +22,8 @@ use std::time::Instant;
 
 /// The communicators of one group's members in this process, by rank.
 ///
-/// Each is released exactly once: aborted by its rank's call when it fails
-/// or times out, or, for the rest, aborted when the group is dropped. A
+/// Each is released exactly once (`nccl::Comm`): aborted by its rank's call
+/// when it fails or times out, or, for the rest, aborted when the group is dropped. A
 /// group is dropped only after it was evicted (a failure) or its creation
 /// failed, and then its other communicators may be connected to a peer that
 /// is gone: `ncclCommDestroy` would wait for that peer (it finalises first),
@@ -33,7 +32,7 @@ pub struct GroupComms {
     pub key: CommKey,
     /// Per rank, its CUDA ordinal in this process (`None`: another process).
     pub members: Vec<Option<i32>>,
-    comms: ReleaseOnce<nsys::ncclComm_t>,
+    comms: Vec<Option<Comm>>,
     /// Per rank, the calls it has enqueued on the group: the watchdog's
     /// message says which ranks never issued a call that timed out.
     issued: Vec<AtomicU64>,
@@ -41,16 +40,9 @@ pub struct GroupComms {
     connected: Vec<AtomicBool>,
 }
 
-// SAFETY: each communicator is used by one call at a time: rank r's only by
-// the calls of device r, which hold that device's lock while using it; the
-// release flags are atomic.
-unsafe impl Send for GroupComms {}
-// SAFETY: as above; shared references only read the handles and flip flags.
-unsafe impl Sync for GroupComms {}
-
 impl GroupComms {
-    pub fn rank(&self, rank: usize) -> Result<nsys::ncclComm_t> {
-        self.comms.get(rank).ok_or_else(|| {
+    pub fn rank(&self, rank: usize) -> Result<&Comm> {
+        self.comms.get(rank).and_then(Option::as_ref).filter(|c| c.is_live()).ok_or_else(|| {
             Error::Internal(format!(
                 "no live communicator for rank {rank} in this process (it failed in an earlier call; the next \
                  call creates the group afresh)"
@@ -60,7 +52,7 @@ impl GroupComms {
 
     /// Whether rank `rank` has a communicator in this process not yet released.
     pub fn is_live(&self, rank: usize) -> bool {
-        self.comms.get(rank).is_some()
+        self.comms.get(rank).and_then(Option::as_ref).is_some_and(Comm::is_live)
     }
 
     /// Aborts rank `rank`'s communicator after it failed or timed out: the
@@ -69,8 +61,8 @@ impl GroupComms {
     /// other ranks' communicators are aborted by their own failing calls or
     /// when the group is dropped.
     pub fn abort_rank(&self, rank: usize) {
-        if let Some(c) = self.comms.release(rank) {
-            abort_comm(c);
+        if let Some(c) = self.comms.get(rank).and_then(Option::as_ref) {
+            c.abort();
         }
     }
 
@@ -80,7 +72,7 @@ impl GroupComms {
     /// a host-side handshake that needs the peer to post its side too. The
     /// INITIALIZE stage does it, where every device takes part in program
     /// order, so that no EXECUTE call waits on the host for a peer.
-    pub fn connect(&self, rank: usize, device: &mut Device, stream: *mut c_void, deadline: Instant) -> Result<()> {
+    pub fn connect(&self, rank: usize, device: &mut Device, stream: &impl Queue, deadline: Instant) -> Result<()> {
         let Some(done) = self.connected.get(rank) else {
             return Err(Error::Internal(format!("rank {rank} is not in the group {:?}", self.key.devices)));
         };
@@ -89,16 +81,15 @@ impl GroupComms {
         }
         let comm = self.rank(rank)?;
         let scratch = device.connect_scratch(self.members.len())?;
+        let at = scratch.addr();
         let peers = (0..self.members.len()).filter(|&p| p != rank);
-        let sends: Vec<P2p> = peers.clone().map(|peer| P2p { addr: scratch, bytes: 1, peer }).collect();
-        let recvs: Vec<P2p> = peers.map(|peer| P2p { addr: scratch + 1 + peer as u64, bytes: 1, peer }).collect();
-        // SAFETY: `comm` is this device's communicator of the group and
-        // `stream` XLA's stream of this device; the scratch is this device's
-        // memory, one byte sent and one byte per peer received, never freed.
-        unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, sends, recvs) }?;
-        // SAFETY: `comm` is live.
-        poll_until(deadline, "connecting the group's communicators (a peer may not have joined)", || unsafe {
-            probe(comm, "connection")
+        let sends = peers.clone().map(|peer| P2p { addr: at, bytes: 1, peer });
+        let recvs = peers.map(|peer| P2p { addr: at + 1 + peer as u64, bytes: 1, peer });
+        // One byte sent and one byte per peer received, in the device's
+        // scratch, never freed.
+        comm.exchange(stream, sends, recvs, &CallMemory::of_owned(&[scratch]))?;
+        poll_until(deadline, "connecting the group's communicators (a peer may not have joined)", || {
+            comm.probe("connection")
         })?;
         done.store(true, Ordering::Release);
         Ok(())
@@ -126,24 +117,6 @@ impl WatchedGroup for GroupComms {
     }
 }
 
-impl Drop for GroupComms {
-    fn drop(&mut self) {
-        for c in self.comms.release_all() {
-            // No call holds the group any more (this is the last reference);
-            // each communicator is released once (see above).
-            abort_comm(c);
-        }
-    }
-}
-
-/// Aborts `c`, a communicator a `GroupComms` created and released once.
-fn abort_comm(c: nsys::ncclComm_t) {
-    if let Ok(nccl) = api::nccl() {
-        // SAFETY: the caller releases `c` exactly once (`ReleaseOnce`).
-        let _ = unsafe { (nccl.comm_abort)(c) };
-    }
-}
-
 static COMMS: OnceLock<CommCache<GroupComms>> = OnceLock::new();
 static IDS: OnceLock<IdLedger> = OnceLock::new();
 
@@ -164,9 +137,9 @@ pub fn group_comms(
         let id = match id {
             Some(id) => {
                 IDS.get_or_init(Default::default).claim(key, id)?;
-                nsys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) }
+                UniqueId { internal: id.map(|b| b as std::ffi::c_char) }
             }
-            None if members.iter().all(Option::is_some) => new_unique_id()?,
+            None if members.iter().all(Option::is_some) => nccl::unique_id()?,
             None => {
                 return Err(Error::Internal(format!(
                     "the group {:?} spans processes but has no unique id",
@@ -188,14 +161,7 @@ pub fn cached(key: &CommKey) -> Option<Arc<GroupComms>> {
 /// A fresh NCCL unique id (`ncclGetUniqueId`), for the lowering of a group
 /// spanning processes: its rank 0's process makes it and publishes it.
 pub fn unique_id() -> Result<[u8; NCCL_ID_BYTES]> {
-    Ok(new_unique_id()?.internal.map(|c| c as u8))
-}
-
-fn new_unique_id() -> Result<nsys::ncclUniqueId> {
-    let mut id = nsys::ncclUniqueId { internal: [0; NCCL_ID_BYTES] };
-    // SAFETY: a valid out-pointer of the id's size.
-    check_nccl(unsafe { (api::nccl()?.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
-    Ok(id)
+    Ok(nccl::unique_id()?.internal.map(|c| c as u8))
 }
 
 /// Drops a failed group from the cache (the next call creates it afresh),
@@ -207,13 +173,11 @@ pub fn evict(key: &CommKey, failed: &Arc<GroupComms>) {
 }
 
 /// A non-blocking communicator configuration, other fields left to NCCL.
-fn config() -> Result<nsys::ncclConfig_t> {
+fn config() -> Result<Config> {
     const UNDEF: i32 = i32::MIN; // NCCL_CONFIG_UNDEF_INT
-    let mut runtime = 0;
-    // SAFETY: a valid out-pointer.
-    check_nccl(unsafe { (api::nccl()?.get_version)(&mut runtime) }, "ncclGetVersion")?;
-    Ok(nsys::ncclConfig_t {
-        size: std::mem::size_of::<nsys::ncclConfig_t>(),
+    let runtime = nccl::version_code()?;
+    Ok(Config {
+        size: std::mem::size_of::<Config>(),
         magic: 0xcafe_beef,
         version: addresses::nccl_config_version(runtime),
         blocking: 0,
@@ -236,74 +200,28 @@ fn config() -> Result<nsys::ncclConfig_t> {
     })
 }
 
-/// Polls a non-blocking communicator once.
-///
-/// # Safety
-/// `comm` is a live communicator.
-pub unsafe fn probe(comm: nsys::ncclComm_t, what: &'static str) -> Result<Poll> {
-    let mut state = nsys::ncclResult_t::ncclSuccess;
-    // SAFETY: the caller's contract; `state` is a valid out-pointer.
-    check_nccl(unsafe { (api::nccl()?.comm_get_async_error)(comm, &mut state) }, "ncclCommGetAsyncError")?;
-    match state {
-        nsys::ncclResult_t::ncclSuccess => Ok(Poll::Done),
-        nsys::ncclResult_t::ncclInProgress => Ok(Poll::Pending),
-        other => Err(Error::Internal(format!("NCCL {what}: asynchronous error {other:?}"))),
-    }
-}
-
-fn create(key: &CommKey, members: &[Option<i32>], id: nsys::ncclUniqueId, deadline: Instant) -> Result<GroupComms> {
-    let n = i32::try_from(members.len()).map_err(|_| Error::Internal("group too large".into()))?;
-    let mut config = config()?;
-    let nccl = api::nccl()?;
-    let mut comms: Vec<nsys::ncclComm_t> = vec![ptr::null_mut(); members.len()];
-    // SAFETY: no arguments; balanced by the `group_end` below.
-    check_nccl(unsafe { (nccl.group_start)() }, "ncclGroupStart")?;
-    let posted = (|| -> Result<()> {
-        for (rank, (member, comm)) in members.iter().zip(comms.iter_mut()).enumerate() {
-            let Some(o) = *member else { continue };
-            // Retained for the creation; XLA (and the device cache) hold it too.
-            let context = Context::primary(o)?;
-            context.make_current()?;
-            // SAFETY: `comm` and `config` are valid for the call; the id is
-            // shared by every rank of this group and no other.
-            unsafe {
-                check_nccl(
-                    (nccl.comm_init_rank_config)(comm, n, id, rank as i32, &mut config),
-                    "ncclCommInitRankConfig",
-                )?;
-            }
-        }
-        Ok(())
-    })();
-    // SAFETY: closes the group opened above, also after a failed post.
-    let ended = check_nccl(unsafe { (nccl.group_end)() }, "ncclGroupEnd");
+fn create(key: &CommKey, members: &[Option<i32>], id: UniqueId, deadline: Instant) -> Result<GroupComms> {
+    let (comms, posted) = nccl::create_group(members, id, &config()?);
     // Owned from here on: on any failure below, dropping `group` aborts
     // every communicator NCCL handed out, each once.
     let group = GroupComms {
         key: key.clone(),
         members: members.to_vec(),
-        comms: ReleaseOnce::new(comms.iter().map(|&c| (!c.is_null()).then_some(c)).collect()),
+        comms,
         issued: members.iter().map(|_| AtomicU64::new(0)).collect(),
         connected: members.iter().map(|_| Default::default()).collect(),
     };
-    let ready = posted.and(ended.map(|_| ())).and_then(|()| {
-        for (&c, member) in comms.iter().zip(members) {
-            if member.is_none() {
-                continue;
-            }
-            if c.is_null() {
-                return Err(Error::Internal("NCCL created no communicator".into()));
-            }
-            // SAFETY: `c` was created above.
-            poll_until(
-                deadline,
-                "NCCL communicator creation (a member of the group may not have joined)",
-                || unsafe { probe(c, "communicator creation") },
-            )?;
+    posted?;
+    for (rank, member) in members.iter().enumerate() {
+        if member.is_none() {
+            continue;
         }
-        Ok(())
-    });
-    ready.map(|()| group)
+        let comm = group.comms[rank].as_ref().ok_or_else(|| Error::Internal("NCCL created no communicator".into()))?;
+        poll_until(deadline, "NCCL communicator creation (a member of the group may not have joined)", || {
+            comm.probe("communicator creation")
+        })?;
+    }
+    Ok(group)
 }
 
 #[cfg(test)]
@@ -314,7 +232,7 @@ impl GroupComms {
         GroupComms {
             key,
             members,
-            comms: ReleaseOnce::new(vec![None; n]),
+            comms: (0..n).map(|_| None).collect(),
             issued: (0..n).map(|_| AtomicU64::new(0)).collect(),
             connected: (0..n).map(|_| AtomicBool::new(false)).collect(),
         }

@@ -21,25 +21,24 @@
 //! Both enqueue what `reshard::device` lowers. The watchdog bounds the
 //! receive program's groups, as for the fused ops; the sends end with them
 //! (a receive that times out aborts the communicator).
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
-use super::addresses::{check_same_device, poll_until};
-use super::api::{self, require};
+use super::addresses::{check_same_device, poll_until, P2p};
+use super::api::require;
 use super::communicators::CommKey;
 use super::device::{self, Device};
 use super::device_watch::{self, CallWatch};
+use super::driver::{self, CallMemory, CallStream, Queue};
 use super::libs::Lib;
-use super::nccl::{self, P2p};
-use super::nccl_group::{self, probe, GroupComms};
+use super::nccl::Comm;
+use super::nccl_group::{self, GroupComms};
 use crate::error::{Error, Result};
 use crate::reshard::attrs::Attrs;
 use crate::reshard::device::{check_disjoint, receive_side, send_side, Copy2d, Transfer};
 use crate::reshard::{Layout, Plan};
 use crate::xla::{Frame, Stage};
-use cudarc::nccl::sys as nsys;
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -50,15 +49,15 @@ const GPU_LINK: (f64, f64) = (150e9, 15e-6);
 /// The connect program (see the module comment).
 pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
     let attrs = Attrs::decode(frame)?;
-    let stream = frame.stream()?;
+    let stream = CallStream::of(frame)?;
     match frame.stage() {
         Stage::Initialize => {
             require(&[Lib::Driver, Lib::Nvrtc, Lib::Nccl])?;
-            let dev = device::bind(stream)?;
+            let dev = device::bind(&stream)?;
             let deadline = Instant::now() + crate::config::timeout()?;
             let (rank, comms) = union_comms(frame, &attrs, &dev, deadline)?;
             let mut d = crate::sync::lock(&dev);
-            let connected = comms.connect(rank, &mut d, stream, deadline);
+            let connected = comms.connect(rank, &mut d, &stream, deadline);
             if connected.is_err() {
                 comms.abort_rank(rank);
                 nccl_group::evict(&comms.key, &comms);
@@ -67,15 +66,10 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
         }
         Stage::Execute => {
             let token = frame.device_ret_bytes(0, "connected")?;
-            let dev = device::bind_for_execute(stream)?;
+            let dev = device::bind_for_execute(&stream)?;
             let d = crate::sync::lock(&dev);
             d.make_current()?;
-            // SAFETY: `token` is this call's result on this device, alive
-            // until XLA's (live) stream passes the memset.
-            #[allow(unsafe_code)]
-            unsafe {
-                api::zero_async(token.addr, token.bytes, stream as _)
-            }
+            driver::zero(&stream, token.addr, token.bytes, &CallMemory::of_frame(frame)?)
         }
     }
 }
@@ -106,30 +100,28 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
     let Some(call) = ReshardCall::at_execute(frame)? else { return Ok(()) };
     let (x, staging) = (frame.device_arg_bytes(0, "x")?.into(), frame.device_ret_bytes(0, "staging")?.into());
     let side = send_side(&call.planned.layout, &call.planned.plan, call.rank, x, staging)?;
-    let xla = frame.stream()?;
-    call.enqueue(frame, "reshard send", xla, |d, comm| {
+    let xla = CallStream::of(frame)?;
+    let memory = CallMemory::of_frame(frame)?;
+    call.enqueue(frame, "reshard send", &xla, &memory, |d, comm| {
         for copy in &side.pack {
-            copy_on(copy, xla)?;
+            copy_on(copy, &xla, &memory)?;
         }
         if side.sends.is_empty() {
             return Ok(None);
         }
         // The union's reshard stream waits for the packing, then sends on its own.
-        let sends = d.reshard_send_stream(&call.attrs.devices)? as *mut c_void;
+        let sends = d.reshard_send_stream(&call.attrs.devices)?;
         d.reserve_events(1)?;
         let packed = d.event(0).ok_or_else(|| Error::Internal("no event 0".into()))?;
-        #[allow(unsafe_code)]
-        // SAFETY: the event and both streams are this device's, its context
-        // current; a later record of the event does not affect this wait.
-        unsafe {
-            api::event_record(packed, xla as _, "cuEventRecord")?;
-            api::stream_wait_event(sends as _, packed)?;
-        }
+        // A later record of the event does not affect this wait.
+        packed.record(&xla, "cuEventRecord")?;
+        packed.wait_on(&*sends)?;
         // Not watched: nothing waits for these sends but the receivers,
         // whose receive program is watched (its timeout aborts the
         // communicator, which ends the sends too); a pipeline may ask for the
-        // result long after the send program ran.
-        comm.exchange(sends, &side.sends, &[]).map(|()| None)
+        // result long after the send program ran. They read only `staging`,
+        // which Python keeps until the receivers finished.
+        comm.exchange(&*sends, &side.sends, &[]).map(|()| None)
     })
 }
 
@@ -138,15 +130,16 @@ pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
     let Some(call) = ReshardCall::at_execute(frame)? else { return Ok(()) };
     let (out, staging) = (frame.device_ret_bytes(0, "out")?.into(), frame.device_ret_bytes(1, "staging")?.into());
     let side = receive_side(&call.planned.layout, &call.planned.plan, call.rank, out, staging)?;
-    let xla = frame.stream()?;
-    call.enqueue(frame, "reshard receive", xla, |d, comm| {
+    let xla = CallStream::of(frame)?;
+    let memory = CallMemory::of_frame(frame)?;
+    call.enqueue(frame, "reshard receive", &xla, &memory, |d, comm| {
         let watch = if side.rounds.is_empty() {
             None
         } else {
-            comm.watched(d, xla, |comm| side.rounds.iter().try_for_each(|r| comm.exchange(xla, &r.sends, &r.recvs)))?
+            comm.watched(d, &xla, |comm| side.rounds.iter().try_for_each(|r| comm.exchange(&xla, &r.sends, &r.recvs)))?
         };
         for copy in &side.unpack {
-            copy_on(copy, xla)?;
+            copy_on(copy, &xla, &memory)?;
         }
         Ok(watch)
     })
@@ -220,7 +213,7 @@ impl ReshardCall {
     /// execution, as for the fused ops) and returns `None`; at EXECUTE, the call.
     fn at_execute(frame: &Frame<'_>) -> Result<Option<ReshardCall>> {
         if frame.stage() == Stage::Initialize {
-            device::bind(frame.stream()?)?;
+            device::bind(&CallStream::of(frame)?)?;
             return Ok(None);
         }
         Self::decode(frame).map(Some)
@@ -235,16 +228,18 @@ impl ReshardCall {
         Ok(ReshardCall { attrs, planned, rank, site: frame.attr_i64("site")?, deadline, timeout })
     }
 
-    /// Runs `body` with the device locked and current and its communicator;
-    /// `body` returns the watch of the NCCL groups it enqueued and the
-    /// stream they end on, which go to the watchdog. A communicator that
-    /// failed is aborted and evicted, as the fused ops do.
+    /// Runs `body` with the device locked and current and its communicator
+    /// (over `memory`, the call's buffers); `body` returns the watch of the
+    /// NCCL groups it enqueued on XLA's stream `xla`, which goes to the
+    /// watchdog. A communicator that failed is aborted and evicted, as the
+    /// fused ops do.
     fn enqueue(
         &self,
         frame: &Frame<'_>,
         op: &'static str,
-        xla: *mut c_void,
-        body: impl FnOnce(&mut Device, &Comm<'_>) -> Result<Option<(CallWatch, *mut c_void)>>,
+        xla: &CallStream<'_>,
+        memory: &CallMemory<'_>,
+        body: impl FnOnce(&mut Device, &UnionComm<'_>) -> Result<Option<CallWatch>>,
     ) -> Result<()> {
         require(&[Lib::Driver, Lib::Nccl])?;
         let dev = device::bind_for_execute(xla)?;
@@ -269,11 +264,17 @@ impl ReshardCall {
                 key.devices
             )));
         }
-        let comm = Comm { comms: &comms, comm: comms.rank(rank)?, failed: Cell::new(false), deadline: self.deadline };
+        let comm = UnionComm {
+            comms: &comms,
+            comm: comms.rank(rank)?,
+            memory,
+            failed: Cell::new(false),
+            deadline: self.deadline,
+        };
         let mut d = crate::sync::lock(&dev);
         d.make_current()?;
         let result = match body(&mut d, &comm) {
-            Ok(Some((watch, stream))) => watch.submit(stream, op, self.site, rank, self.timeout),
+            Ok(Some(watch)) => watch.submit(xla, op, self.site, rank, self.timeout),
             Ok(None) => {
                 // Counted all the same: the watchdog names the ranks that
                 // never issued a call by these counts, equal on every rank.
@@ -291,26 +292,28 @@ impl ReshardCall {
 }
 
 /// A call's communicator of the union.
-struct Comm<'a> {
+struct UnionComm<'a> {
     comms: &'a Arc<GroupComms>,
-    comm: nsys::ncclComm_t,
+    comm: &'a Comm,
+    /// The memory the call's transfers may touch.
+    memory: &'a CallMemory<'a>,
     /// Set when an NCCL group failed or timed out: the call aborts the communicator.
     failed: Cell<bool>,
     deadline: Instant,
 }
 
-impl Comm<'_> {
+impl UnionComm<'_> {
     /// Runs `groups` (the call's NCCL groups on `stream`) under a device-side
     /// watch; returns the watch to submit, or gives its events back.
     fn watched(
         &self,
         d: &Device,
-        stream: *mut c_void,
+        stream: &impl Queue,
         groups: impl FnOnce(&Self) -> Result<()>,
-    ) -> Result<Option<(CallWatch, *mut c_void)>> {
+    ) -> Result<Option<CallWatch>> {
         let watch = CallWatch::begin(d, stream, self.comms, 0)?;
         match groups(self) {
-            Ok(()) => Ok(Some((watch, stream))),
+            Ok(()) => Ok(Some(watch)),
             Err(e) => {
                 watch.cancel();
                 Err(e)
@@ -320,21 +323,12 @@ impl Comm<'_> {
 
     /// One NCCL group of sends and receives on `stream`, waited for (host
     /// side, bounded) until NCCL has taken it.
-    fn exchange(&self, stream: *mut c_void, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
+    fn exchange(&self, stream: &impl Queue, sends: &[Transfer], recvs: &[Transfer]) -> Result<()> {
         let p2p = |t: &Transfer| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer };
-        let (sends, recvs) = (sends.iter().map(p2p), recvs.iter().map(p2p));
-        let comm = self.comm;
-        #[allow(unsafe_code)]
-        // SAFETY: `comm` is this device's live communicator of the union and
-        // `stream` a stream of this device; the addresses are inside the
-        // call's buffers: a receive's until XLA's stream passes the group, a
-        // send's in `staging`, which Python keeps until the receivers finished.
-        let posted = unsafe { nccl::enqueue_exchange(comm, stream as nsys::cudaStream_t, sends, recvs) };
+        let posted = self.comm.exchange(stream, sends.iter().map(p2p), recvs.iter().map(p2p), self.memory);
         let taken = posted.and_then(|()| {
-            #[allow(unsafe_code)]
-            // SAFETY: `comm` is live.
-            poll_until(self.deadline, "a reshard's NCCL group (a peer may not have joined)", || unsafe {
-                probe(comm, "reshard")
+            poll_until(self.deadline, "a reshard's NCCL group (a peer may not have joined)", || {
+                self.comm.probe("reshard")
             })
         });
         if taken.is_err() {
@@ -344,20 +338,15 @@ impl Comm<'_> {
     }
 }
 
-fn copy_on(copy: &Copy2d, stream: *mut c_void) -> Result<()> {
-    #[allow(unsafe_code)]
-    // SAFETY: the lowering placed every row inside this call's operand and
-    // results (checked against their sizes), alive until XLA's stream, on
-    // which the copy runs, passes it; the device's context is current.
-    unsafe {
-        api::copy_2d_async(copy, stream as _)
-    }
+/// Enqueues one of the lowering's copies on `stream`, inside `memory`.
+fn copy_on(copy: &Copy2d, stream: &impl Queue, memory: &CallMemory<'_>) -> Result<()> {
+    driver::copy_2d(stream, copy, memory)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cuda::handles::{Context, DeviceMemory, Stream};
+    use crate::backend::cuda::driver::{synchronize, Context, DeviceMemory, Stream};
     use crate::reshard::device::Buffer;
     use crate::reshard::tests::filled;
     use crate::reshard::{plan, Method, Region};
@@ -370,35 +359,48 @@ mod tests {
         let context = Context::primary(rank as i32).unwrap();
         context.make_current().unwrap();
         let stream = Stream::new().unwrap();
-        let xla = stream.raw() as *mut c_void;
-        let dev = device::bind(xla).unwrap();
+        let xla = CallStream::playing_xla(&stream).unwrap();
+        let dev = device::bind(&xla).unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
         let members: Vec<Option<i32>> = (0..layout.ranks() as i32).map(Some).collect();
         let key = CommKey::reshard((0..layout.ranks() as i64).collect());
         let comms = nccl_group::group_comms(&key, &members, None, &crate::sync::lock(&dev), deadline).unwrap();
-        comms.connect(rank, &mut crate::sync::lock(&dev), xla, deadline).unwrap();
-        let comm = Comm { comms: &comms, comm: comms.rank(rank).unwrap(), failed: Cell::new(false), deadline };
+        comms.connect(rank, &mut crate::sync::lock(&dev), &xla, deadline).unwrap();
         let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
         let buffer = |m: &DeviceMemory| Buffer { addr: m.addr(), bytes: m.bytes() };
+        let comms = &comms;
+        fn union<'m>(
+            comms: &'m Arc<GroupComms>,
+            rank: usize,
+            memory: &'m CallMemory<'m>,
+            deadline: Instant,
+        ) -> UnionComm<'m> {
+            UnionComm { comms, comm: comms.rank(rank).unwrap(), memory, failed: Cell::new(false), deadline }
+        }
         let mut kept = vec![];
         if let Some(tile) = &layout.src[rank] {
             let (x, staging) = (memory(&filled(layout, tile)), memory(&vec![0xee; layout.bytes(tile)]));
             let side = send_side(layout, plan, rank, buffer(&x), buffer(&staging)).unwrap();
-            side.pack.iter().for_each(|c| copy_on(c, xla).unwrap());
-            comm.exchange(xla, &side.sends, &[]).unwrap();
+            let owned = CallMemory::of_owned(&[&x, &staging]);
+            side.pack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
+            union(comms, rank, &owned, deadline).exchange(&xla, &side.sends, &[]).unwrap();
+            drop(owned);
             kept.extend([x, staging]);
         }
         let out = layout.dst[rank].as_ref().map(|tile| {
             let (out, staging) = (memory(&vec![0xee; layout.bytes(tile)]), memory(&vec![0xee; layout.bytes(tile)]));
             let side = receive_side(layout, plan, rank, buffer(&out), buffer(&staging)).unwrap();
-            side.rounds.iter().for_each(|r| comm.exchange(xla, &r.sends, &r.recvs).unwrap());
-            side.unpack.iter().for_each(|c| copy_on(c, xla).unwrap());
+            let owned = CallMemory::of_owned(&[&out, &staging]);
+            side.rounds
+                .iter()
+                .for_each(|r| union(comms, rank, &owned, deadline).exchange(&xla, &r.sends, &r.recvs).unwrap());
+            side.unpack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
+            drop(owned);
             kept.push(staging);
             out
         });
-        #[allow(unsafe_code)]
-        // SAFETY: the test's live stream; the test (not the hot path) waits for it.
-        unsafe { api::stream_synchronize(xla as _) }.unwrap();
+        // The test (not the hot path) waits for its stream.
+        synchronize(&xla).unwrap();
         out.map(|o| o.read(o.bytes()).unwrap())
     }
 

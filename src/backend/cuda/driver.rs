@@ -1,0 +1,500 @@
+//! The safe layer over the CUDA driver (`api`'s driver table): owning
+//! handles of what the backend creates (a retained primary context,
+//! streams, events, the kernels' module, device memory), each released on
+//! drop, and every driver call the backend makes on them, on XLA's stream of
+//! a call ([`CallStream`]) and on the call's memory ([`CallMemory`]).
+//!
+//! The calls that write device memory take the [`CallMemory`] they may
+//! touch (XLA's buffers of the call, or memory the backend owns) and refuse,
+//! with INTERNAL, any range outside it: a planning mistake fails the call
+//! instead of writing over memory that is not the call's. Work is ordered
+//! by the streams it is enqueued on; the handlers join their streams back
+//! into XLA's before they return, so XLA's buffers outlive that work.
+//!
+//! Release needs the object's context current for a module (`cuModuleUnload`
+//! unloads from the current context); the owner of several handles
+//! (`device::Device`) makes its context current before its fields drop, and
+//! drops the context last.
+
+use super::addresses::{grid, SumLaunch, BLOCK, MAX_TERMS};
+use super::api::{self, check_cu};
+use crate::error::{Error, Result};
+use crate::reshard::device::Copy2d;
+use crate::xla::Frame;
+use cudarc::driver::sys as cu;
+use std::ffi::{c_uint, c_void, CString};
+use std::marker::PhantomData;
+use std::ptr;
+
+/// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_EVENT_DISABLE_TIMING`: the cheapest events (ordering only).
+const EVENT_DISABLE_TIMING: c_uint = 2;
+
+/// A device's primary context, retained while this value lives.
+pub struct Context {
+    raw: cu::CUcontext,
+    device: cu::CUdevice,
+}
+
+// SAFETY: a retained context may be made current on any thread.
+unsafe impl Send for Context {}
+// SAFETY: shared references only make it current.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Retains the primary context of CUDA device `ordinal`.
+    pub fn primary(ordinal: i32) -> Result<Context> {
+        let device = api::device_get(ordinal)?;
+        let mut raw: cu::CUcontext = ptr::null_mut();
+        // SAFETY: a valid out-pointer; the driver checks the device.
+        check_cu(unsafe { (api::driver()?.primary_ctx_retain)(&mut raw, device) }, "cuDevicePrimaryCtxRetain")?;
+        Ok(Context { raw, device })
+    }
+
+    /// Whether `stream` belongs to this context.
+    pub fn owns(&self, stream: &CallStream<'_>) -> bool {
+        stream.context == self.raw
+    }
+
+    /// Makes this context current on the calling thread.
+    pub fn make_current(&self) -> Result<()> {
+        // SAFETY: the context is retained while `self` lives.
+        unsafe { api::set_current(self.raw) }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if let Ok(d) = api::driver() {
+            // SAFETY: balances the retain in `primary`, once.
+            let _ = unsafe { (d.primary_ctx_release)(self.device) };
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A stream work is enqueued on: one the backend made ([`Stream`]) or XLA's
+/// stream of the call ([`CallStream`]). Sealed: only those two are streams.
+pub trait Queue: sealed::Sealed {
+    fn raw(&self) -> cu::CUstream;
+}
+
+/// A non-blocking stream of the context current when it was made.
+pub struct Stream(cu::CUstream);
+
+// SAFETY: a stream handle may be used from any thread with its context current.
+unsafe impl Send for Stream {}
+// SAFETY: as above; the driver serialises work enqueued on one stream.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new() -> Result<Stream> {
+        let mut s: cu::CUstream = ptr::null_mut();
+        // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
+        check_cu(unsafe { (api::driver()?.stream_create)(&mut s, STREAM_NON_BLOCKING) }, "cuStreamCreate")?;
+        Ok(Stream(s))
+    }
+
+    /// Whether `other` is this stream.
+    pub fn is(&self, other: &impl Queue) -> bool {
+        self.0 == other.raw()
+    }
+}
+
+impl sealed::Sealed for Stream {}
+impl Queue for Stream {
+    fn raw(&self) -> cu::CUstream {
+        self.0
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Ok(d) = api::driver() {
+            // SAFETY: created in `new`, destroyed once; work still queued on
+            // it completes first (the driver defers the release).
+            let _ = unsafe { (d.stream_destroy)(self.0) };
+        }
+    }
+}
+
+/// XLA's stream of the call being handled, live while the call's frame is,
+/// with its context made current on this thread ([`CallStream::of`]).
+#[derive(Clone, Copy)]
+pub struct CallStream<'a> {
+    raw: cu::CUstream,
+    context: cu::CUcontext,
+    /// The CUDA ordinal of its device.
+    pub ordinal: i32,
+    _call: PhantomData<&'a ()>,
+}
+
+impl<'a> CallStream<'a> {
+    /// XLA's stream of `frame`'s call (never null: `Frame::stream` refuses
+    /// that), its context made current on this thread.
+    pub fn of(frame: &Frame<'a>) -> Result<CallStream<'a>> {
+        let raw = frame.stream()? as cu::CUstream;
+        // SAFETY: XLA's stream is live for the call.
+        let (context, device) = unsafe { api::bind_stream(raw) }?;
+        Ok(CallStream { raw, context, ordinal: device, _call: PhantomData })
+    }
+
+    /// A stream the caller owns, playing XLA's in the tests.
+    #[cfg(test)]
+    pub fn playing_xla(stream: &'a Stream) -> Result<CallStream<'a>> {
+        // SAFETY: `stream` is live while borrowed.
+        let (context, device) = unsafe { api::bind_stream(stream.0) }?;
+        Ok(CallStream { raw: stream.0, context, ordinal: device, _call: PhantomData })
+    }
+}
+
+impl sealed::Sealed for CallStream<'_> {}
+impl Queue for CallStream<'_> {
+    fn raw(&self) -> cu::CUstream {
+        self.raw
+    }
+}
+
+/// An event without timing, of the context current when it was made.
+pub struct Event(cu::CUevent);
+
+// SAFETY: an event handle may be used from any thread with its context current.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// `what` names the event in the error if the driver refuses it.
+    pub fn new(what: &str) -> Result<Event> {
+        let mut e: cu::CUevent = ptr::null_mut();
+        // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
+        check_cu(unsafe { (api::driver()?.event_create)(&mut e, EVENT_DISABLE_TIMING) }, what)?;
+        Ok(Event(e))
+    }
+
+    /// Records the event on `stream` (of the event's context).
+    pub fn record(&self, stream: &impl Queue, what: &str) -> Result<()> {
+        // SAFETY: both handles are live while borrowed.
+        unsafe { api::event_record(self.0, stream.raw(), what) }
+    }
+
+    /// Makes `stream` wait until the event's last record has run.
+    pub fn wait_on(&self, stream: &impl Queue) -> Result<()> {
+        // SAFETY: both handles are live while borrowed.
+        unsafe { api::stream_wait_event(stream.raw(), self.0) }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(d) = api::driver() {
+            // SAFETY: created in `new`, destroyed once; a pending record
+            // completes first (the driver defers the release).
+            let _ = unsafe { (d.event_destroy)(self.0) };
+        }
+    }
+}
+
+/// An event kept for the life of the process with its device's primary
+/// context retained as long (the watchdog's pool, whose events outlive every
+/// call and are queried from the watchdog's thread). Copied freely.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeptEvent {
+    context: cu::CUcontext,
+    event: cu::CUevent,
+}
+
+// SAFETY: both handles live for the process and may be used from any thread
+// with the context current (`done` makes it so).
+unsafe impl Send for KeptEvent {}
+
+impl KeptEvent {
+    /// A new event of device `ordinal` (its context made current).
+    pub fn new(ordinal: i32, what: &str) -> Result<KeptEvent> {
+        let context = std::mem::ManuallyDrop::new(Context::primary(ordinal)?);
+        context.make_current()?;
+        let event = std::mem::ManuallyDrop::new(Event::new(what)?);
+        Ok(KeptEvent { context: context.raw, event: event.0 })
+    }
+
+    pub fn record(&self, stream: &impl Queue, what: &str) -> Result<()> {
+        // SAFETY: both handles are live (the event for the process).
+        unsafe { api::event_record(self.event, stream.raw(), what) }
+    }
+
+    /// Whether the work before the event's last record is done (a device
+    /// error counts as done: XLA reports it from its own stream).
+    pub fn done(&self) -> bool {
+        // SAFETY: the context and the event are kept for the process.
+        unsafe { api::set_current(self.context).is_err() || api::event_done(self.event) }
+    }
+}
+
+/// A loaded module (CUBIN or PTX), unloaded on drop from the current context.
+pub struct Module(cu::CUmodule);
+
+// SAFETY: a module handle may be used from any thread with its context current.
+unsafe impl Send for Module {}
+
+impl Module {
+    /// Loads `image` (a CUBIN, or NUL-terminated PTX) into the current context.
+    pub fn load(image: &[u8]) -> Result<Module> {
+        if image.is_empty() {
+            return Err(Error::Internal("an empty module image".into()));
+        }
+        let mut module: cu::CUmodule = ptr::null_mut();
+        // SAFETY: `image` is a whole CUBIN or NUL-terminated PTX alive for the call.
+        check_cu(unsafe { (api::driver()?.module_load_data)(&mut module, image.as_ptr().cast()) }, "cuModuleLoadData")?;
+        Ok(Module(module))
+    }
+
+    fn function(&self, name: &str) -> Result<cu::CUfunction> {
+        let cname = CString::new(name).map_err(|_| Error::Internal(format!("kernel name {name:?}")))?;
+        let mut f: cu::CUfunction = ptr::null_mut();
+        // SAFETY: the module is loaded while `self` lives; `cname` is NUL-terminated.
+        check_cu(
+            unsafe { (api::driver()?.module_get_function)(&mut f, self.0, cname.as_ptr()) },
+            "cuModuleGetFunction",
+        )
+        .map_err(|e| Error::Internal(format!("{} ({name})", e.message())))?;
+        Ok(f)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if let Ok(d) = api::driver() {
+            // SAFETY: loaded in `load`, unloaded once; the owner made the
+            // module's context current (see the module comment).
+            let _ = unsafe { (d.module_unload)(self.0) };
+        }
+    }
+}
+
+/// The sum kernels of `kernels/elementwise.cu`, loaded from one module.
+pub struct SumKernels {
+    functions: [cu::CUfunction; 3],
+    /// Keeps `functions` valid.
+    _module: Module,
+}
+
+// SAFETY: kernel handles may be launched from any thread with their context current.
+unsafe impl Send for SumKernels {}
+
+impl SumKernels {
+    /// The kernels `SumLaunch::kernel` names, in this order.
+    pub const NAMES: [&'static str; 3] = ["sum_f32", "sum_to_bf16", "sum_to_f16"];
+
+    /// Loads `image` (compiled from `kernels/elementwise.cu`) into the current context.
+    pub fn load(image: &[u8]) -> Result<SumKernels> {
+        let module = Module::load(image)?;
+        let functions =
+            [module.function(Self::NAMES[0])?, module.function(Self::NAMES[1])?, module.function(Self::NAMES[2])?];
+        Ok(SumKernels { functions, _module: module })
+    }
+
+    /// Enqueues `launch` on `stream` with `multiprocessors` to spread over,
+    /// after checking that its terms (f32) and its destination lie in `memory`.
+    pub fn launch(
+        &self,
+        stream: &impl Queue,
+        launch: &SumLaunch,
+        memory: &CallMemory<'_>,
+        multiprocessors: u32,
+    ) -> Result<()> {
+        if launch.n == 0 {
+            return Ok(());
+        }
+        let index = Self::NAMES.iter().position(|&k| k == launch.kernel);
+        let index = index.ok_or_else(|| Error::Internal(format!("no kernel {}", launch.kernel)))?;
+        let out_size = if index == 0 { 4 } else { 2 };
+        let n = usize::try_from(launch.n).map_err(|_| Error::Internal(format!("a sum of {} elements", launch.n)))?;
+        let k = usize::try_from(launch.k).ok().filter(|&k| (1..=MAX_TERMS).contains(&k));
+        let k = k.ok_or_else(|| Error::Internal(format!("a sum of {} terms", launch.k)))?;
+        let mut terms = launch.kernel_terms();
+        for (t, term) in terms.iter().enumerate().take(k) {
+            memory.check(*term, n * 4, &format!("term {t} of {}", launch.kernel))?;
+        }
+        terms[k..].fill(0);
+        memory.check(launch.dst, n * out_size, launch.kernel)?;
+        let (mut out, mut k, mut n) = (launch.dst, launch.k, launch.n);
+        // The kernel's parameters: (T* dst, Terms terms, int k, u64 n),
+        // `Terms` being eight pointers by value, laid out as `[u64; 8]`.
+        let mut params: [*mut c_void; 4] = [
+            (&mut out as *mut u64).cast(),
+            (&mut terms as *mut [u64; MAX_TERMS]).cast(),
+            (&mut k as *mut i32).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        let grid = grid(launch.n, multiprocessors);
+        let launch_kernel = api::driver()?.launch_kernel;
+        // SAFETY: the function is a kernel of this (loaded) module with
+        // exactly these parameters, whose values live across the call (the
+        // driver copies them); every address it touches was checked above.
+        let launched = unsafe {
+            launch_kernel(
+                self.functions[index],
+                grid,
+                1,
+                1,
+                BLOCK,
+                1,
+                1,
+                0,
+                stream.raw(),
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        };
+        check_cu(launched, "cuLaunchKernel")
+    }
+}
+
+/// Device memory of the current context, freed on drop.
+pub struct DeviceMemory {
+    addr: u64,
+    bytes: usize,
+}
+
+impl DeviceMemory {
+    /// `bytes` (at least 1) bytes; `what` names the allocation in the error.
+    pub fn new(bytes: usize, what: &str) -> Result<DeviceMemory> {
+        let mut addr: cu::CUdeviceptr = 0;
+        // SAFETY: a valid out-pointer.
+        check_cu(unsafe { (api::driver()?.mem_alloc)(&mut addr, bytes.max(1)) }, what)?;
+        Ok(DeviceMemory { addr, bytes: bytes.max(1) })
+    }
+
+    /// `data`'s bytes in new device memory (a synchronous copy).
+    pub fn with(data: &[u8], what: &str) -> Result<DeviceMemory> {
+        let memory = DeviceMemory::new(data.len(), what)?;
+        if !data.is_empty() {
+            // SAFETY: the allocation holds `data.len()` bytes; `data` is a live host slice.
+            check_cu(
+                unsafe { (api::driver()?.memcpy_htod)(memory.addr, data.as_ptr().cast(), data.len()) },
+                "cuMemcpyHtoD",
+            )?;
+        }
+        Ok(memory)
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The first `len` bytes, copied synchronously (after the work that
+    /// writes them finished).
+    pub fn read(&self, len: usize) -> Result<Vec<u8>> {
+        if len > self.bytes {
+            return Err(Error::Internal(format!("reading {len} bytes of a {}-byte allocation", self.bytes)));
+        }
+        let mut host = vec![0u8; len];
+        // SAFETY: the allocation holds at least `len` bytes; `host` is a live host slice.
+        check_cu(unsafe { (api::driver()?.memcpy_dtoh)(host.as_mut_ptr().cast(), self.addr, len) }, "cuMemcpyDtoH")?;
+        Ok(host)
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        if let Ok(d) = api::driver() {
+            // SAFETY: allocated in `new`, freed once; the owner keeps it
+            // until no queued work uses it.
+            let _ = unsafe { (d.mem_free)(self.addr) };
+        }
+    }
+}
+
+/// The device memory one call's work may touch: XLA's operands and results
+/// of the call, or memory the backend owns, as `(address, bytes)` regions.
+pub struct CallMemory<'a> {
+    regions: Vec<(u64, usize)>,
+    _owners: PhantomData<&'a ()>,
+}
+
+impl<'a> CallMemory<'a> {
+    /// Every operand and result of `frame`'s call.
+    pub fn of_frame(frame: &Frame<'a>) -> Result<CallMemory<'a>> {
+        Ok(CallMemory { regions: frame.device_memory()?, _owners: PhantomData })
+    }
+
+    /// Allocations the caller owns, borrowed while the memory is.
+    pub fn of_owned(memory: &[&'a DeviceMemory]) -> CallMemory<'a> {
+        CallMemory { regions: memory.iter().map(|m| (m.addr, m.bytes)).collect(), _owners: PhantomData }
+    }
+
+    /// Ok when `bytes` bytes from `addr` lie within one region (an empty
+    /// range anywhere); else INTERNAL naming `what`.
+    pub fn check(&self, addr: u64, bytes: usize, what: &str) -> Result<()> {
+        let end = addr.checked_add(bytes as u64);
+        let inside = |&(start, len): &(u64, usize)| {
+            end.is_some_and(|end| addr >= start && end <= start.saturating_add(len as u64))
+        };
+        if bytes == 0 || self.regions.iter().any(inside) {
+            return Ok(());
+        }
+        Err(Error::Internal(format!(
+            "{what}: {bytes} bytes at {addr:#x} lie outside the call's memory {:x?}",
+            self.regions
+        )))
+    }
+}
+
+/// Enqueues zeroing `bytes` bytes at `addr` (within `memory`) on `stream`.
+pub fn zero(stream: &impl Queue, addr: u64, bytes: usize, memory: &CallMemory<'_>) -> Result<()> {
+    memory.check(addr, bytes, "zeroing")?;
+    // SAFETY: the range lies in the call's memory (checked); the stream is live while borrowed.
+    unsafe { api::zero_async(addr, bytes, stream.raw()) }
+}
+
+/// Enqueues one device-to-device 2-D copy on `stream` (a copy engine's
+/// work), after checking that every row of both sides lies in `memory`.
+pub fn copy_2d(stream: &impl Queue, copy: &Copy2d, memory: &CallMemory<'_>) -> Result<()> {
+    if copy.width == 0 || copy.height == 0 {
+        return Ok(());
+    }
+    let span = |pitch: usize| (copy.height - 1).checked_mul(pitch).and_then(|b| b.checked_add(copy.width));
+    let (src, dst) = (span(copy.src_pitch), span(copy.dst_pitch));
+    let (Some(src), Some(dst)) = (src, dst) else {
+        return Err(Error::Internal(format!("a copy too large to address: {copy:?}")));
+    };
+    memory.check(copy.src, src, "a copy's source")?;
+    memory.check(copy.dst, dst, "a copy's destination")?;
+    // SAFETY: both sides lie in the call's memory (checked); the stream is live while borrowed.
+    unsafe { api::copy_2d_async(copy, stream.raw()) }
+}
+
+/// Waits on the host until `stream` has run all its work (tests only: the
+/// hot path never synchronises).
+#[cfg(test)]
+pub fn synchronize(stream: &impl Queue) -> Result<()> {
+    // SAFETY: the stream is live while borrowed.
+    unsafe { api::stream_synchronize(stream.raw()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn call_memory_takes_only_ranges_inside_one_region() {
+        let memory = CallMemory { regions: vec![(0x1000, 0x100), (0x1100, 0x10)], _owners: PhantomData };
+        assert!(memory.check(0x1000, 0x100, "x").is_ok());
+        assert!(memory.check(0x10f0, 0x10, "x").is_ok());
+        assert!(memory.check(0x1100, 0x10, "x").is_ok());
+        assert!(memory.check(0x9999, 0, "empty").is_ok());
+        // Across two regions, past the end, before the start, wrapping around.
+        for (addr, bytes) in [(0x10f0, 0x20), (0x1100, 0x11), (0xfff, 2), (u64::MAX - 1, 4)] {
+            let e = memory.check(addr, bytes, "a GEMM's C").unwrap_err();
+            assert!(matches!(&e, Error::Internal(m) if m.contains("a GEMM's C")), "{e}");
+        }
+    }
+}

@@ -1,45 +1,95 @@
 //! A host emulation of the CUDA path, to check it end to end without a GPU,
 //! side by side with the CPU backend.
 //!
-//! Every rank's call is issued exactly as the handler issues it
-//! (`stream_issue::issue` over the site's `site_ops::SiteOps`, each step's
-//! operations bound to the rank's buffers at XLA-style device addresses),
-//! into recorded per-stream command lists. Then the streams of all ranks run in a
+//! Every rank's call is issued exactly as the handler issues it, each rank
+//! on a host thread of its own (`stream_issue::issue` over the site's
+//! `site_ops::SiteOps`, each step's operations bound to the rank's buffers
+//! at XLA-style device addresses; with the copy transport, each exchange
+//! through `copies::exchange` and the ranks' shared mailbox), into recorded
+//! per-stream command lists. Then the streams of all ranks run in a
 //! discrete-event model of CUDA and NCCL: a stream runs its commands in
-//! order, a wait blocks until the event's record has run, a GEMM follows
-//! `cublasGemmEx`'s column-major definition on the addresses `gemm::enqueue`
-//! passes, a sum follows the kernel's definition, and an NCCL group posts its
-//! sends, then completes when every receive has a message from its peer
-//! (per pair of ranks, first in first out, as NCCL matches point-to-point
-//! calls). The outputs must equal those of the CPU backend on the same inputs.
+//! order; a wait blocks until the event's record that was last issued before
+//! the wait (by any host thread) has run, as `cuStreamWaitEvent` does; a GEMM
+//! follows `cublasGemmEx`'s column-major definition on the addresses
+//! `blas::BlasHandle::gemm` passes, a sum follows the kernel's definition, a
+//! copy moves the bytes, and an NCCL group posts its sends, then completes
+//! when every receive has a message from its peer (per pair of ranks, first
+//! in first out, as NCCL matches point-to-point calls). The streams run in
+//! several orders (`Order`), among them adversarial ones, and the outputs
+//! must equal those of the CPU backend on the same inputs.
 #![forbid(unsafe_code)]
 
-use super::addresses::{Bases, DeviceBuffers, DeviceOp, Region};
+use super::addresses::{Bases, DeviceBuffers, DeviceOp, P2p, Region};
+use super::copies::{self, CopyQueue, Deadline, Mailbox, Omit};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
 use super::site_ops::SiteOps;
 use super::stream_issue::{issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::{plan, Schedule, Step};
 use crate::problem::{OpKind, Operand, Problem};
 use std::collections::{HashMap, VecDeque};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-/// One command on one stream of the emulated device: a site's operation
-/// with the call's bases it is bound to.
-#[derive(Debug, Clone)]
-enum Cmd {
-    Record(usize),
-    Wait(usize),
-    Op(Box<DeviceOp>, Bases),
+/// An event of the model: a call's (from its stream schedule), or one of
+/// the copy transport's, of a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventId {
+    Call { rank: usize, index: usize },
+    Ready { rank: usize, peer: usize, slot: u64 },
+    Copied { rank: usize, peer: usize, slot: u64 },
 }
 
-/// Records what the handler would enqueue; stream `lanes.len()` is XLA's.
+/// How many times the hosts have recorded each event so far: a wait
+/// captures the count when it is issued and is met once that record ran.
+#[derive(Default)]
+struct Records(Mutex<HashMap<EventId, u64>>);
+
+impl Records {
+    fn record(&self, e: EventId) -> u64 {
+        let mut m = crate::sync::lock(&self.0);
+        let n = m.entry(e).or_insert(0);
+        *n += 1;
+        *n
+    }
+    fn issued(&self, e: EventId) -> u64 {
+        crate::sync::lock(&self.0).get(&e).copied().unwrap_or(0)
+    }
+}
+
+/// One command on one stream of the emulated device.
+#[derive(Debug, Clone)]
+enum Cmd {
+    /// The `n`-th record of an event.
+    Record(EventId, u64),
+    /// Waits for the `n`-th record of an event (0: none was issued, no wait).
+    Wait(EventId, u64),
+    /// A site's operation with the call's bases it is bound to.
+    Op(Box<DeviceOp>, Bases),
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+}
+
+/// How exchanges go between ranks.
+#[derive(Clone, Copy)]
+enum Transport<'a> {
+    Nccl,
+    Copies { mailbox: &'a Mailbox<EventId>, deadline: Deadline, omit: Omit, failing: Option<usize> },
+}
+
+/// Records what the handler would enqueue on one rank; stream `lanes.len()` is XLA's.
 struct Recorder<'a> {
+    rank: usize,
     site: &'a SiteOps,
     bases: Bases,
+    records: &'a Records,
+    transport: Transport<'a>,
     streams: Vec<Vec<Cmd>>,
 }
 
@@ -52,20 +102,69 @@ impl Recorder<'_> {
 
 impl StreamOps for Recorder<'_> {
     fn record(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
-        self.stream(stream).push(Cmd::Record(event));
+        let e = EventId::Call { rank: self.rank, index: event };
+        let n = self.records.record(e);
+        self.stream(stream).push(Cmd::Record(e, n));
         Ok(())
     }
     fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
-        self.stream(stream).push(Cmd::Wait(event));
+        let e = EventId::Call { rank: self.rank, index: event };
+        let n = self.records.issued(e);
+        self.stream(stream).push(Cmd::Wait(e, n));
         Ok(())
     }
     fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
         let bases = self.bases;
-        self.streams[lane].extend(self.site.steps[step.id].iter().map(|op| Cmd::Op(Box::new(op.clone()), bases)));
+        for op in &self.site.steps[step.id] {
+            match (op, self.transport) {
+                (DeviceOp::Exchange { sends, recvs }, Transport::Copies { mailbox, deadline, omit, .. }) => {
+                    let bind = |list: &[P2p<_>]| list.iter().map(|p| p.bind(&bases)).collect::<Vec<_>>();
+                    let (sends, recvs) = (bind(sends), bind(recvs));
+                    let mut lane = LaneQueue { recorder: self, lane };
+                    copies::exchange_omitting(mailbox, lane.recorder.rank, &sends, &recvs, &mut lane, deadline, omit)?;
+                }
+                _ => self.streams[lane].push(Cmd::Op(Box::new(op.clone()), bases)),
+            }
+        }
         Ok(())
     }
     /// Marks only tell the watchdog that a call moves: nothing to emulate.
     fn mark(&mut self, _lane: usize, _mark: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The copy transport's device side on one lane of a recorded rank.
+struct LaneQueue<'r, 'a> {
+    recorder: &'r mut Recorder<'a>,
+    lane: usize,
+}
+
+impl CopyQueue for LaneQueue<'_, '_> {
+    type Event = EventId;
+    fn ready_event(&mut self, peer: usize, message: u64) -> Result<EventId> {
+        Ok(EventId::Ready { rank: self.recorder.rank, peer, slot: message % copies::RING })
+    }
+    fn copied_event(&mut self, peer: usize, message: u64) -> Result<EventId> {
+        Ok(EventId::Copied { rank: self.recorder.rank, peer, slot: message % copies::RING })
+    }
+    fn record(&mut self, e: EventId) -> Result<()> {
+        let n = self.recorder.records.record(e);
+        self.recorder.streams[self.lane].push(Cmd::Record(e, n));
+        Ok(())
+    }
+    fn wait(&mut self, e: EventId) -> Result<()> {
+        let n = self.recorder.records.issued(e);
+        self.recorder.streams[self.lane].push(Cmd::Wait(e, n));
+        Ok(())
+    }
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if let Transport::Copies { failing: Some(r), .. } = self.recorder.transport {
+            if r == self.recorder.rank {
+                return Err(Error::Internal("CUDA driver cuMemcpyDtoDAsync: CUDA_ERROR_ILLEGAL_ADDRESS".into()));
+            }
+        }
+        self.recorder.streams[self.lane].push(Cmd::Copy { dst, src, bytes });
         Ok(())
     }
 }
@@ -206,14 +305,48 @@ pub fn fill(len: usize, salt: usize) -> Vec<u8> {
     (0..len).flat_map(|i| (((i * 7 + salt * 5) % 11) as f32 - 5.0).to_le_bytes()).collect()
 }
 
-/// The outputs of every rank through the emulated CUDA path.
-/// `reverse` visits ranks and streams backwards, one command per visit
-/// (another interleaving than the forward, run-as-far-as-possible one).
-fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, reverse: bool) -> Vec<Vec<u8>> {
+/// The order the model visits streams in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// Ranks and streams forwards, each as far as it can go.
+    Forward,
+    /// Backwards, one command per visit.
+    Backward,
+    /// Communication lanes first (each as far as it can go), then the rest:
+    /// transfers run as early as their waits allow.
+    CommFirst,
+}
+
+const ORDERS: [Order; 3] = [Order::Forward, Order::Backward, Order::CommFirst];
+
+/// How one emulation goes: its transport, what the copy transport leaves
+/// out, and which ranks take part (`absent` never issues its call).
+#[derive(Clone, Copy)]
+struct Setup {
+    copies: bool,
+    omit: Omit,
+    absent: Option<usize>,
+    /// A rank whose copies fail on its device.
+    failing: Option<usize>,
+    deadline: Duration,
+}
+
+impl Setup {
+    const NCCL: Setup =
+        Setup { copies: false, omit: Omit::Nothing, absent: None, failing: None, deadline: Duration::from_secs(20) };
+    const COPIES: Setup = Setup { copies: true, ..Setup::NCCL };
+}
+
+/// The streams of every rank after its host issued the call, or the error
+/// its host met.
+type Issued = Vec<Result<(usize, Vec<Vec<Cmd>>)>>;
+
+/// Issues every rank's call, each rank on a thread of its own (the copy
+/// transport's hosts wait for each other), into fresh device memory.
+fn issue_all(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup: Setup) -> (Memory, Issued) {
     let sizes = problem.sizes();
     let mut mem = Memory { buffers: Vec::new() };
-    // Per rank: buffer ids of x, w, out, workspace, and the recorded streams.
-    let mut ranks = Vec::new();
+    let mut sites = Vec::new();
     for rank in 0..n {
         let p = plan(kind.pattern(), schedule, n, rank);
         let site = SiteOps::new(problem, &p).unwrap();
@@ -231,39 +364,79 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, rever
             scales: None,
         };
         let bases = site.bind(&buffers).unwrap();
-        let mut rec = Recorder { site: &site, bases, streams: vec![Vec::new(); site.streams.lanes.len() + 1] };
-        issue(&p, &site.streams, &mut rec, 0, None).unwrap();
-        ranks.push((id, rec.streams, site.events));
+        sites.push((id, p, site, bases));
     }
-    // Run all streams of all ranks until none can move.
+    let records = Records::default();
+    let mailbox = Mailbox::new((0..n as i64).collect());
+    let deadline = Deadline { at: Instant::now() + setup.deadline, interrupts: crate::config::interrupts() };
+    let transport = if setup.copies {
+        Transport::Copies { mailbox: &mailbox, deadline, omit: setup.omit, failing: setup.failing }
+    } else {
+        Transport::Nccl
+    };
+    let issued = std::thread::scope(|scope| {
+        let handles: Vec<_> = sites
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| Some(*rank) != setup.absent)
+            .map(|(rank, (id, p, site, bases))| {
+                let records = &records;
+                scope.spawn(move || {
+                    let streams = vec![Vec::new(); site.streams.lanes.len() + 1];
+                    let mut rec = Recorder { rank, site, bases: *bases, records, transport, streams };
+                    issue(p, &site.streams, &mut rec, 0, None).map(|()| (*id, rec.streams))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    (mem, issued)
+}
+
+/// Runs every rank's streams in the model in `order` until none can move;
+/// returns the outputs of every rank, or why a stream got stuck.
+fn run_streams(
+    mut mem: Memory,
+    ranks: &[(usize, Vec<Vec<Cmd>>)],
+    order: Order,
+) -> std::result::Result<Vec<Vec<u8>>, String> {
     let mut channels = HashMap::new();
-    let mut pc: Vec<Vec<usize>> = ranks.iter().map(|(_, s, _)| vec![0; s.len()]).collect();
-    let mut posted: Vec<Vec<bool>> = ranks.iter().map(|(_, s, _)| vec![false; s.len()]).collect();
-    let mut recorded: Vec<Vec<bool>> = ranks.iter().map(|(_, _, e)| vec![false; *e]).collect();
+    let mut pc: Vec<Vec<usize>> = ranks.iter().map(|(_, s)| vec![0; s.len()]).collect();
+    let mut posted: Vec<Vec<bool>> = ranks.iter().map(|(_, s)| vec![false; s.len()]).collect();
+    let mut ran: HashMap<EventId, u64> = HashMap::new();
+    let mut visits: Vec<(usize, usize)> =
+        ranks.iter().enumerate().flat_map(|(r, (_, st))| (0..st.len()).map(move |s| (r, s))).collect();
+    match order {
+        Order::Forward => {}
+        Order::Backward => visits.reverse(),
+        // Stream 1 is a communication lane wherever a plan has two lanes.
+        Order::CommFirst => visits.sort_by_key(|&(r, s)| (s != 1, r, s)),
+    }
     loop {
         let mut moved = false;
-        let mut visits: Vec<(usize, usize)> =
-            ranks.iter().enumerate().flat_map(|(r, (_, st, _))| (0..st.len()).map(move |s| (r, s))).collect();
-        if reverse {
-            visits.reverse();
-        }
-        for (r, s) in visits {
+        for &(r, s) in &visits {
             let cmds = &ranks[r].1[s];
             while let Some(cmd) = cmds.get(pc[r][s]) {
                 let done = match cmd {
-                    Cmd::Record(e) => {
-                        recorded[r][*e] = true;
+                    Cmd::Record(e, n) => {
+                        let last = ran.entry(*e).or_insert(0);
+                        *last = (*last).max(*n);
                         true
                     }
-                    Cmd::Wait(e) => recorded[r][*e],
+                    Cmd::Wait(e, n) => *n == 0 || ran.get(e).copied().unwrap_or(0) >= *n,
                     Cmd::Op(op, bases) => execute(op, bases, r, &mut mem, &mut channels, &mut posted[r][s]),
+                    Cmd::Copy { dst, src, bytes } => {
+                        let data = mem.read(*src, *bytes);
+                        mem.write(*dst, &data);
+                        true
+                    }
                 };
                 if !done {
                     break;
                 }
                 pc[r][s] += 1;
                 moved = true;
-                if reverse {
+                if order == Order::Backward {
                     break;
                 }
             }
@@ -272,13 +445,31 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, rever
             break;
         }
     }
-    for (r, (_, streams, _)) in ranks.iter().enumerate() {
+    for (r, (_, streams)) in ranks.iter().enumerate() {
         for (s, cmds) in streams.iter().enumerate() {
-            assert_eq!(pc[r][s], cmds.len(), "{kind:?} {schedule:?}: rank {r} stream {s} is stuck");
+            if pc[r][s] != cmds.len() {
+                return Err(format!("rank {r} stream {s} is stuck at {:?}", cmds[pc[r][s]]));
+            }
         }
     }
-    assert!(channels.values().all(|q| q.is_empty()), "{kind:?} {schedule:?}: messages nobody received");
-    ranks.iter().map(|(id, _, _)| mem.buffers[id + 2].clone()).collect()
+    if !channels.values().all(|q: &VecDeque<Vec<u8>>| q.is_empty()) {
+        return Err("messages nobody received".into());
+    }
+    Ok(ranks.iter().map(|(id, _)| mem.buffers[id + 2].clone()).collect())
+}
+
+/// The outputs of every rank through the emulated CUDA path, for each order.
+fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup: Setup) -> Vec<Vec<Vec<u8>>> {
+    let (mem, issued) = issue_all(problem, kind, schedule, n, setup);
+    let ranks: Vec<_> =
+        issued.into_iter().map(|r| r.unwrap_or_else(|e| panic!("{kind:?} {schedule:?}: {e}"))).collect();
+    ORDERS
+        .iter()
+        .map(|&order| {
+            let mem = Memory { buffers: mem.buffers.clone() };
+            run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{kind:?} {schedule:?} {order:?}: {e}"))
+        })
+        .collect()
 }
 
 /// The outputs of every rank through the CPU backend.
@@ -344,32 +535,104 @@ pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Ve
     on_cpu(&problem, *kind, schedule, n, site)
 }
 
-#[test]
-fn the_cuda_path_computes_what_the_cpu_backend_computes() {
-    let mut site = 0x0c0d_a000;
-    for n in 1..=4 {
+/// The schedules to emulate for `kind` (cut into blocks of 3 rows where the kind takes that).
+fn schedules(kind: OpKind) -> Vec<Schedule> {
+    let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
+    if kind.row_blocks() {
+        schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows
+    }
+    schedules
+}
+
+/// Every op kind and schedule for `ns` ranks through the emulated path with
+/// `setup`, against the CPU backend; returns the cases that differed.
+fn compare(ns: &[usize], setup: Setup, site: &mut i64) -> Vec<String> {
+    let mut differed = Vec::new();
+    for &n in ns {
         for case in cases(n as i64) {
             let (kind, x, w, out) = &case;
             let op = |dims| Operand { dims, dtype: DType::F32 };
             let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
-            let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-            if kind.row_blocks() {
-                schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows
-            }
-            for schedule in schedules {
+            for schedule in schedules(*kind) {
                 let problem = problem.for_schedule(schedule).unwrap();
-                site += 1;
-                let want = reference(&case, schedule, n, site);
-                for reverse in [false, true] {
-                    let got = emulated(&problem, *kind, schedule, n, reverse);
-                    for rank in 0..n {
-                        assert!(
-                            got[rank] == want[rank],
-                            "{kind:?} {schedule:?} n={n}: rank {rank} differs from the CPU backend"
-                        );
+                *site += 1;
+                let want = reference(&case, schedule, n, *site);
+                for (order, got) in ORDERS.iter().zip(emulated(&problem, *kind, schedule, n, setup)) {
+                    if got != want {
+                        differed.push(format!("{kind:?} {schedule:?} n={n} {order:?}"));
                     }
                 }
             }
+        }
+    }
+    differed
+}
+
+#[test]
+fn the_cuda_path_computes_what_the_cpu_backend_computes() {
+    let mut site = 0x0c0d_a000;
+    let differed = compare(&[1, 2, 3, 4], Setup::NCCL, &mut site);
+    assert!(differed.is_empty(), "differ from the CPU backend: {differed:?}");
+}
+
+/// The copy transport, every op kind and schedule, N up to 16, every order.
+#[test]
+fn the_copy_transport_computes_what_the_cpu_backend_computes() {
+    let mut site = 0x0c0e_a000;
+    let differed = compare(&[1, 2, 3, 4, 5, 8, 16], Setup::COPIES, &mut site);
+    assert!(differed.is_empty(), "differ from the CPU backend: {differed:?}");
+}
+
+/// Leaving out either wait of the copy transport gives wrong results the
+/// model catches: the receiver reading its slot before the copy landed, or
+/// the sender overwriting a slot the receiver still reads.
+#[test]
+fn the_model_catches_a_missing_dependency_of_the_copy_transport() {
+    let mut site = 0x0c0f_a000;
+    for omit in [Omit::CopiedWait, Omit::ReadyWait] {
+        let differed = compare(&[2, 4], Setup { omit, ..Setup::COPIES }, &mut site);
+        assert!(!differed.is_empty(), "{omit:?} left out, yet every case matched the CPU backend");
+    }
+}
+
+/// A rank that never arrives ends every other rank's host wait with
+/// DEADLINE_EXCEEDED naming it; nothing is left waiting on a device.
+#[test]
+fn a_rank_that_never_arrives_ends_the_copy_transport_with_a_deadline_naming_it() {
+    let (kind, x, w, out) = &cases(4)[0];
+    let op = |dims| Operand { dims, dtype: DType::F32 };
+    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, 4).unwrap();
+    let setup = Setup { absent: Some(2), deadline: Duration::from_millis(300), ..Setup::COPIES };
+    let started = Instant::now();
+    let (_, issued) = issue_all(&problem, *kind, Schedule::Ring, 4, setup);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(issued.len(), 3);
+    for result in issued {
+        let e = result.expect_err("no rank can finish without rank 2");
+        assert!(
+            matches!(&e, Error::DeadlineExceeded(m) if m.contains("ranks [2] (devices [2]) never got past exchange step 0")),
+            "{e}"
+        );
+    }
+}
+
+/// A rank whose copy fails ends every other rank's host wait at once, with
+/// an error naming it and saying why.
+#[test]
+fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
+    let (kind, x, w, out) = &cases(4)[0];
+    let op = |dims| Operand { dims, dtype: DType::F32 };
+    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, 4).unwrap();
+    let setup = Setup { failing: Some(1), deadline: Duration::from_secs(20), ..Setup::COPIES };
+    let started = Instant::now();
+    let (_, issued) = issue_all(&problem, *kind, Schedule::Ring, 4, setup);
+    assert!(started.elapsed() < Duration::from_secs(5), "the peers waited for their deadline");
+    for (rank, result) in issued.into_iter().enumerate() {
+        let e = result.expect_err("no rank can finish when rank 1 fails");
+        let m = e.message();
+        assert!(m.contains("ILLEGAL_ADDRESS"), "rank {rank}: {e}");
+        if rank != 1 {
+            assert!(matches!(&e, Error::DeadlineExceeded(m) if m.contains("rank 1 (device 1) failed")), "{e}");
         }
     }
 }

@@ -42,6 +42,8 @@ pub mod blas;
 #[cfg(feature = "cuda")]
 pub mod communicators;
 #[cfg(feature = "cuda")]
+pub mod copies;
+#[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod device_watch;

@@ -280,3 +280,28 @@ def test_missing_peer_times_out(tmp_path, mode, op_name):
     assert "lax.cond" not in output, output[-3000:]
     assert "deadline" in output.lower(), output[-3000:]
     assert elapsed < 30, f"took {elapsed:.1f}s with a 2 s deadline:\n{output[-3000:]}"
+
+
+def test_configure_sets_the_gpu_transport_and_leaves_the_timeout(restore_commfuse_timeout, monkeypatch):
+    from commfuse import _native
+    monkeypatch.delenv("COMMFUSE_TRANSPORT", raising=False)
+    commfuse.configure(timeout_s=12)
+    try:
+        assert _native.transport() == "auto"
+        commfuse.configure(transport="nccl")
+        assert _native.transport() == "nccl"
+        assert _native.timeout_ms() == 12000, "setting the transport changed the timeout"
+        commfuse.configure(transport="copies")
+        assert _native.transport() == "copies"
+        for bad in ("NCCL", "p2p", "", 3):
+            with pytest.raises(ValueError, match="transport"):
+                commfuse.configure(transport=bad)
+        assert _native.transport() == "copies", "a refused value changed the setting"
+        commfuse.configure(transport=None)
+        monkeypatch.setenv("COMMFUSE_TRANSPORT", "nccl")
+        assert _native.transport() == "nccl"
+        monkeypatch.setenv("COMMFUSE_TRANSPORT", "fast")
+        with pytest.raises(ValueError, match="COMMFUSE_TRANSPORT"):
+            _native.transport()
+    finally:
+        commfuse.configure(transport=None)

@@ -189,3 +189,17 @@ def test_memory_puts_the_workspace_beside_the_unfused_temporaries(capsys):
     # psum_scatter(x @ w) materializes the whole product: 2048x512 f32.
     r = commfuse.explain("matmul_reduce_scatter", (2048, 1024), (1024, 512), 8, machine="h100_nvlink")
     assert r["memory"]["unfused_temporaries"] == 4 * mib
+
+
+def test_explain_says_how_the_blocks_move(monkeypatch, capsys):
+    monkeypatch.delenv("COMMFUSE_TRANSPORT", raising=False)
+    shapes = ("all_gather_matmul", (256, 1024), (1024, 512), 8)
+    assert commfuse.explain(*shapes, machine="cpu_here")["transport"] == "host"
+    assert commfuse.explain(*shapes, machine="h100_nvlink")["transport"] == "copies"
+    assert "copy engines" in capsys.readouterr().out
+    commfuse.configure(transport="nccl")
+    try:
+        assert commfuse.explain(*shapes, machine="h100_nvlink")["transport"] == "nccl"
+        assert "NCCL send/receive" in capsys.readouterr().out
+    finally:
+        commfuse.configure(transport=None)

@@ -205,6 +205,12 @@ def check_rust(tests: str | None) -> None:
                     300, log="rust_device.log")
     row("Rust device test: every op kind on GPU 0 vs the CPU backend, bit for bit",
         "PASS" if code == 0 else "FAIL", tail(out))
+    code, out = run([tests, "--include-ignored", "--test-threads", "1",
+                     "backend::cuda::enqueue::tests::several_ranks_on_one_gpu",
+                     "backend::cuda::enqueue::tests::a_rank_that_never_arrives"], 600, log="rust_copies_one_gpu.log")
+    row("Rust device tests: 2, 4 and 8 ranks on GPU 0 over the copy transport, every op kind and schedule vs the "
+        "CPU backend bit for bit; a rank that never arrives ends in DEADLINE_EXCEEDED naming it",
+        "PASS" if code == 0 else "FAIL", tail(out))
     try:
         gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")
     except (OSError, subprocess.SubprocessError):

@@ -1,4 +1,5 @@
-//! Run-time settings: the deadline of every wait across devices, and interrupts.
+//! Run-time settings: the deadline of every wait across devices, interrupts,
+//! and how GPU ranks of one process exchange data.
 #![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
@@ -34,6 +35,51 @@ pub fn set_timeout(timeout: Option<Duration>) {
     *crate::sync::lock(&TIMEOUT_OVERRIDE) = timeout;
 }
 
+/// How a group's transfers go on GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Copy engines where every rank is a device of this process and each
+    /// pair can reach the other's memory, else NCCL.
+    Auto,
+    /// Copy engines (`backend::cuda::copies`); refused where they cannot serve.
+    Copies,
+    /// NCCL send/receive.
+    Nccl,
+}
+
+impl Transport {
+    pub const NAMES: [(&'static str, Transport); 3] =
+        [("auto", Transport::Auto), ("copies", Transport::Copies), ("nccl", Transport::Nccl)];
+
+    pub fn parse(text: &str) -> Option<Transport> {
+        Self::NAMES.iter().find(|(n, _)| *n == text.trim()).map(|&(_, t)| t)
+    }
+}
+
+const TRANSPORT_VAR: &str = "COMMFUSE_TRANSPORT";
+
+/// Set from Python by `commfuse.configure(transport=...)`; overrides the variable.
+static TRANSPORT_OVERRIDE: Mutex<Option<Transport>> = Mutex::new(None);
+
+/// The GPU transport: `configure`'s, else `COMMFUSE_TRANSPORT` as it is when
+/// the program runs (`auto`, `copies` or `nccl`), else `auto`.
+pub fn transport() -> Result<Transport> {
+    if let Some(t) = *crate::sync::lock(&TRANSPORT_OVERRIDE) {
+        return Ok(t);
+    }
+    match std::env::var(TRANSPORT_VAR) {
+        Ok(text) => Transport::parse(&text).ok_or_else(|| {
+            Error::InvalidArgument(format!("{TRANSPORT_VAR} must be auto, copies or nccl, got {text:?}"))
+        }),
+        Err(_) => Ok(Transport::Auto),
+    }
+}
+
+/// `None` clears the override.
+pub fn set_transport(transport: Option<Transport>) {
+    *crate::sync::lock(&TRANSPORT_OVERRIDE) = transport;
+}
+
 /// Interrupts (Ctrl-C) seen so far. A call notes the count when it begins
 /// and stops waiting for its peers once it changes; calls begun after an
 /// interrupt are not affected by it.
@@ -57,6 +103,16 @@ fn parse_seconds(text: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transports_parse_by_name_only() {
+        assert_eq!(Transport::parse("copies"), Some(Transport::Copies));
+        assert_eq!(Transport::parse(" nccl "), Some(Transport::Nccl));
+        assert_eq!(Transport::parse("auto"), Some(Transport::Auto));
+        for bad in ["", "NCCL", "copy", "p2p"] {
+            assert_eq!(Transport::parse(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn parses_positive_seconds_only() {

@@ -24,7 +24,7 @@ from ._matmul import matmul
 from ._matmul_all_gather import matmul_all_gather
 from ._matmul_all_reduce import matmul_all_reduce
 from ._matmul_reduce_scatter import matmul_reduce_scatter
-from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms
+from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms, set_transport as _set_transport
 from ._overlap import overlap
 from ._reshard import PendingReshard, reshard, reshard_start
 from ._trace import trace
@@ -52,17 +52,32 @@ __all__ = [
 ]
 
 
-def configure(*, timeout_s: float | None = None) -> None:
-    """Sets the deadline, in seconds, of every wait across devices.
+_KEEP = object()
 
-    A rank that waits longer (because a peer never reached the op) fails with
+
+def configure(*, timeout_s: float | None = _KEEP, transport: str | None = _KEEP) -> None:
+    """Sets run-time settings; what is not passed stays as it is.
+
+    ``timeout_s``: the deadline, in seconds, of every wait across devices. A
+    rank that waits longer (because a peer never reached the op) fails with
     DEADLINE_EXCEEDED, naming the ranks that never arrived. ``None`` goes back
     to the environment variable ``COMMFUSE_TIMEOUT_S`` (default 30).
+
+    ``transport``: how the ranks of a group exchange blocks on GPUs:
+    ``"copies"`` (copy engines: device-to-device copies ordered by events,
+    for groups whose devices are all this process's), ``"nccl"`` (NCCL
+    send/receive), or ``"auto"`` (copies where they serve, else NCCL). ``None``
+    goes back to ``COMMFUSE_TRANSPORT`` (default ``auto``). Calls read it when
+    they run; the CPU backend has one transport and ignores it.
     """
-    if timeout_s is None:
-        _set_timeout_ms(0)
-        return
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-            or timeout_s <= 0:
-        raise ValueError(f"commfuse.configure: timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    _set_timeout_ms(max(1, round(timeout_s * 1000)))
+    if timeout_s is not _KEEP:
+        if timeout_s is None:
+            _set_timeout_ms(0)
+        elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"commfuse.configure: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        else:
+            _set_timeout_ms(max(1, round(timeout_s * 1000)))
+    if transport is not _KEEP:
+        if transport is not None and not isinstance(transport, str) or not _set_transport(transport):
+            raise ValueError(f"commfuse.configure: transport must be 'auto', 'copies', 'nccl' or None, got {transport!r}")

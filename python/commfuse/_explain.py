@@ -14,7 +14,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from . import _abi, _all_gather_matmul, _all_to_all, _auto, _fused, _matmul_all_gather, _matmul_reduce_scatter
+from . import (_abi, _all_gather_matmul, _all_to_all, _auto, _fused, _matmul_all_gather, _matmul_reduce_scatter,
+               _native)
 
 
 def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
@@ -73,8 +74,12 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     choice, or ``"unfused"`` where the predicted gain is below a fused call's
     fixed cost) and ``decision_reason``, ``t_compute``, ``t_comm``,
     ``floor`` = max(T_compute, T_comm),
-    ``machine`` (its figures) and ``plan`` (rank 0's steps per lane with their
-    predicted start and end).
+    ``machine`` (its figures), ``plan`` (rank 0's steps per lane with their
+    predicted start and end) and ``transport`` (how the ranks' blocks would
+    move: ``"host"`` between CPU devices; on GPUs of one process ``"copies"``,
+    copy engines, unless ``commfuse.configure(transport="nccl")`` or
+    ``COMMFUSE_TRANSPORT=nccl`` asks for NCCL, which groups spanning processes
+    always take).
     """
     x, w = tuple(int(d) for d in x_shape), tuple(int(d) for d in w_shape)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -110,6 +115,8 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     code, why = _auto.decide(prepared, n, spec, _fused.measure_call_overhead_s, may_decline)
     result["decision"] = "unfused" if code == _abi.UNFUSED else result["choice"]
     result["decision_reason"] = why
+    result["transport"] = "host" if machine.startswith("cpu") else \
+        ("nccl" if _native.transport() == "nccl" else "copies")
     return result
 
 
@@ -131,6 +138,13 @@ def unfused_temporaries(op: str, x: tuple, w: tuple, n: int, itemsize: int) -> i
     return rows * w[1] * itemsize  # matmul_all_to_all: the product before it is exchanged
 
 
+_TRANSPORTS = {
+    "host": "host memory between CPU devices",
+    "copies": "copy engines (device-to-device copies ordered by events; NCCL for groups spanning processes)",
+    "nccl": "NCCL send/receive",
+}
+
+
 def _print(r: dict, x: tuple, w: tuple) -> None:
     us = _auto.us
     m = r["machine"]
@@ -142,6 +156,7 @@ def _print(r: dict, x: tuple, w: tuple) -> None:
         lines.append(f"  {name:<14} {us(t):>12}  {t / r['floor']:.2f}x floor{mark}")
     lines.append(f"  floor = max(T_compute {us(r['t_compute'])}, T_comm {us(r['t_comm'])}) = {us(r['floor'])}")
     lines.append(f"  schedule='auto' runs: {r['decision_reason']}")
+    lines.append(f"  transfers: {_TRANSPORTS[r['transport']]}")
     mem, kib = r["memory"], lambda b: f"{b / 1024:.0f} KiB"
     lines.append(f"  memory per device: workspace {kib(mem['workspace_cpu'])} (CPU) / {kib(mem['workspace_cuda'])} "
                  f"(CUDA), blocks in flight {kib(mem['blocks_in_flight'])}; the unfused jax.lax expression's "

@@ -41,6 +41,10 @@ lib.commfuse_set_timeout_ms.restype = None
 lib.commfuse_set_timeout_ms.argtypes = [ctypes.c_uint64]
 lib.commfuse_timeout_ms.restype = ctypes.c_uint64
 lib.commfuse_timeout_ms.argtypes = []
+lib.commfuse_set_transport.restype = ctypes.c_int32
+lib.commfuse_set_transport.argtypes = [ctypes.c_char_p]
+lib.commfuse_transport.restype = ctypes.c_int32
+lib.commfuse_transport.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_interrupt.restype = None
 lib.commfuse_interrupt.argtypes = []
 lib.commfuse_cuda_built.restype = ctypes.c_int32
@@ -220,6 +224,21 @@ def nccl_unique_id() -> bytes:
 
 def set_timeout_ms(ms: int) -> None:
     lib.commfuse_set_timeout_ms(ms)
+
+
+def set_transport(name) -> bool:
+    """Sets the GPU transport by name (``None``: back to ``COMMFUSE_TRANSPORT``);
+    False for a name the library does not know."""
+    return lib.commfuse_set_transport(None if name is None else str(name).encode()) == 0
+
+
+def transport() -> str:
+    """The GPU transport a call would use now: ``auto``, ``copies`` or
+    ``nccl``; ValueError when ``COMMFUSE_TRANSPORT`` is malformed."""
+    out = ctypes.create_string_buffer(256)
+    if lib.commfuse_transport(out, len(out)) != 0:
+        raise ValueError(out.value.decode())
+    return out.value.decode()
 
 
 def interrupt() -> None:

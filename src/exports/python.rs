@@ -85,6 +85,46 @@ pub extern "C" fn commfuse_set_timeout_ms(ms: u64) {
     let _ = catch_unwind(|| crate::config::set_timeout(timeout));
 }
 
+/// Sets the GPU transport by name (`config::Transport::NAMES`); null returns
+/// to `COMMFUSE_TRANSPORT` (or `auto`). Returns 0, or -1 for an unknown name.
+///
+/// # Safety
+/// `name` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_set_transport(name: *const std::ffi::c_char) -> i32 {
+    if name.is_null() {
+        let _ = catch_unwind(|| crate::config::set_transport(None));
+        return 0;
+    }
+    // SAFETY: the caller's contract.
+    let text = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+    match crate::config::Transport::parse(&text) {
+        Some(t) => catch_unwind(|| crate::config::set_transport(Some(t))).map_or(-1, |()| 0),
+        None => -1,
+    }
+}
+
+/// The GPU transport a call would use now, by name, into `out[..out_len]`
+/// (NUL-terminated); the error's text and -1 when `COMMFUSE_TRANSPORT` is
+/// malformed.
+///
+/// # Safety
+/// `out` is null or writable for `out_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_transport(out: *mut u8, out_len: usize) -> i32 {
+    let chosen = catch_unwind(crate::config::transport);
+    let (code, text) = match chosen {
+        Ok(Ok(t)) => {
+            (0, crate::config::Transport::NAMES.iter().find(|(_, v)| *v == t).map_or("auto", |(n, _)| *n).to_string())
+        }
+        Ok(Err(e)) => (-1, e.message().to_string()),
+        Err(_) => (-1, "commfuse_transport panicked".to_string()),
+    };
+    // SAFETY: the caller's contract.
+    unsafe { write_c_string(out, out_len, &text) };
+    code
+}
+
 /// The deadline of cross-device waits in milliseconds as a call would use it
 /// now (`config::timeout`); the default when `COMMFUSE_TIMEOUT_S` is malformed
 /// (the op's first call reports that).

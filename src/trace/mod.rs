@@ -196,6 +196,8 @@ pub struct CallLabel {
     pub rank: usize,
     pub op: &'static str,
     pub site: i64,
+    /// How its transfers go: `host` (the CPU backend), `nccl` or `copies`.
+    pub transport: &'static str,
     /// Bytes of each workspace slot, and of the whole local `x`.
     pub slot_bytes: Vec<usize>,
     pub x_bytes: usize,
@@ -215,6 +217,7 @@ impl CallLabel {
             rank: plan.rank,
             op,
             site,
+            transport: "host",
             slot_bytes: slot_bytes.unwrap_or_default(),
             x_bytes,
             x_block_bytes,
@@ -411,6 +414,7 @@ impl Drop for LaneLog<'_> {
                 ("site", Value::I(r.label.site)),
                 ("n", Value::U(r.n as u64)),
                 ("schedule", Value::S(r.schedule.clone())),
+                ("transport", Value::S(r.label.transport.to_string())),
             ],
         };
         let mut events = crate::sync::lock(&EVENTS);

@@ -76,6 +76,8 @@ functions! {
         memset_d8_async = "cuMemsetD8Async": fn(cu::CUdeviceptr, u8, usize, cu::CUstream) -> cu::CUresult;
         memcpy_2d_async = "cuMemcpy2DAsync_v2": fn(*const cu::CUDA_MEMCPY2D, cu::CUstream) -> cu::CUresult;
         memcpy_dtod_async = "cuMemcpyDtoDAsync_v2": fn(cu::CUdeviceptr, cu::CUdeviceptr, usize, cu::CUstream) -> cu::CUresult;
+        device_can_access_peer = "cuDeviceCanAccessPeer": fn(*mut c_int, cu::CUdevice, cu::CUdevice) -> cu::CUresult;
+        ctx_enable_peer_access = "cuCtxEnablePeerAccess": fn(cu::CUcontext, c_uint) -> cu::CUresult;
     }
 }
 

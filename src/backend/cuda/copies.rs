@@ -40,10 +40,10 @@ use std::time::{Duration, Instant};
 /// Events per pair and direction, reused in turn.
 pub const RING: u64 = 4;
 
-/// Where a message goes: posted by its receiver.
+/// Where a message goes: posted by its receiver (`region`, lent for the copy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Want<E> {
-    pub addr: u64,
+pub struct Want<E, R> {
+    pub region: R,
     pub bytes: usize,
     /// Recorded where the receiver's buffer is free to be written.
     pub ready: E,
@@ -54,6 +54,10 @@ pub struct Want<E> {
 pub trait CopyQueue {
     /// An event the other ranks' hosts may wait on.
     type Event: Copy;
+    /// This rank's memory as another rank's copy may write it.
+    type Region: Copy;
+    /// Lends `bytes` bytes at `addr` (this rank's) to a peer's copy.
+    fn lend(&mut self, addr: u64, bytes: usize) -> Result<Self::Region>;
     /// This rank's ready event for message `message` from `peer`.
     fn ready_event(&mut self, peer: usize, message: u64) -> Result<Self::Event>;
     /// This rank's copied event for message `message` to `peer`.
@@ -61,7 +65,7 @@ pub trait CopyQueue {
     fn record(&mut self, event: Self::Event) -> Result<()>;
     fn wait(&mut self, event: Self::Event) -> Result<()>;
     /// Copies `bytes` bytes from `src` (this rank's) to `dst` (the receiver's).
-    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+    fn copy(&mut self, dst: Self::Region, src: u64, bytes: usize) -> Result<()>;
 }
 
 /// When a host wait gives up.
@@ -75,9 +79,9 @@ pub struct Deadline {
 type Pair = (usize, usize);
 
 #[derive(Default)]
-struct PairState<E> {
+struct PairState<E, R> {
     /// Wants posted by the receiver and not yet taken, with their message numbers.
-    wants: VecDeque<(u64, Want<E>)>,
+    wants: VecDeque<(u64, Want<E, R>)>,
     copied: VecDeque<(u64, E)>,
     /// Messages the receiver asked for, and the sender took, so far.
     wanted: u64,
@@ -87,8 +91,8 @@ struct PairState<E> {
     received: u64,
 }
 
-struct State<E> {
-    pairs: HashMap<Pair, PairState<E>>,
+struct State<E, R> {
+    pairs: HashMap<Pair, PairState<E, R>>,
     /// Per rank, the exchange steps its host has entered: the ranks behind
     /// the others are the ones a timed-out wait names.
     entered: Vec<u64>,
@@ -98,15 +102,15 @@ struct State<E> {
 
 /// The host side of one group's copy transport: what its ranks post for
 /// each other, kept for the group's life (message numbers run across calls).
-pub struct Mailbox<E> {
+pub struct Mailbox<E, R> {
     /// The group's device ids, in rank order (for messages).
     pub devices: Vec<i64>,
-    state: Mutex<State<E>>,
+    state: Mutex<State<E, R>>,
     changed: Condvar,
 }
 
-impl<E: Copy> Mailbox<E> {
-    pub fn new(devices: Vec<i64>) -> Mailbox<E> {
+impl<E: Copy, R: Copy> Mailbox<E, R> {
+    pub fn new(devices: Vec<i64>) -> Mailbox<E, R> {
         let entered = vec![0; devices.len()];
         Mailbox {
             devices,
@@ -137,7 +141,7 @@ impl<E: Copy> Mailbox<E> {
 
     /// The number the next message from `from` to `to` will have on the
     /// receiving side.
-    fn post_want(&self, from: usize, to: usize, want: Want<E>) -> Result<u64> {
+    fn post_want(&self, from: usize, to: usize, want: Want<E, R>) -> Result<u64> {
         let mut state = crate::sync::lock(&self.state);
         if let Some(e) = &state.failed {
             return Err(e.clone());
@@ -158,8 +162,8 @@ impl<E: Copy> Mailbox<E> {
         me: usize,
         pair: Pair,
         deadline: Deadline,
-        missing: impl Fn(&PairState<E>) -> String,
-        mut take: impl FnMut(&mut PairState<E>) -> Option<T>,
+        missing: impl Fn(&PairState<E, R>) -> String,
+        mut take: impl FnMut(&mut PairState<E, R>) -> Option<T>,
     ) -> Result<T> {
         let mut state = crate::sync::lock(&self.state);
         loop {
@@ -206,9 +210,10 @@ impl<E: Copy> Mailbox<E> {
         from: usize,
         to: usize,
         deadline: Deadline,
-        copy: impl FnOnce(u64, &Want<E>) -> Result<E>,
+        copy: impl FnOnce(u64, &Want<E, R>) -> Result<E>,
     ) -> Result<()> {
-        let missing = |pair: &PairState<E>| format!("rank {to} never asked for message {} of rank {from}", pair.taken);
+        let missing =
+            |pair: &PairState<E, R>| format!("rank {to} never asked for message {} of rank {from}", pair.taken);
         let mut copy = Some(copy);
         self.wait_for(from, (from, to), deadline, missing, |pair| {
             let (message, want) = pair.wants.pop_front()?;
@@ -242,7 +247,7 @@ impl<E: Copy> Mailbox<E> {
 
     /// The copied event of message `message` from `from`.
     fn take_copied(&self, from: usize, to: usize, message: u64, deadline: Deadline) -> Result<E> {
-        let missing = |_: &PairState<E>| format!("rank {from} never sent message {message} to rank {to}");
+        let missing = |_: &PairState<E, R>| format!("rank {from} never sent message {message} to rank {to}");
         let (number, event) = self.wait_for(to, (from, to), deadline, missing, |pair| {
             let found = pair.copied.pop_front()?;
             pair.received += 1;
@@ -257,8 +262,8 @@ impl<E: Copy> Mailbox<E> {
     }
 }
 
-impl<E> PairState<E> {
-    fn empty() -> PairState<E> {
+impl<E, R> PairState<E, R> {
+    fn empty() -> PairState<E, R> {
         PairState { wants: VecDeque::new(), copied: VecDeque::new(), wanted: 0, taken: 0, posted: 0, received: 0 }
     }
 }
@@ -277,7 +282,7 @@ pub enum Omit {
 /// Rank `rank`'s part of one exchange step (`sends` and `recvs` at device
 /// addresses: its own buffers), on `queue` (see the module's doc).
 pub fn exchange<Q: CopyQueue>(
-    mailbox: &Mailbox<Q::Event>,
+    mailbox: &Mailbox<Q::Event, Q::Region>,
     rank: usize,
     sends: &[P2p],
     recvs: &[P2p],
@@ -289,7 +294,7 @@ pub fn exchange<Q: CopyQueue>(
 
 /// [`exchange`], leaving out `omit` (only the tests leave anything out).
 pub fn exchange_omitting<Q: CopyQueue>(
-    mailbox: &Mailbox<Q::Event>,
+    mailbox: &Mailbox<Q::Event, Q::Region>,
     rank: usize,
     sends: &[P2p],
     recvs: &[P2p],
@@ -316,9 +321,10 @@ pub fn exchange_omitting<Q: CopyQueue>(
         for r in recvs {
             let (from, to) = (r.peer, rank);
             let message = mailbox.next_wanted(from, to);
+            let region = queue.lend(r.addr, r.bytes)?;
             let ready = queue.ready_event(from, message)?;
             queue.record(ready)?;
-            let posted = mailbox.post_want(from, to, Want { addr: r.addr, bytes: r.bytes, ready })?;
+            let posted = mailbox.post_want(from, to, Want { region, bytes: r.bytes, ready })?;
             if posted != message {
                 return Err(Error::Internal(format!("copy transport: want {posted} of rank {to} numbered {message}")));
             }
@@ -336,7 +342,7 @@ pub fn exchange_omitting<Q: CopyQueue>(
                 if omit != Omit::ReadyWait {
                     queue.wait(want.ready)?;
                 }
-                queue.copy(want.addr, s.addr, s.bytes)?;
+                queue.copy(want.region, s.addr, s.bytes)?;
                 let copied = queue.copied_event(s.peer, message)?;
                 queue.record(copied)?;
                 Ok(copied)
@@ -369,7 +375,7 @@ pub fn exchange_omitting<Q: CopyQueue>(
     result
 }
 
-impl<E> Mailbox<E> {
+impl<E, R> Mailbox<E, R> {
     fn next_wanted(&self, from: usize, to: usize) -> u64 {
         crate::sync::lock(&self.state).pairs.get(&(from, to)).map_or(0, |p| p.wanted)
     }
@@ -378,19 +384,19 @@ impl<E> Mailbox<E> {
 /// The mailboxes of this process's groups, by their devices and purpose
 /// (the key of their communicators, `communicators::CommKey`), each made on
 /// the group's first call and replaced once it failed.
-pub struct Mailboxes<K, E> {
-    boxes: Mutex<HashMap<K, std::sync::Arc<Mailbox<E>>>>,
+pub struct Mailboxes<K, E, R> {
+    boxes: Mutex<HashMap<K, std::sync::Arc<Mailbox<E, R>>>>,
 }
 
-impl<K, E> Default for Mailboxes<K, E> {
+impl<K, E, R> Default for Mailboxes<K, E, R> {
     fn default() -> Self {
         Mailboxes { boxes: Mutex::new(HashMap::new()) }
     }
 }
 
-impl<K: std::hash::Hash + Eq + Clone, E: Copy> Mailboxes<K, E> {
+impl<K: std::hash::Hash + Eq + Clone, E: Copy, R: Copy> Mailboxes<K, E, R> {
     /// The live mailbox of `key` (a new one if there is none or it failed).
-    pub fn get(&self, key: &K, devices: &[i64]) -> std::sync::Arc<Mailbox<E>> {
+    pub fn get(&self, key: &K, devices: &[i64]) -> std::sync::Arc<Mailbox<E, R>> {
         let mut boxes = crate::sync::lock(&self.boxes);
         match boxes.get(key) {
             Some(b) if !b.failed() => b.clone(),

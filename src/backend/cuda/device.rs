@@ -59,21 +59,31 @@ impl Drop for Device {
     }
 }
 
-static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Mutex<Device>>>>> = OnceLock::new();
+/// The cached devices by CUDA ordinal and slot: XLA's calls use slot 0;
+/// tests that run several ranks on one device give each rank a slot of its
+/// own, so that each has its own streams and lock (`bind_as`).
+type DeviceCache = Mutex<HashMap<(i32, usize), Arc<Mutex<Device>>>>;
+static DEVICES: OnceLock<DeviceCache> = OnceLock::new();
 static IMAGES: OnceLock<ImageCache> = OnceLock::new();
 
 /// The cached state of the device of XLA's `stream` (whose context
 /// `CallStream::of` made current), created on the device's first call: the
 /// handler's INITIALIZE stage, before any execution.
 pub fn bind(stream: &CallStream<'_>) -> Result<Arc<Mutex<Device>>> {
-    bind_or_create(stream).map(|(device, _)| device)
+    bind_or_create(stream, 0).map(|(device, _)| device)
+}
+
+/// [`bind`] for one of several ranks sharing a device in one process (the
+/// device tests): slot `slot`'s own streams, events and lock.
+pub fn bind_as(stream: &CallStream<'_>, slot: usize) -> Result<Arc<Mutex<Device>>> {
+    bind_or_create(stream, slot).map(|(device, _)| device)
 }
 
 /// [`bind`] from an EXECUTE call: the device is normally set up already
 /// (INITIALIZE ran); one that is not is set up here and counted in
 /// [`LOADED_DURING_EXECUTE`].
 pub fn bind_for_execute(stream: &CallStream<'_>) -> Result<Arc<Mutex<Device>>> {
-    let (device, created) = bind_or_create(stream)?;
+    let (device, created) = bind_or_create(stream, 0)?;
     if created {
         LOADED_DURING_EXECUTE.fetch_add(1, Ordering::Relaxed);
     }
@@ -81,22 +91,22 @@ pub fn bind_for_execute(stream: &CallStream<'_>) -> Result<Arc<Mutex<Device>>> {
 }
 
 /// The device of `stream`, and whether this call created its state.
-fn bind_or_create(stream: &CallStream<'_>) -> Result<(Arc<Mutex<Device>>, bool)> {
+fn bind_or_create(stream: &CallStream<'_>, slot: usize) -> Result<(Arc<Mutex<Device>>, bool)> {
     let ordinal = stream.ordinal;
     let devices = DEVICES.get_or_init(Default::default);
     let mut devices = crate::sync::lock(devices);
-    if let Some(d) = devices.get(&ordinal) {
+    if let Some(d) = devices.get(&(ordinal, slot)) {
         return Ok((Arc::clone(d), false));
     }
     let d = Arc::new(Mutex::new(Device::new(ordinal, stream)?));
-    devices.insert(ordinal, Arc::clone(&d));
+    devices.insert((ordinal, slot), Arc::clone(&d));
     Ok((d, true))
 }
 
 /// The cached state of CUDA device `ordinal`, if a call has bound it.
 pub fn bound(ordinal: i32) -> Option<Arc<Mutex<Device>>> {
     let devices = crate::sync::lock(DEVICES.get()?);
-    devices.get(&ordinal).cloned()
+    devices.get(&(ordinal, 0)).cloned()
 }
 
 /// Number of CUDA devices this process sees.

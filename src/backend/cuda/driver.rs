@@ -226,6 +226,13 @@ impl KeptEvent {
         unsafe { api::event_record(self.event, stream.raw(), what) }
     }
 
+    /// Makes `stream` wait until the event's last record (so far) has run;
+    /// the stream may be of another device.
+    pub fn wait_on(&self, stream: &impl Queue) -> Result<()> {
+        // SAFETY: both handles are live (the event for the process).
+        unsafe { api::stream_wait_event(stream.raw(), self.event) }
+    }
+
     /// Whether the work before the event's last record is done (a device
     /// error counts as done: XLA reports it from its own stream).
     pub fn done(&self) -> bool {
@@ -431,6 +438,14 @@ impl<'a> CallMemory<'a> {
         CallMemory { regions: memory.iter().map(|m| (m.addr, m.bytes)).collect(), _owners: PhantomData }
     }
 
+    /// Lends `bytes` bytes at `addr` (within this memory) to another rank's
+    /// copies into it (`copy_to_peer`); the lender keeps the memory until
+    /// those copies ran (its stream waits for them, `copies`).
+    pub fn lend(&self, addr: u64, bytes: usize) -> Result<PeerRegion> {
+        self.check(addr, bytes, "a region lent to a peer's copy")?;
+        Ok(PeerRegion { addr, bytes })
+    }
+
     /// Ok when `bytes` bytes from `addr` lie within one region (an empty
     /// range anywhere); else INTERNAL naming `what`.
     pub fn check(&self, addr: u64, bytes: usize, what: &str) -> Result<()> {
@@ -445,6 +460,66 @@ impl<'a> CallMemory<'a> {
             "{what}: {bytes} bytes at {addr:#x} lie outside the call's memory {:x?}",
             self.regions
         )))
+    }
+}
+
+/// Device memory of another rank's call that it lent to this rank's copies
+/// ([`CallMemory::lend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerRegion {
+    addr: u64,
+    bytes: usize,
+}
+
+/// Enqueues a copy of `bytes` bytes from `src` (within `memory`, this
+/// rank's) into `dst` (a peer's) on `stream`: a copy engine's work, peer to
+/// peer across devices where peer access is enabled (`enable_peer_access`).
+pub fn copy_to_peer(
+    stream: &impl Queue,
+    dst: PeerRegion,
+    src: u64,
+    bytes: usize,
+    memory: &CallMemory<'_>,
+) -> Result<()> {
+    memory.check(src, bytes, "a copy to a peer's source")?;
+    if bytes > dst.bytes {
+        return Err(Error::Internal(format!("a copy of {bytes} bytes into a peer's region of {}", dst.bytes)));
+    }
+    if bytes == 0 {
+        return Ok(());
+    }
+    let d = api::driver()?;
+    // SAFETY: the source lies in this call's memory (checked), the
+    // destination in the memory a peer lent (`CallMemory::lend`) and keeps
+    // until its stream passed this copy; the stream is live while borrowed.
+    check_cu(unsafe { (d.memcpy_dtod_async)(dst.addr, src, bytes, stream.raw()) }, "cuMemcpyDtoDAsync (to a peer)")
+}
+
+/// Whether device `from` can reach device `to`'s memory directly (the same
+/// device always can).
+pub fn can_access_peer(from: i32, to: i32) -> Result<bool> {
+    if from == to {
+        return Ok(true);
+    }
+    let (a, b) = (api::device_get(from)?, api::device_get(to)?);
+    let mut can = 0;
+    // SAFETY: a valid out-pointer; the driver checks the devices.
+    check_cu(unsafe { (api::driver()?.device_can_access_peer)(&mut can, a, b) }, "cuDeviceCanAccessPeer")?;
+    Ok(can != 0)
+}
+
+/// Lets `context` (current) reach device `to`'s memory directly; done once
+/// per pair (already enabled is fine).
+pub fn enable_peer_access(context: &Context, to: &Context) -> Result<()> {
+    if context.raw == to.raw {
+        return Ok(());
+    }
+    context.make_current()?;
+    // SAFETY: both contexts are retained while borrowed; flags must be 0.
+    let status = unsafe { (api::driver()?.ctx_enable_peer_access)(to.raw, 0) };
+    match status {
+        cu::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        other => check_cu(other, "cuCtxEnablePeerAccess"),
     }
 }
 

@@ -80,7 +80,7 @@ enum Cmd {
 #[derive(Clone, Copy)]
 enum Transport<'a> {
     Nccl,
-    Copies { mailbox: &'a Mailbox<EventId>, deadline: Deadline, omit: Omit, failing: Option<usize> },
+    Copies { mailbox: &'a Mailbox<EventId, u64>, deadline: Deadline, omit: Omit, failing: Option<usize> },
 }
 
 /// Records what the handler would enqueue on one rank; stream `lanes.len()` is XLA's.
@@ -142,6 +142,10 @@ struct LaneQueue<'r, 'a> {
 
 impl CopyQueue for LaneQueue<'_, '_> {
     type Event = EventId;
+    type Region = u64;
+    fn lend(&mut self, addr: u64, _bytes: usize) -> Result<u64> {
+        Ok(addr)
+    }
     fn ready_event(&mut self, peer: usize, message: u64) -> Result<EventId> {
         Ok(EventId::Ready { rank: self.recorder.rank, peer, slot: message % copies::RING })
     }
@@ -536,7 +540,7 @@ pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Ve
 }
 
 /// The schedules to emulate for `kind` (cut into blocks of 3 rows where the kind takes that).
-fn schedules(kind: OpKind) -> Vec<Schedule> {
+pub fn schedules(kind: OpKind) -> Vec<Schedule> {
     let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
     if kind.row_blocks() {
         schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows

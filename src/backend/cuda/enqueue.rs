@@ -7,15 +7,26 @@
 #![forbid(unsafe_code)]
 
 use super::addresses::{poll_until, Addr, Bases, DeviceOp, P2p};
+use super::communicators::CommKey;
+use super::copies::{self, CopyQueue, Deadline};
+use super::copy_links::{self, CudaMailbox, Role};
 use super::device::Device;
 use super::device_watch::CallWatch;
-use super::driver::{CallMemory, CallStream, Event, Stream};
+use super::driver::{self, CallMemory, CallStream, Event, KeptEvent, PeerRegion, Stream};
 use super::nccl::Comm;
 use super::site_ops::SiteOps;
 use super::stream_issue::StreamOps;
 use crate::error::{Error, Result};
 use crate::plan::Step;
 use std::time::Instant;
+
+/// How one call's exchanges go: NCCL on this rank's communicator, or the
+/// copy transport through the group's mailbox.
+#[derive(Clone, Copy)]
+pub enum Exchanges<'a> {
+    Nccl(&'a Comm),
+    Copies { mailbox: &'a CudaMailbox, key: &'a CommKey, rank: usize },
+}
 
 /// Enqueues one call's steps: lanes `Compute`/`Comm` on the device's
 /// internal streams, the caller's stream being XLA's.
@@ -27,8 +38,11 @@ pub struct CallOps<'a> {
     pub bases: Bases,
     /// The memory the call's work may touch (XLA's buffers of the call).
     pub memory: &'a CallMemory<'a>,
-    pub comm: Option<&'a Comm>,
+    /// How the call's exchanges go (none for a plan without any).
+    pub transport: Option<Exchanges<'a>>,
     pub deadline: Instant,
+    /// `config::interrupts()` when the call began.
+    pub interrupts: u64,
     /// Set when a communicator failed or timed out: the caller aborts and evicts it.
     pub comm_failed: bool,
     /// float32 GEMMs may use TF32 (the op's precision allows it).
@@ -60,26 +74,69 @@ impl<'a> CallOps<'a> {
         self.device.event(event).ok_or_else(|| Error::Internal(format!("no event {event}")))
     }
 
-    fn exchange(&mut self, stream: &Stream, sends: &[P2p<Addr>], recvs: &[P2p<Addr>]) -> Result<()> {
-        let comm = self.comm.ok_or_else(|| Error::Internal("an exchange without a communicator".into()))?;
+    fn exchange(&mut self, stream: &'a Stream, sends: &[P2p<Addr>], recvs: &[P2p<Addr>]) -> Result<()> {
         let bases = self.bases;
-        let posted = comm.exchange(
-            stream,
-            sends.iter().map(|p| p.bind(&bases)),
-            recvs.iter().map(|p| p.bind(&bases)),
-            self.memory,
-        );
-        // Non-blocking communicators may still be connecting or enqueueing:
-        // wait (host side, bounded) until NCCL has taken the group.
-        let result = posted.and_then(|()| {
-            poll_until(self.deadline, "an NCCL send/receive group (a peer may not have joined)", || {
-                comm.probe("send/receive")
-            })
-        });
+        let result = match self.transport {
+            None => Err(Error::Internal("an exchange without a transport".into())),
+            Some(Exchanges::Nccl(comm)) => {
+                let posted = comm.exchange(
+                    stream,
+                    sends.iter().map(|p| p.bind(&bases)),
+                    recvs.iter().map(|p| p.bind(&bases)),
+                    self.memory,
+                );
+                // Non-blocking communicators may still be connecting or
+                // enqueueing: wait (host side, bounded) until NCCL has taken the group.
+                posted.and_then(|()| {
+                    poll_until(self.deadline, "an NCCL send/receive group (a peer may not have joined)", || {
+                        comm.probe("send/receive")
+                    })
+                })
+            }
+            Some(Exchanges::Copies { mailbox, key, rank }) => {
+                let bind = |list: &[P2p<Addr>]| list.iter().map(|p| p.bind(&bases)).collect::<Vec<_>>();
+                let (sends, recvs) = (bind(sends), bind(recvs));
+                let mut lane = CopyLane { key, rank, ordinal: self.device.ordinal, stream, memory: self.memory };
+                let deadline = Deadline { at: self.deadline, interrupts: self.interrupts };
+                copies::exchange(mailbox, rank, &sends, &recvs, &mut lane, deadline)
+            }
+        };
         if result.is_err() {
             self.comm_failed = true;
         }
         result
+    }
+}
+
+/// The copy transport's device side on a call's communication lane.
+struct CopyLane<'a> {
+    key: &'a CommKey,
+    rank: usize,
+    ordinal: i32,
+    stream: &'a Stream,
+    memory: &'a CallMemory<'a>,
+}
+
+impl CopyQueue for CopyLane<'_> {
+    type Event = KeptEvent;
+    type Region = PeerRegion;
+    fn lend(&mut self, addr: u64, bytes: usize) -> Result<PeerRegion> {
+        self.memory.lend(addr, bytes)
+    }
+    fn ready_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
+        copy_links::event(self.key, self.rank, peer, Role::Ready, message, self.ordinal)
+    }
+    fn copied_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
+        copy_links::event(self.key, self.rank, peer, Role::Copied, message, self.ordinal)
+    }
+    fn record(&mut self, event: KeptEvent) -> Result<()> {
+        event.record(self.stream, "cuEventRecord (copy transport)")
+    }
+    fn wait(&mut self, event: KeptEvent) -> Result<()> {
+        event.wait_on(self.stream)
+    }
+    fn copy(&mut self, dst: PeerRegion, src: u64, bytes: usize) -> Result<()> {
+        driver::copy_to_peer(self.stream, dst, src, bytes, self.memory)
     }
 }
 
@@ -142,7 +199,7 @@ mod tests {
     use crate::backend::cuda::addresses::{DeviceBuffers, Region};
     use crate::backend::cuda::communicators::CommKey;
     use crate::backend::cuda::driver::{synchronize, Context, DeviceMemory};
-    use crate::backend::cuda::emulate::{cases, fill, reference};
+    use crate::backend::cuda::emulate::{cases, fill, reference, schedules};
     use crate::backend::cuda::libs::Lib;
     use crate::backend::cuda::stream_issue::issue;
     use crate::backend::cuda::{device, nccl_group};
@@ -151,9 +208,32 @@ mod tests {
     use crate::problem::{Operand, Problem};
     use std::time::Duration;
 
-    /// Runs `case` on device `ordinal` as rank `rank` of a group of the
-    /// first `n` CUDA devices; returns the output bytes.
-    fn run_on(ordinal: i32, rank: usize, n: usize, case: &super::super::emulate::Case, schedule: Schedule) -> Vec<u8> {
+    /// One rank's part of a device test: its CUDA device, its slot there
+    /// (several ranks on one device each take their own, `device::bind_as`),
+    /// and how the group exchanges (with the group's key for copies).
+    struct Rank {
+        ordinal: i32,
+        slot: usize,
+        rank: usize,
+        n: usize,
+        copies: Option<CommKey>,
+        timeout: Duration,
+    }
+
+    impl Rank {
+        fn nccl(ordinal: i32, rank: usize, n: usize) -> Rank {
+            Rank { ordinal, slot: 0, rank, n, copies: None, timeout: Duration::from_secs(60) }
+        }
+    }
+
+    /// Runs `case` as `me` describes; returns the output bytes.
+    fn run_on(me: &Rank, case: &super::super::emulate::Case, schedule: Schedule) -> Vec<u8> {
+        try_run_on(me, case, schedule).unwrap()
+    }
+
+    /// [`run_on`], or the error the call's enqueueing ended in.
+    fn try_run_on(me: &Rank, case: &super::super::emulate::Case, schedule: Schedule) -> Result<Vec<u8>> {
+        let (ordinal, rank, n) = (me.ordinal, me.rank, me.n);
         let context = Context::primary(ordinal).unwrap();
         context.make_current().unwrap();
         // Plays XLA's stream.
@@ -162,6 +242,7 @@ mod tests {
         let (kind, x, w, out) = case;
         let op = |dims| Operand { dims, dtype: DType::F32 };
         let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
+        let problem = problem.for_schedule(schedule).unwrap();
         let sizes = problem.sizes();
         let p = plan(kind.pattern(), schedule, n, rank);
         let site = SiteOps::new(&problem, &p).unwrap();
@@ -178,15 +259,21 @@ mod tests {
             scales: None,
         };
         let bases = site.bind(&buffers).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let device = device::bind(&xla).unwrap();
+        let deadline = Instant::now() + me.timeout;
+        let device = device::bind_as(&xla, me.slot).unwrap();
         let call_memory = CallMemory::of_owned(&[&xd, &wd, &outd, &wsd]);
-        let comms = (n > 1).then(|| {
+        let comms = (n > 1 && me.copies.is_none()).then(|| {
             let key = CommKey::fused_ops((0..n as i64).collect());
             let members: Vec<Option<i32>> = (0..n as i32).map(Some).collect();
             let d = device.lock().unwrap();
             nccl_group::group_comms(&key, &members, None, &d, deadline).unwrap()
         });
+        let mailbox = me.copies.as_ref().map(copy_links::mailbox);
+        let transport = match (&comms, &mailbox, &me.copies) {
+            (Some(c), _, _) => Some(Exchanges::Nccl(c.rank(rank).unwrap())),
+            (None, Some(m), Some(key)) => Some(Exchanges::Copies { mailbox: m, key, rank }),
+            _ => None,
+        };
         let mut d = device.lock().unwrap();
         CallOps::prepare(&mut d, site.events).unwrap();
         let mut ops = CallOps {
@@ -195,17 +282,18 @@ mod tests {
             site: &site,
             bases,
             memory: &call_memory,
-            comm: comms.as_ref().map(|c| c.rank(rank).unwrap()),
+            transport,
             deadline,
+            interrupts: crate::config::interrupts(),
             comm_failed: false,
             tf32: false,
             fp8_workspace: None,
             watch: None,
         };
-        issue(&p, &site.streams, &mut ops, 0, None).unwrap();
+        let issued = issue(&p, &site.streams, &mut ops, 0, None);
         drop(d);
         synchronize(&xla).unwrap();
-        outd.read(sizes.result * 4).unwrap()
+        issued.map(|()| outd.read(sizes.result * 4).unwrap())
     }
 
     /// The CUDA devices of this process; fails (these tests run only when
@@ -226,7 +314,7 @@ mod tests {
         for case in cases(1) {
             for schedule in [Schedule::Ring, Schedule::Sequential] {
                 site += 1;
-                let got = run_on(0, 0, 1, &case, schedule);
+                let got = run_on(&Rank::nccl(0, 0, 1), &case, schedule);
                 assert!(got == reference(&case, schedule, 1, site)[0], "{:?} {schedule:?} differs on the GPU", case.0);
             }
         }
@@ -248,7 +336,7 @@ mod tests {
                         .map(|r| {
                             s.spawn({
                                 let case = &case;
-                                move || run_on(r as i32, r, n, case, schedule)
+                                move || run_on(&Rank::nccl(r as i32, r, n), case, schedule)
                             })
                         })
                         .collect();
@@ -259,6 +347,66 @@ mod tests {
                     assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on the GPUs", case.0);
                 }
             }
+        }
+    }
+
+    /// N = 2, 4 and 8 ranks on GPU 0, each with its own streams, exchanging
+    /// by copies: every op kind and schedule, bit for bit as the CPU backend.
+    #[test]
+    #[ignore = "needs a CUDA GPU: scripts/gpu_device_check.sh runs it"]
+    fn several_ranks_on_one_gpu_run_every_op_with_copies_as_the_cpu_backend_does() {
+        usable_devices();
+        let mut site = 0x7100;
+        for n in [2usize, 4, 8] {
+            let key = CommKey::fused_ops((7000..7000 + n as i64).collect());
+            for case in cases(n as i64) {
+                for schedule in schedules(case.0) {
+                    site += 1;
+                    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+                        let handles: Vec<_> = (0..n)
+                            .map(|r| {
+                                let me = Rank { slot: 1 + r, copies: Some(key.clone()), ..Rank::nccl(0, r, n) };
+                                let case = &case;
+                                s.spawn(move || run_on(&me, case, schedule))
+                            })
+                            .collect();
+                        handles.into_iter().map(|h| h.join().unwrap()).collect()
+                    });
+                    let want = reference(&case, schedule, n, site);
+                    for r in 0..n {
+                        assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on GPU 0", case.0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A rank that never arrives: the others end in DEADLINE_EXCEEDED naming
+    /// it, and their streams still finish (nothing waits on the device).
+    #[test]
+    #[ignore = "needs a CUDA GPU: scripts/gpu_device_check.sh runs it"]
+    fn a_rank_that_never_arrives_ends_the_copy_transport_on_one_gpu_with_a_deadline() {
+        usable_devices();
+        let n = 4;
+        let key = CommKey::fused_ops((7100..7100 + n as i64).collect());
+        let case = &cases(n as i64)[0];
+        let errors: Vec<Error> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .filter(|&r| r != 2)
+                .map(|r| {
+                    let me = Rank {
+                        slot: 1 + r,
+                        copies: Some(key.clone()),
+                        timeout: Duration::from_millis(500),
+                        ..Rank::nccl(0, r, n)
+                    };
+                    s.spawn(move || try_run_on(&me, case, Schedule::Ring).expect_err("rank 2 never arrives"))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for e in errors {
+            assert!(matches!(&e, Error::DeadlineExceeded(m) if m.contains("ranks [2]")), "{e}");
         }
     }
 }

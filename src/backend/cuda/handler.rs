@@ -13,10 +13,11 @@
 use super::addresses::{DeviceBuffers, Region};
 use super::api::require;
 use super::communicators::{CommKey, Placement};
+use super::copy_links::{self, Chosen};
 use super::device;
 use super::device_watch::{self, CallWatch};
 use super::driver::{CallMemory, CallStream};
-use super::enqueue::CallOps;
+use super::enqueue::{CallOps, Exchanges};
 use super::libs::Lib;
 use super::nccl_group::{self, GroupComms};
 use super::site_ops::SiteOps;
@@ -84,12 +85,24 @@ fn placed<'a>(frame: &Frame<'a>) -> Result<(i64, Placement<'a>, &'a [i64], i32)>
     Ok((device, placement, mesh_devices, ordinal))
 }
 
+/// The group's members: each one's CUDA ordinal in this process, `None`
+/// for another process's; and the transport its exchanges take.
+fn members_and_transport(
+    group: &Group,
+    placement: &Placement<'_>,
+    mesh_devices: &[i64],
+) -> Result<(Vec<Option<i32>>, Chosen)> {
+    let members = placement.members(mesh_devices, &CommKey::of(group), device::device_count()?)?;
+    let chosen = copy_links::choose(crate::config::transport()?, &members)?;
+    Ok((members, chosen))
+}
+
 /// The group's communicators (created on first use: a host wait for every
 /// member in this process, and for the others through NCCL's bootstrap).
 fn communicators(
     group: &Group,
     placement: &Placement<'_>,
-    mesh_devices: &[i64],
+    members: &[Option<i32>],
     ordinal: i32,
     dev: &std::sync::Mutex<device::Device>,
     deadline: Instant,
@@ -97,9 +110,8 @@ fn communicators(
     let key = CommKey::of(group);
     let d = crate::sync::lock(dev);
     addresses::check_same_device(ordinal, d.ordinal)?;
-    let members = placement.members(mesh_devices, &key, device::device_count()?)?;
     let id = if members.iter().all(Option::is_some) { None } else { Some(placement.id(&key)?) };
-    nccl_group::group_comms(&key, &members, id.as_ref(), &d, deadline)
+    nccl_group::group_comms(&key, members, id.as_ref(), &d, deadline)
 }
 
 /// The INITIALIZE stage (see `handler`).
@@ -114,9 +126,14 @@ fn initialize(frame: &mut Frame<'_>) -> Result<()> {
     if group.devices.len() < 2 {
         return Ok(());
     }
+    let (members, chosen) = members_and_transport(&group, &placement, mesh_devices)?;
+    if chosen == Chosen::Copies {
+        // No communicator: copies need only peer access, set up before any copy.
+        return copy_links::enable_peer_access(ordinal, &members);
+    }
     require(&[Lib::Nccl])?;
     let deadline = start + crate::config::timeout()?;
-    let comms = communicators(&group, &placement, mesh_devices, ordinal, &dev, deadline)?;
+    let comms = communicators(&group, &placement, &members, ordinal, &dev, deadline)?;
     let mut d = crate::sync::lock(&dev);
     let connected = comms.connect(group.rank, &mut d, &stream, deadline);
     if connected.is_err() {
@@ -138,7 +155,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let out = frame.device_ret(0, "out")?;
     let workspace = frame.device_ret_bytes(1, "workspace")?;
     let call = Call::decode(frame, [(x.dims, x.dtype), (w.dims, w.dtype), (out.dims, out.dtype)], device)?;
-    require(&[Lib::Driver, Lib::Cublas, Lib::Nccl, Lib::Nvrtc])?;
+    require(&[Lib::Driver, Lib::Cublas, Lib::Nvrtc])?;
     if x.dtype.is_fp8() {
         require(&[Lib::CublasLt])?;
     }
@@ -168,17 +185,35 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     // An earlier call on this device that timed out on the device (see
     // `watchdog`) fails this one before it touches the group again.
     device_watch::check_device_timeouts(crate::sync::lock(&dev).ordinal)?;
-    // Communicators first (their creation takes the group's lock and sets
-    // other devices' contexts), then this device's lock for the enqueueing.
+    // The transport; for NCCL, communicators first (their creation takes the
+    // group's lock and sets other devices' contexts), then this device's
+    // lock for the enqueueing.
     let key = CommKey::of(group);
-    let comms = site_ops
-        .exchanges
-        .then(|| communicators(group, &placement, mesh_devices, ordinal, &dev, deadline))
-        .transpose()?;
+    let chosen = if site_ops.exchanges {
+        let (members, chosen) = members_and_transport(group, &placement, mesh_devices)?;
+        Some((members, chosen))
+    } else {
+        None
+    };
+    let comms = match &chosen {
+        Some((members, Chosen::Nccl)) => {
+            require(&[Lib::Nccl])?;
+            Some(communicators(group, &placement, members, ordinal, &dev, deadline)?)
+        }
+        _ => None,
+    };
+    let mailbox = matches!(chosen, Some((_, Chosen::Copies))).then(|| copy_links::mailbox(&key));
+    let transport = match (&comms, &mailbox) {
+        (Some(c), _) => Some(Exchanges::Nccl(c.rank(group.rank)?)),
+        (None, Some(m)) => Some(Exchanges::Copies { mailbox: m, key: &key, rank: group.rank }),
+        (None, None) => None,
+    };
     let mut d = crate::sync::lock(&dev);
     CallOps::prepare(&mut d, site_ops.events)?;
-    // Calls that communicate are watched until their work finishes on the
-    // device: a peer that never arrives would leave the stream stalled.
+    // Calls that communicate over NCCL are watched until their work finishes
+    // on the device: a peer that never arrives would leave the stream
+    // stalled. The copy transport's streams only ever wait for events whose
+    // records are already enqueued (its host waits are bounded instead).
     let watch = comms.as_ref().map(|c| CallWatch::begin(&d, &xla_stream, c, site_ops.marks)).transpose()?;
     let mut ops = CallOps {
         device: &d,
@@ -186,16 +221,20 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         site: &site_ops,
         bases,
         memory: &memory,
-        comm: comms.as_ref().map(|c| c.rank(group.rank)).transpose()?,
+        transport,
         deadline,
+        interrupts: call.interrupts,
         comm_failed: false,
         tf32: frame.has_attr("tf32") && frame.attr_i64("tf32")? != 0,
         fp8_workspace: site_ops.fp8_workspace(&buffers),
         watch: watch.as_ref(),
     };
     let marked = if watch.is_some() { site_ops.marks } else { 0 };
-    let recording =
-        Recording::begin(plan, || CallLabel::new(i64::from(ordinal), *site, kind.name(), plan, problem, x.bytes));
+    let transport_name = chosen.as_ref().map_or("none", |(_, c)| c.name());
+    let recording = Recording::begin(plan, || CallLabel {
+        transport: transport_name,
+        ..CallLabel::new(i64::from(ordinal), *site, kind.name(), plan, problem, x.bytes)
+    });
     let observer = recording.as_ref().map(|r| r as &dyn Observer);
     let result = stream_issue::issue(plan, &site_ops.streams, &mut ops, marked, observer);
     let comm_failed = ops.comm_failed;

@@ -15,8 +15,11 @@
 //! `stream_issue` forks lanes off XLA's stream, issues them and joins them
 //! back, `enqueue` puts each step on a device: `gemm` (the column-major view
 //! of each `Problem::gemms` GEMM) and `fp8_gemm` (cuBLASLt's fp8 rules) are
-//! pure; `nccl_group` and `communicators` key and cache communicators and
-//! map groups spanning processes (placement, exchanged unique ids);
+//! pure; exchanges go over NCCL (`nccl_group` and `communicators` key and
+//! cache communicators and map groups spanning processes: placement,
+//! exchanged unique ids) or, for groups of this process, as copies on copy
+//! engines (`copies`, the protocol; `copy_links`, its CUDA side; chosen by
+//! `config::transport`);
 //! `kernels` compiles `kernels/` with NVRTC to CUBIN for each device, loaded
 //! at the handler's INITIALIZE stage, before any execution.
 //!
@@ -43,6 +46,8 @@ pub mod blas;
 pub mod communicators;
 #[cfg(feature = "cuda")]
 pub mod copies;
+#[cfg(feature = "cuda")]
+pub mod copy_links;
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]

@@ -66,6 +66,8 @@ pub trait CopyQueue {
     fn wait(&mut self, event: Self::Event) -> Result<()>;
     /// Copies `bytes` bytes from `src` (this rank's) to `dst` (the receiver's).
     fn copy(&mut self, dst: Self::Region, src: u64, bytes: usize) -> Result<()>;
+    /// Copies `bytes` bytes from `src` (a sender's) into `dst` (this rank's).
+    fn pull(&mut self, dst: u64, src: Self::Region, bytes: usize) -> Result<()>;
 }
 
 /// When a host wait gives up.
@@ -83,6 +85,10 @@ struct PairState<E, R> {
     /// Wants posted by the receiver and not yet taken, with their message numbers.
     wants: VecDeque<(u64, Want<E, R>)>,
     copied: VecDeque<(u64, E)>,
+    /// Offers of the pull protocol ([`offer`]) not yet pulled, and how many
+    /// the sender made so far.
+    offers: VecDeque<(u64, Want<E, R>)>,
+    offered: u64,
     /// Messages the receiver asked for, and the sender took, so far.
     wanted: u64,
     taken: u64,
@@ -264,7 +270,16 @@ impl<E: Copy, R: Copy> Mailbox<E, R> {
 
 impl<E, R> PairState<E, R> {
     fn empty() -> PairState<E, R> {
-        PairState { wants: VecDeque::new(), copied: VecDeque::new(), wanted: 0, taken: 0, posted: 0, received: 0 }
+        PairState {
+            wants: VecDeque::new(),
+            copied: VecDeque::new(),
+            offers: VecDeque::new(),
+            offered: 0,
+            wanted: 0,
+            taken: 0,
+            posted: 0,
+            received: 0,
+        }
     }
 }
 
@@ -375,7 +390,88 @@ pub fn exchange_omitting<Q: CopyQueue>(
     result
 }
 
+/// The pull protocol, for transfers whose source outlives the sender's
+/// call (a reshard's send program: Python keeps its `staging` until the
+/// receiver's result is ready): the sender records a ready event after its
+/// data and posts an offer of its region ([`offer`]), waiting for nobody;
+/// the receiver takes the offer, waits for the event and copies into its own
+/// buffer on its own stream ([`pull`]). An offer's event may be recorded again
+/// for a later offer before the receiver waits on it: the receiver then waits
+/// for more of the sender's stream, which never waits for receivers.
+pub fn offer<Q: CopyQueue>(
+    mailbox: &Mailbox<Q::Event, Q::Region>,
+    rank: usize,
+    sends: &[P2p],
+    queue: &mut Q,
+) -> Result<()> {
+    for s in sends {
+        let region = queue.lend(s.addr, s.bytes)?;
+        let message = mailbox.next_offered(rank, s.peer);
+        let ready = queue.ready_event(s.peer, message)?;
+        queue.record(ready)?;
+        mailbox.post_offer(rank, s.peer, Want { region, bytes: s.bytes, ready })?;
+    }
+    Ok(())
+}
+
+/// The receiving half of the pull protocol (see [`offer`]): each of `recvs`
+/// copied from its sender's offer into this rank's buffer, in plan order.
+pub fn pull<Q: CopyQueue>(
+    mailbox: &Mailbox<Q::Event, Q::Region>,
+    rank: usize,
+    recvs: &[P2p],
+    queue: &mut Q,
+    deadline: Deadline,
+) -> Result<()> {
+    let result = (|| {
+        for r in recvs {
+            let (message, offer) = mailbox.take_offer(r.peer, rank, deadline)?;
+            if offer.bytes != r.bytes {
+                return Err(Error::Internal(format!(
+                    "copy transport: rank {} offers {} bytes as message {message}, rank {rank} expects {}",
+                    r.peer, offer.bytes, r.bytes
+                )));
+            }
+            queue.wait(offer.ready)?;
+            queue.pull(r.addr, offer.region, r.bytes)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = &result {
+        mailbox.fail(e.clone());
+    }
+    result
+}
+
+impl<E: Copy, R: Copy> Mailbox<E, R> {
+    fn post_offer(&self, from: usize, to: usize, offer: Want<E, R>) -> Result<()> {
+        let mut state = crate::sync::lock(&self.state);
+        if let Some(e) = &state.failed {
+            return Err(e.clone());
+        }
+        let pair = state.pairs.entry((from, to)).or_insert_with(PairState::empty);
+        let message = pair.offered;
+        pair.offered += 1;
+        pair.offers.push_back((message, offer));
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn take_offer(&self, from: usize, to: usize, deadline: Deadline) -> Result<(u64, Want<E, R>)> {
+        let missing = |pair: &PairState<E, R>| format!("rank {from} never offered message {} to rank {to}", pair.taken);
+        self.wait_for(to, (from, to), deadline, missing, |pair| {
+            let found = pair.offers.pop_front()?;
+            pair.taken += 1;
+            Some(found)
+        })
+    }
+}
+
 impl<E, R> Mailbox<E, R> {
+    fn next_offered(&self, from: usize, to: usize) -> u64 {
+        crate::sync::lock(&self.state).pairs.get(&(from, to)).map_or(0, |p| p.offered)
+    }
+
     fn next_wanted(&self, from: usize, to: usize) -> u64 {
         crate::sync::lock(&self.state).pairs.get(&(from, to)).map_or(0, |p| p.wanted)
     }

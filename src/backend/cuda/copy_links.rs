@@ -4,8 +4,8 @@
 #![forbid(unsafe_code)]
 
 use super::communicators::CommKey;
-use super::copies::{Mailbox, Mailboxes, RING};
-use super::driver::{self, Context, KeptEvent, PeerRegion};
+use super::copies::{CopyQueue, Mailbox, Mailboxes, RING};
+use super::driver::{self, CallMemory, Context, KeptEvent, PeerRegion, Queue};
 use crate::config::Transport;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, HashSet};
@@ -132,6 +132,42 @@ pub fn event(key: &CommKey, rank: usize, peer: usize, role: Role, message: u64, 
             slots[index] = Some(e);
             Ok(e)
         }
+    }
+}
+
+/// The copy transport's device side on one stream of a call of rank
+/// `rank` of the group `key`, on CUDA device `ordinal`, over the call's `memory`.
+pub struct CopyLane<'a, S: Queue> {
+    pub key: &'a CommKey,
+    pub rank: usize,
+    pub ordinal: i32,
+    pub stream: &'a S,
+    pub memory: &'a CallMemory<'a>,
+}
+
+impl<S: Queue> CopyQueue for CopyLane<'_, S> {
+    type Event = KeptEvent;
+    type Region = PeerRegion;
+    fn lend(&mut self, addr: u64, bytes: usize) -> Result<PeerRegion> {
+        self.memory.lend(addr, bytes)
+    }
+    fn ready_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
+        event(self.key, self.rank, peer, Role::Ready, message, self.ordinal)
+    }
+    fn copied_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
+        event(self.key, self.rank, peer, Role::Copied, message, self.ordinal)
+    }
+    fn record(&mut self, e: KeptEvent) -> Result<()> {
+        e.record(self.stream, "cuEventRecord (copy transport)")
+    }
+    fn wait(&mut self, e: KeptEvent) -> Result<()> {
+        e.wait_on(self.stream)
+    }
+    fn copy(&mut self, dst: PeerRegion, src: u64, bytes: usize) -> Result<()> {
+        driver::copy_to_peer(self.stream, dst, src, bytes, self.memory)
+    }
+    fn pull(&mut self, dst: u64, src: PeerRegion, bytes: usize) -> Result<()> {
+        driver::copy_from_peer(self.stream, dst, src, bytes, self.memory)
     }
 }
 

@@ -495,6 +495,29 @@ pub fn copy_to_peer(
     check_cu(unsafe { (d.memcpy_dtod_async)(dst.addr, src, bytes, stream.raw()) }, "cuMemcpyDtoDAsync (to a peer)")
 }
 
+/// Enqueues a copy of `bytes` bytes from `src` (a peer's, lent) into `dst`
+/// (within `memory`, this rank's) on `stream`.
+pub fn copy_from_peer(
+    stream: &impl Queue,
+    dst: u64,
+    src: PeerRegion,
+    bytes: usize,
+    memory: &CallMemory<'_>,
+) -> Result<()> {
+    memory.check(dst, bytes, "a copy from a peer's destination")?;
+    if bytes > src.bytes {
+        return Err(Error::Internal(format!("a copy of {bytes} bytes out of a peer's region of {}", src.bytes)));
+    }
+    if bytes == 0 {
+        return Ok(());
+    }
+    let d = api::driver()?;
+    // SAFETY: the destination lies in this call's memory (checked), the
+    // source in memory a peer lent and keeps until this copy ran; the stream
+    // is live while borrowed.
+    check_cu(unsafe { (d.memcpy_dtod_async)(dst, src.addr, bytes, stream.raw()) }, "cuMemcpyDtoDAsync (from a peer)")
+}
+
 /// Whether device `from` can reach device `to`'s memory directly (the same
 /// device always can).
 pub fn can_access_peer(from: i32, to: i32) -> Result<bool> {

@@ -74,6 +74,8 @@ enum Cmd {
         src: u64,
         bytes: usize,
     },
+    /// `cuMemcpy2DAsync` (a reshard's packing and unpacking).
+    Copy2d(crate::reshard::device::Copy2d),
 }
 
 /// How exchanges go between ranks.
@@ -117,11 +119,13 @@ impl StreamOps for Recorder<'_> {
         let bases = self.bases;
         for op in &self.site.steps[step.id] {
             match (op, self.transport) {
-                (DeviceOp::Exchange { sends, recvs }, Transport::Copies { mailbox, deadline, omit, .. }) => {
+                (DeviceOp::Exchange { sends, recvs }, Transport::Copies { mailbox, deadline, omit, failing }) => {
                     let bind = |list: &[P2p<_>]| list.iter().map(|p| p.bind(&bases)).collect::<Vec<_>>();
                     let (sends, recvs) = (bind(sends), bind(recvs));
-                    let mut lane = LaneQueue { recorder: self, lane };
-                    copies::exchange_omitting(mailbox, lane.recorder.rank, &sends, &recvs, &mut lane, deadline, omit)?;
+                    let (rank, records) = (self.rank, self.records);
+                    let failing = failing == Some(rank);
+                    let mut lane = LaneQueue { rank, records, stream: &mut self.streams[lane], failing };
+                    copies::exchange_omitting(mailbox, rank, &sends, &recvs, &mut lane, deadline, omit)?;
                 }
                 _ => self.streams[lane].push(Cmd::Op(Box::new(op.clone()), bases)),
             }
@@ -135,41 +139,45 @@ impl StreamOps for Recorder<'_> {
 }
 
 /// The copy transport's device side on one lane of a recorded rank.
-struct LaneQueue<'r, 'a> {
-    recorder: &'r mut Recorder<'a>,
-    lane: usize,
+struct LaneQueue<'r> {
+    rank: usize,
+    records: &'r Records,
+    stream: &'r mut Vec<Cmd>,
+    /// The copies of this rank fail (a fault the tests inject).
+    failing: bool,
 }
 
-impl CopyQueue for LaneQueue<'_, '_> {
+impl CopyQueue for LaneQueue<'_> {
     type Event = EventId;
     type Region = u64;
     fn lend(&mut self, addr: u64, _bytes: usize) -> Result<u64> {
         Ok(addr)
     }
     fn ready_event(&mut self, peer: usize, message: u64) -> Result<EventId> {
-        Ok(EventId::Ready { rank: self.recorder.rank, peer, slot: message % copies::RING })
+        Ok(EventId::Ready { rank: self.rank, peer, slot: message % copies::RING })
     }
     fn copied_event(&mut self, peer: usize, message: u64) -> Result<EventId> {
-        Ok(EventId::Copied { rank: self.recorder.rank, peer, slot: message % copies::RING })
+        Ok(EventId::Copied { rank: self.rank, peer, slot: message % copies::RING })
     }
     fn record(&mut self, e: EventId) -> Result<()> {
-        let n = self.recorder.records.record(e);
-        self.recorder.streams[self.lane].push(Cmd::Record(e, n));
+        let n = self.records.record(e);
+        self.stream.push(Cmd::Record(e, n));
         Ok(())
     }
     fn wait(&mut self, e: EventId) -> Result<()> {
-        let n = self.recorder.records.issued(e);
-        self.recorder.streams[self.lane].push(Cmd::Wait(e, n));
+        let n = self.records.issued(e);
+        self.stream.push(Cmd::Wait(e, n));
         Ok(())
     }
     fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        if let Transport::Copies { failing: Some(r), .. } = self.recorder.transport {
-            if r == self.recorder.rank {
-                return Err(Error::Internal("CUDA driver cuMemcpyDtoDAsync: CUDA_ERROR_ILLEGAL_ADDRESS".into()));
-            }
+        if self.failing {
+            return Err(Error::Internal("CUDA driver cuMemcpyDtoDAsync: CUDA_ERROR_ILLEGAL_ADDRESS".into()));
         }
-        self.recorder.streams[self.lane].push(Cmd::Copy { dst, src, bytes });
+        self.stream.push(Cmd::Copy { dst, src, bytes });
         Ok(())
+    }
+    fn pull(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.copy(dst, src, bytes)
     }
 }
 
@@ -398,12 +406,8 @@ fn issue_all(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setu
 }
 
 /// Runs every rank's streams in the model in `order` until none can move;
-/// returns the outputs of every rank, or why a stream got stuck.
-fn run_streams(
-    mut mem: Memory,
-    ranks: &[(usize, Vec<Vec<Cmd>>)],
-    order: Order,
-) -> std::result::Result<Vec<Vec<u8>>, String> {
+/// returns the memory then, or why a stream got stuck.
+fn run_streams(mut mem: Memory, ranks: &[(usize, Vec<Vec<Cmd>>)], order: Order) -> std::result::Result<Memory, String> {
     let mut channels = HashMap::new();
     let mut pc: Vec<Vec<usize>> = ranks.iter().map(|(_, s)| vec![0; s.len()]).collect();
     let mut posted: Vec<Vec<bool>> = ranks.iter().map(|(_, s)| vec![false; s.len()]).collect();
@@ -434,6 +438,13 @@ fn run_streams(
                         mem.write(*dst, &data);
                         true
                     }
+                    Cmd::Copy2d(c) => {
+                        for row in 0..c.height as u64 {
+                            let data = mem.read(c.src + row * c.src_pitch as u64, c.width);
+                            mem.write(c.dst + row * c.dst_pitch as u64, &data);
+                        }
+                        true
+                    }
                 };
                 if !done {
                     break;
@@ -459,7 +470,7 @@ fn run_streams(
     if !channels.values().all(|q: &VecDeque<Vec<u8>>| q.is_empty()) {
         return Err("messages nobody received".into());
     }
-    Ok(ranks.iter().map(|(id, _)| mem.buffers[id + 2].clone()).collect())
+    Ok(mem)
 }
 
 /// The outputs of every rank through the emulated CUDA path, for each order.
@@ -471,7 +482,9 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup
         .iter()
         .map(|&order| {
             let mem = Memory { buffers: mem.buffers.clone() };
-            run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{kind:?} {schedule:?} {order:?}: {e}"))
+            let mem =
+                run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{kind:?} {schedule:?} {order:?}: {e}"));
+            ranks.iter().map(|(id, _)| mem.buffers[id + 2].clone()).collect()
         })
         .collect()
 }
@@ -637,6 +650,72 @@ fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
         assert!(m.contains("ILLEGAL_ADDRESS"), "rank {rank}: {e}");
         if rank != 1 {
             assert!(matches!(&e, Error::DeadlineExceeded(m) if m.contains("rank 1 (device 1) failed")), "{e}");
+        }
+    }
+}
+
+/// Reshards over the copy transport in the model: every send program packs
+/// and offers, then every receive program pulls and unpacks (the order the
+/// pipeline issues them in); 200 random layouts between disjoint meshes,
+/// direct as over copies, in every stream order: each destination tile is
+/// the planner's.
+#[test]
+fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
+    use crate::reshard::device::{receive_side, send_side, Buffer};
+    use crate::reshard::tests::{filled, random_layout};
+    use crate::reshard::{plan, Layout, Method};
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x0c0e);
+    let deadline = Deadline { at: Instant::now() + Duration::from_secs(20), interrupts: crate::config::interrupts() };
+    for _ in 0..200 {
+        let mixed = random_layout(&mut rng);
+        // The same tiles on disjoint ranks: the sources first, then the destinations.
+        let n = mixed.ranks();
+        let src = mixed.src.iter().cloned().chain(std::iter::repeat_n(None, n)).collect();
+        let dst = std::iter::repeat_n(None, n).chain(mixed.dst.iter().cloned()).collect();
+        let layout = Layout::new(mixed.shape.clone(), mixed.itemsize, src, dst).unwrap();
+        let plan = plan(&layout, Method::Direct);
+        let (records, mailbox) = (Records::default(), Mailbox::<EventId, u64>::new((0..2 * n as i64).collect()));
+        // Rank r's tile (x or out) is buffer 2r, its staging buffer 2r + 1.
+        let mut mem = Memory { buffers: Vec::new() };
+        for r in 0..2 * n {
+            let tile = layout.src[r].as_ref().or(layout.dst[r].as_ref());
+            let bytes = tile.map_or(0, |t| layout.bytes(t));
+            mem.buffers.push(match &layout.src[r] {
+                Some(t) => filled(&layout, t),
+                None => vec![0xee; bytes],
+            });
+            mem.buffers.push(vec![0xee; bytes]);
+        }
+        let buffer = |id: usize, mem: &Memory| Buffer { addr: base(id), bytes: mem.buffers[id].len() };
+        let mut ranks: Vec<(usize, Vec<Vec<Cmd>>)> = Vec::new();
+        let p2p = |t: &crate::reshard::device::Transfer| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer };
+        for r in (0..2 * n).filter(|&r| layout.src[r].is_some()) {
+            let side = send_side(&layout, &plan, r, buffer(2 * r, &mem), buffer(2 * r + 1, &mem)).unwrap();
+            let mut stream: Vec<Cmd> = side.pack.iter().map(|c| Cmd::Copy2d(*c)).collect();
+            let sends: Vec<P2p> = side.sends.iter().map(p2p).collect();
+            let mut lane = LaneQueue { rank: r, records: &records, stream: &mut stream, failing: false };
+            copies::offer(&mailbox, r, &sends, &mut lane).unwrap();
+            ranks.push((2 * r, vec![stream]));
+        }
+        for r in (0..2 * n).filter(|&r| layout.dst[r].is_some()) {
+            let side = receive_side(&layout, &plan, r, buffer(2 * r, &mem), buffer(2 * r + 1, &mem)).unwrap();
+            let mut stream = Vec::new();
+            for round in &side.rounds {
+                assert!(round.sends.is_empty(), "a direct plan forwards");
+                let recvs: Vec<P2p> = round.recvs.iter().map(p2p).collect();
+                let mut lane = LaneQueue { rank: r, records: &records, stream: &mut stream, failing: false };
+                copies::pull(&mailbox, r, &recvs, &mut lane, deadline).unwrap();
+            }
+            stream.extend(side.unpack.iter().map(|c| Cmd::Copy2d(*c)));
+            ranks.push((2 * r, vec![stream]));
+        }
+        for order in ORDERS {
+            let run = run_streams(Memory { buffers: mem.buffers.clone() }, &ranks, order).unwrap();
+            for r in (0..2 * n).filter(|&r| layout.dst[r].is_some()) {
+                let want = filled(&layout, layout.dst[r].as_ref().unwrap());
+                assert!(run.buffers[2 * r] == want, "{order:?}: rank {r} of {layout:?}");
+            }
         }
     }
 }

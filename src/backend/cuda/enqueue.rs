@@ -8,11 +8,11 @@
 
 use super::addresses::{poll_until, Addr, Bases, DeviceOp, P2p};
 use super::communicators::CommKey;
-use super::copies::{self, CopyQueue, Deadline};
-use super::copy_links::{self, CudaMailbox, Role};
+use super::copies::{self, Deadline};
+use super::copy_links::{CopyLane, CudaMailbox};
 use super::device::Device;
 use super::device_watch::CallWatch;
-use super::driver::{self, CallMemory, CallStream, Event, KeptEvent, PeerRegion, Stream};
+use super::driver::{CallMemory, CallStream, Event, Stream};
 use super::nccl::Comm;
 use super::site_ops::SiteOps;
 use super::stream_issue::StreamOps;
@@ -105,38 +105,6 @@ impl<'a> CallOps<'a> {
             self.comm_failed = true;
         }
         result
-    }
-}
-
-/// The copy transport's device side on a call's communication lane.
-struct CopyLane<'a> {
-    key: &'a CommKey,
-    rank: usize,
-    ordinal: i32,
-    stream: &'a Stream,
-    memory: &'a CallMemory<'a>,
-}
-
-impl CopyQueue for CopyLane<'_> {
-    type Event = KeptEvent;
-    type Region = PeerRegion;
-    fn lend(&mut self, addr: u64, bytes: usize) -> Result<PeerRegion> {
-        self.memory.lend(addr, bytes)
-    }
-    fn ready_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
-        copy_links::event(self.key, self.rank, peer, Role::Ready, message, self.ordinal)
-    }
-    fn copied_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
-        copy_links::event(self.key, self.rank, peer, Role::Copied, message, self.ordinal)
-    }
-    fn record(&mut self, event: KeptEvent) -> Result<()> {
-        event.record(self.stream, "cuEventRecord (copy transport)")
-    }
-    fn wait(&mut self, event: KeptEvent) -> Result<()> {
-        event.wait_on(self.stream)
-    }
-    fn copy(&mut self, dst: PeerRegion, src: u64, bytes: usize) -> Result<()> {
-        driver::copy_to_peer(self.stream, dst, src, bytes, self.memory)
     }
 }
 
@@ -268,7 +236,7 @@ mod tests {
             let d = device.lock().unwrap();
             nccl_group::group_comms(&key, &members, None, &d, deadline).unwrap()
         });
-        let mailbox = me.copies.as_ref().map(copy_links::mailbox);
+        let mailbox = me.copies.as_ref().map(crate::backend::cuda::copy_links::mailbox);
         let transport = match (&comms, &mailbox, &me.copies) {
             (Some(c), _, _) => Some(Exchanges::Nccl(c.rank(rank).unwrap())),
             (None, Some(m), Some(key)) => Some(Exchanges::Copies { mailbox: m, key, rank }),

@@ -21,11 +21,22 @@
 //! Both enqueue what `reshard::device` lowers. The watchdog bounds the
 //! receive program's groups, as for the fused ops; the sends end with them
 //! (a receive that times out aborts the communicator).
+//!
+//! Over the copy transport (`config::transport`, as for the fused ops: a
+//! union of this process's devices with peer access), *connect* only
+//! enables peer access; *send* packs, then offers each piece of `staging`
+//! with an event recorded after the packing (`copies::offer`, no wait for
+//! anyone); *receive* takes each offer, waits for its event and copies the
+//! piece into its `staging` on XLA's stream (`copies::pull`, bounded host
+//! waits), then unpacks. Reshards go direct there: a broadcast's forwarding
+//! would need the forwarder's `staging` after its program ended.
 #![forbid(unsafe_code)]
 
 use super::addresses::{check_same_device, poll_until, P2p};
 use super::api::require;
 use super::communicators::CommKey;
+use super::copies::{self, Deadline};
+use super::copy_links::{self, Chosen, CopyLane};
 use super::device::{self, Device};
 use super::device_watch::{self, CallWatch};
 use super::driver::{self, CallMemory, CallStream, Queue};
@@ -33,7 +44,7 @@ use super::libs::Lib;
 use super::nccl::Comm;
 use super::nccl_group::{self, GroupComms};
 use crate::error::{Error, Result};
-use crate::reshard::attrs::Attrs;
+use crate::reshard::attrs::{self, Attrs};
 use crate::reshard::device::{check_disjoint, receive_side, send_side, Copy2d, Transfer};
 use crate::reshard::{Layout, Plan};
 use crate::xla::{Frame, Stage};
@@ -52,8 +63,15 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
     let stream = CallStream::of(frame)?;
     match frame.stage() {
         Stage::Initialize => {
-            require(&[Lib::Driver, Lib::Nvrtc, Lib::Nccl])?;
+            require(&[Lib::Driver, Lib::Nvrtc])?;
             let dev = device::bind(&stream)?;
+            let (members, chosen) = union_transport(&attrs)?;
+            if chosen == Chosen::Copies {
+                copy_links::enable_peer_access(stream.ordinal, &members)?;
+                crate::sync::lock(copy_unions()).insert(attrs.devices.clone());
+                return Ok(());
+            }
+            require(&[Lib::Nccl])?;
             let deadline = Instant::now() + crate::config::timeout()?;
             let (rank, comms) = union_comms(frame, &attrs, &dev, deadline)?;
             let mut d = crate::sync::lock(&dev);
@@ -79,8 +97,37 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
 /// does not (the first reshard between two meshes, or after a failure
 /// evicted it).
 pub fn connected(devices: &[i64]) -> bool {
+    let members: Vec<Option<i32>> = devices.iter().map(|&d| i32::try_from(d).ok()).collect();
+    let copies = crate::config::transport().and_then(|t| copy_links::choose(t, &members));
+    if matches!(copies, Ok(Chosen::Copies)) {
+        return crate::sync::lock(copy_unions()).contains(devices);
+    }
     nccl_group::cached(&CommKey::reshard(devices.to_vec()))
         .is_some_and(|c| (0..devices.len()).all(|r| c.is_live(r) && c.is_connected(r)))
+}
+
+/// The unions whose peer access the connect program set up for copies.
+fn copy_unions() -> &'static Mutex<std::collections::HashSet<Vec<i64>>> {
+    static UNIONS: OnceLock<Mutex<std::collections::HashSet<Vec<i64>>>> = OnceLock::new();
+    UNIONS.get_or_init(Default::default)
+}
+
+/// The union's members as this process's CUDA ordinals (a reshard's union
+/// is all in this process: its device ids are the ordinals) and its transport.
+fn union_transport(attrs: &Attrs) -> Result<(Vec<Option<i32>>, Chosen)> {
+    let count = device::device_count()?;
+    let members = attrs
+        .devices
+        .iter()
+        .map(|&id| match i32::try_from(id) {
+            Ok(o) if (0..count).contains(&o) => Ok(Some(o)),
+            _ => Err(Error::Unimplemented(format!(
+                "reshard between devices of several processes (device {id} is not one of this process's {count})"
+            ))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let chosen = copy_links::choose(crate::config::transport()?, &members)?;
+    Ok((members, chosen))
 }
 
 /// Aborts the reshard communicator of the union `devices`, every rank, and
@@ -89,6 +136,10 @@ pub fn connected(devices: &[i64]) -> bool {
 /// connects a new communicator). Returns whether there was one.
 pub fn abort(devices: &[i64]) -> bool {
     let key = CommKey::reshard(devices.to_vec());
+    // Copies: offers of the failed reshard must not meet a later one's pulls.
+    copy_links::mailbox(&key).fail(Error::DeadlineExceeded(
+        "an earlier reshard between these meshes failed; the next one starts afresh".into(),
+    ));
     let Some(comms) = nccl_group::cached(&key) else { return false };
     (0..devices.len()).for_each(|r| comms.abort_rank(r));
     nccl_group::evict(&key, &comms);
@@ -102,6 +153,16 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
     let side = send_side(&call.planned.layout, &call.planned.plan, call.rank, x, staging)?;
     let xla = CallStream::of(frame)?;
     let memory = CallMemory::of_frame(frame)?;
+    if call.chosen == Chosen::Copies {
+        return call.with_copies(frame, &xla, &memory, |lane, mailbox| {
+            for copy in &side.pack {
+                copy_on(copy, &xla, &memory)?;
+            }
+            let sends: Vec<P2p> =
+                side.sends.iter().map(|t| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer }).collect();
+            copies::offer(mailbox, call.rank, &sends, lane)
+        });
+    }
     call.enqueue(frame, "reshard send", &xla, &memory, |d, comm| {
         for copy in &side.pack {
             copy_on(copy, &xla, &memory)?;
@@ -132,6 +193,23 @@ pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
     let side = receive_side(&call.planned.layout, &call.planned.plan, call.rank, out, staging)?;
     let xla = CallStream::of(frame)?;
     let memory = CallMemory::of_frame(frame)?;
+    if call.chosen == Chosen::Copies {
+        let deadline = Deadline { at: call.deadline, interrupts: call.interrupts };
+        return call.with_copies(frame, &xla, &memory, |lane, mailbox| {
+            for round in &side.rounds {
+                if !round.sends.is_empty() {
+                    return Err(Error::Internal("reshard over copies: a receiver forwards (planned direct)".into()));
+                }
+                let recvs: Vec<P2p> =
+                    round.recvs.iter().map(|t| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer }).collect();
+                copies::pull(mailbox, call.rank, &recvs, lane, deadline)?;
+            }
+            for copy in &side.unpack {
+                copy_on(copy, &xla, &memory)?;
+            }
+            Ok(())
+        });
+    }
     call.enqueue(frame, "reshard receive", &xla, &memory, |d, comm| {
         let watch = if side.rounds.is_empty() {
             None
@@ -154,8 +232,25 @@ struct Planned {
 /// Emptied when it holds this many plans.
 const PLANS_KEPT: usize = 64;
 
-fn planned(attrs: &Attrs) -> Result<Arc<Planned>> {
+/// The plan of `attrs` over `chosen`: direct over copies (see the module
+/// comment), where an explicit broadcast is UNIMPLEMENTED saying so.
+fn planned(attrs: &Attrs, chosen: Chosen) -> Result<Arc<Planned>> {
     static PLANS: OnceLock<Mutex<HashMap<Attrs, Arc<Planned>>>> = OnceLock::new();
+    let direct;
+    let attrs = match (chosen, attrs.method) {
+        (Chosen::Copies, attrs::BROADCAST) => {
+            return Err(Error::Unimplemented(
+                "reshard(schedule='broadcast') over the copy transport: it moves pieces direct; use \
+                 schedule='direct' or 'auto', or commfuse.configure(transport='nccl')"
+                    .into(),
+            ))
+        }
+        (Chosen::Copies, attrs::AUTO) => {
+            direct = Attrs { method: attrs::DIRECT, ..attrs.clone() };
+            &direct
+        }
+        _ => attrs,
+    };
     let plans = PLANS.get_or_init(Default::default);
     if let Some(p) = crate::sync::lock(plans).get(attrs) {
         return Ok(Arc::clone(p));
@@ -183,17 +278,7 @@ fn union_comms(
     let rank = attrs.rank_of(i64::from(ordinal))?;
     let d = crate::sync::lock(dev);
     check_same_device(ordinal, d.ordinal)?;
-    let count = device::device_count()?;
-    let members = attrs
-        .devices
-        .iter()
-        .map(|&id| match i32::try_from(id) {
-            Ok(o) if (0..count).contains(&o) => Ok(Some(o)),
-            _ => Err(Error::Unimplemented(format!(
-                "reshard between devices of several processes (device {id} is not one of this process's {count})"
-            ))),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let (members, _) = union_transport(attrs)?;
     let comms = nccl_group::group_comms(&CommKey::reshard(attrs.devices.clone()), &members, None, &d, deadline)?;
     Ok((rank, comms))
 }
@@ -202,9 +287,11 @@ fn union_comms(
 struct ReshardCall {
     attrs: Attrs,
     planned: Arc<Planned>,
+    chosen: Chosen,
     rank: usize,
     site: i64,
     deadline: Instant,
+    interrupts: u64,
     timeout: std::time::Duration,
 }
 
@@ -222,10 +309,39 @@ impl ReshardCall {
     fn decode(frame: &Frame<'_>) -> Result<ReshardCall> {
         let attrs = Attrs::decode(frame)?;
         let rank = attrs.rank_of(i64::from(frame.device_ordinal()?))?;
-        let planned = planned(&attrs)?;
+        let (_, chosen) = union_transport(&attrs)?;
+        let planned = planned(&attrs, chosen)?;
         let timeout = crate::config::timeout()?;
         let deadline = Instant::now() + timeout;
-        Ok(ReshardCall { attrs, planned, rank, site: frame.attr_i64("site")?, deadline, timeout })
+        let interrupts = crate::config::interrupts();
+        Ok(ReshardCall { attrs, planned, chosen, rank, site: frame.attr_i64("site")?, deadline, interrupts, timeout })
+    }
+
+    /// Runs `body` over the copy transport: the device locked and current,
+    /// a copy lane on XLA's stream over the call's memory, the union's mailbox.
+    fn with_copies(
+        &self,
+        frame: &Frame<'_>,
+        xla: &CallStream<'_>,
+        memory: &CallMemory<'_>,
+        body: impl FnOnce(&mut CopyLane<'_, CallStream<'_>>, &copy_links::CudaMailbox) -> Result<()>,
+    ) -> Result<()> {
+        require(&[Lib::Driver])?;
+        let dev = device::bind_for_execute(xla)?;
+        let ordinal = frame.device_ordinal()?;
+        check_same_device(ordinal, crate::sync::lock(&dev).ordinal)?;
+        if !crate::sync::lock(copy_unions()).contains(&self.attrs.devices) {
+            return Err(Error::Internal(format!(
+                "the copy transport of devices {:?} is not set up (commfuse.reshard runs its connect program first)",
+                self.attrs.devices
+            )));
+        }
+        let key = CommKey::reshard(self.attrs.devices.clone());
+        let mailbox = copy_links::mailbox(&key);
+        let d = crate::sync::lock(&dev);
+        d.make_current()?;
+        let mut lane = CopyLane { key: &key, rank: self.rank, ordinal, stream: xla, memory };
+        body(&mut lane, &mailbox)
     }
 
     /// Runs `body` with the device locked and current and its communicator

@@ -1,4 +1,4 @@
-"""The README's fault table names, for every fault, the tests that check
+"""The fault table (docs/faults.md) names, for every fault, the tests that check
 what it gets: each named test must exist (a renamed or deleted test would
 leave the table unchecked)."""
 
@@ -10,8 +10,8 @@ from conftest import REPO_ROOT
 
 
 def _rows():
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text.split("## Faults and what they get", 1)[1].split("\n## ", 1)[0]
+    text = (REPO_ROOT / "docs" / "faults.md").read_text()
+    section = text.split("# Faults and what they get", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Fault")]
     return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
 

@@ -47,7 +47,7 @@ STEPS = 3
 
 # --------------------------------------------------------------------------
 # What each program should fuse, read off overlap's and commfuse.matmul's
-# documentation (README "Under jax.jit", "No code changes"; the
+# documentation (docs/api.md "Under jax.jit", "No code changes"; the
 # _overlap docstring): every product whose shardings call for one
 # collective (or a gather fused and a psum after it) becomes a fused op;
 # grouped matmuls (batch dims) are products like any other; a collective

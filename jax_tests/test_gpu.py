@@ -1,8 +1,8 @@
 """The fused ops on GPUs: the CPU suite's numerics on every local GPU.
 
 The device tests are marked ``gpu``: conftest skips them when JAX sees no
-GPU. Run on a GPU host with a CUDA jaxlib and the library built with
-``COMMFUSE_FEATURES=cuda`` (``scripts/gpu_check.sh`` does all of it).
+GPU. Run on a GPU host with a CUDA jaxlib and the library's default build
+(``scripts/gpu_check.sh`` does all of it).
 Covered: 1 GPU as a degenerate axis, all local GPUs, every schedule, bf16,
 the timeout when a peer never arrives, and (see GPU.md) fp8.
 

@@ -1,6 +1,6 @@
 """Hardening: deadlines that measure time without progress, Ctrl-C, sizes
 checked at trace time, and zero-size operands (every op and schedule,
-forward and backward). The fault table in the README names these tests."""
+forward and backward). The fault table in docs/faults.md names these tests."""
 
 from __future__ import annotations
 

@@ -146,8 +146,8 @@ def cuda_target() -> str:
             return CUDA_TARGET
         if not CUDA_BUILT:
             raise NotImplementedError(
-                f"the library {LIBRARY_PATH} was built without the `cuda` feature (rebuild with "
-                "COMMFUSE_FEATURES=cuda)")
+                f"the library {LIBRARY_PATH} was built without the `cuda` feature (cargo's "
+                "--no-default-features); the default build has it")
         try:
             gpus = jax.devices("gpu")
         except RuntimeError as e:

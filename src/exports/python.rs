@@ -234,8 +234,8 @@ fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
 #[cfg(not(feature = "cuda"))]
 fn nccl_unique_id() -> crate::error::Result<[u8; 128]> {
     Err(crate::error::Error::Unimplemented(
-        "this commfuse library was built without the `cuda` feature: it cannot make NCCL unique ids (rebuild with \
-         COMMFUSE_FEATURES=cuda)"
+        "this commfuse library was built without the `cuda` feature (--no-default-features): it cannot make NCCL \
+         unique ids; the default build can"
             .into(),
     ))
 }
@@ -306,7 +306,8 @@ fn cuda_libraries() -> String {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_libraries() -> String {
-    let why = "this commfuse library was built without the `cuda` feature (rebuild with COMMFUSE_FEATURES=cuda)";
+    let why = "this commfuse library was built without the `cuda` feature (--no-default-features); the default build \
+               has it";
     ["cuda", "cublas", "cublasLt", "nccl", "nvrtc"].iter().map(|k| format!("{k}\t\t\t\t{why}\n")).collect()
 }
 

@@ -102,7 +102,7 @@ impl CallSite {
         if let Some(made) = self.backend.0.get() {
             return made.clone().downcast::<T>().map_err(|_| wrong_type());
         }
-        // Two devices' first calls may both make it: the first kept wins.
+        // Two calls of the site at once may both make it: the first kept wins.
         let made: Arc<dyn Any + Send + Sync> = Arc::new(make(self)?);
         let kept = self.backend.0.get_or_init(|| made).clone();
         kept.downcast::<T>().map_err(|_| wrong_type())

@@ -48,6 +48,18 @@ pub struct Copy2d {
     pub height: usize,
 }
 
+impl Copy2d {
+    /// Bytes each side spans from its first byte, `(source, destination)`:
+    /// `(height - 1) * pitch + width` (`None` when that overflows).
+    pub fn spans(&self) -> Option<(usize, usize)> {
+        if self.width == 0 || self.height == 0 {
+            return Some((0, 0));
+        }
+        let span = |pitch: usize| (self.height - 1).checked_mul(pitch).and_then(|b| b.checked_add(self.width));
+        Some((span(self.src_pitch)?, span(self.dst_pitch)?))
+    }
+}
+
 /// One NCCL send or receive: `bytes` bytes at `addr`, with the peer of that
 /// rank in the union (the communicator's ranks are the union's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -515,16 +515,17 @@ impl<'a> Frame<'a> {
     }
 
     /// The device memory of every operand and result of this call, as
-    /// `(address, bytes)`: all that a GPU handler's work may touch
+    /// `(address, bytes, writable)` (results are writable, operands not):
+    /// all that a GPU handler's work may touch
     /// (`backend::cuda::driver::CallMemory`). Hands out no result.
-    pub fn device_memory(&self) -> Result<Vec<(u64, usize)>> {
+    pub fn device_memory(&self) -> Result<Vec<(u64, usize, bool)>> {
         let sides = (0..self.args.len).map(|i| (Side::Operand, i)).chain((0..self.rets.len).map(|i| (Side::Result, i)));
         let mut regions = Vec::with_capacity(self.args.len + self.rets.len);
         for (side, i) in sides {
             let raw = self.raw_buffer(side, i, "")?;
             let size = whole_bytes(&raw, side, "")?;
             let (ptr, bytes) = self.bytes(&raw, size, side, "")?;
-            regions.push((ptr as u64, bytes));
+            regions.push((ptr as u64, bytes, side == Side::Result));
         }
         Ok(regions)
     }

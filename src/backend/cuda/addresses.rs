@@ -2,8 +2,8 @@
 //! device memory, which GEMM operands, NCCL transfers and kernel launches a
 //! step becomes, how long a host-side poll may last, and which CUDA devices a
 //! group's members are. No device is touched here, so all of it is tested
-//! without a GPU; `device` feeds these descriptions to the driver, cuBLAS and
-//! NCCL.
+//! without a GPU; `enqueue` hands these descriptions to the safe layers
+//! (`driver`, `blas`, `nccl`).
 //!
 //! A step's device operations are lowered once per call site (`site_ops`),
 //! addressed relative to the call's buffers ([`Addr`]); each call binds them
@@ -173,13 +173,13 @@ impl SumLaunch {
 /// relative to the call's buffers (bound per call with [`Bases`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum DeviceOp {
-    /// One `cublasGemmEx` (`gemm::enqueue`).
+    /// One `cublasGemmEx` (`blas::BlasHandle::gemm`).
     Gemm { gemm: Gemm, ops: Operands<Addr>, accumulate: bool },
     /// One launch of a sum kernel.
     Sum(SumLaunch<Addr>),
-    /// One cuBLASLt fp8 GEMM (`fp8_gemm::enqueue` of `Fp8Gemm::lower`).
+    /// One cuBLASLt fp8 GEMM (`blas::LtHandle::matmul` of `Fp8Gemm::lower`).
     Fp8Gemm(Fp8Gemm<Addr>),
-    /// One NCCL group of sends and receives (`nccl::enqueue_exchange`).
+    /// One group of sends and receives (`nccl::Comm::exchange`, or the copy transport's `copies::exchange`).
     Exchange { sends: Vec<P2p<Addr>>, recvs: Vec<P2p<Addr>> },
 }
 

@@ -1,7 +1,8 @@
 //! The safe layer over cuBLAS and cuBLASLt (`api`'s tables): the handles the
 //! backend creates, released on drop, and the GEMMs it enqueues with them on
 //! a call's memory, each operand's extent checked against the call's
-//! [`CallMemory`] first (see `driver`).
+//! [`CallMemory`] first (see `driver` for the rule on when that memory may be
+//! used, which is why the GEMMs are visible to the CUDA backend only).
 
 use super::api::{self, check_blas, check_lt};
 use super::driver::{CallMemory, Queue, Stream};
@@ -14,11 +15,12 @@ use cudarc::cublas::sys as blas_sys;
 use cudarc::cublaslt::sys as lt_sys;
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::Arc;
 
-/// A cuBLAS handle bound to one stream (one of the device's, which outlives it).
+/// A cuBLAS handle bound to one stream, which it keeps alive.
 pub struct BlasHandle {
     raw: blas_sys::cublasHandle_t,
-    stream: cudarc::driver::sys::CUstream,
+    stream: Arc<Stream>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread, one at a time (the
@@ -29,12 +31,12 @@ unsafe impl Sync for BlasHandle {}
 
 impl BlasHandle {
     /// A handle in the current context whose GEMMs go to `stream`.
-    pub fn new(stream: &Stream) -> Result<BlasHandle> {
+    pub fn new(stream: &Arc<Stream>) -> Result<BlasHandle> {
         let blas = api::cublas()?;
         let mut raw: blas_sys::cublasHandle_t = ptr::null_mut();
         // SAFETY: a valid out-pointer, in the current context.
         check_blas(unsafe { (blas.create)(&mut raw) }, "cublasCreate")?;
-        let handle = BlasHandle { raw, stream: stream.raw() };
+        let handle = BlasHandle { raw, stream: Arc::clone(stream) };
         // SAFETY: the handle was just created; the stream is live.
         check_blas(unsafe { (blas.set_stream)(raw, stream.raw() as blas_sys::cudaStream_t) }, "cublasSetStream")?;
         Ok(handle)
@@ -42,7 +44,7 @@ impl BlasHandle {
 
     /// Whether the handle's GEMMs go to `stream`.
     pub fn is_on(&self, stream: &impl Queue) -> bool {
-        self.stream == stream.raw()
+        self.stream.raw() == stream.raw()
     }
 
     /// Enqueues `g` on the handle's stream: f32 compute (bf16/f16 inputs
@@ -50,15 +52,19 @@ impl BlasHandle {
     /// XLA's own dot does at default precision), overwriting or
     /// (`accumulate`) adding to `dst`, after checking that every element of
     /// every operand lies in `memory`.
-    pub fn gemm(&self, g: &Gemm, ops: Operands, accumulate: bool, tf32: bool, memory: &CallMemory<'_>) -> Result<()> {
+    pub(super) fn gemm(
+        &self,
+        g: &Gemm,
+        ops: Operands,
+        accumulate: bool,
+        tf32: bool,
+        memory: &CallMemory<'_>,
+    ) -> Result<()> {
         let Some(c) = ColMajor::of(g)? else { return Ok(()) };
-        let (a, b, dst) = c.addresses(ops);
-        // Column-major `rows x cols` with leading dimension `ld`: the last
-        // column starts `(cols - 1) * ld` elements in.
-        let extent = |rows: usize, cols: usize, ld: usize, dtype: DType| ((cols - 1) * ld + rows) * dtype.size();
-        memory.check(a, extent(c.m, c.k, c.lda, ops.rhs.1), "a GEMM's right operand")?;
-        memory.check(b, extent(c.k, c.n, c.ldb, ops.lhs.1), "a GEMM's left operand")?;
-        memory.check(dst, extent(c.m, c.n, c.ldc, ops.dst.1), "a GEMM's result")?;
+        let [(a, a_bytes), (b, b_bytes), (dst, dst_bytes)] = c.extents(ops);
+        memory.check_read(a, a_bytes, "a GEMM's right operand")?;
+        memory.check_read(b, b_bytes, "a GEMM's left operand")?;
+        memory.check_write(dst, dst_bytes, "a GEMM's result")?;
         let gemm_ex = api::cublas()?.gemm_ex;
         let compute = if tf32 && ops.lhs.1 == DType::F32 && ops.rhs.1 == DType::F32 {
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
@@ -123,14 +129,6 @@ pub fn data_type_code(t: LtType) -> u32 {
     data_type(t) as u32
 }
 
-fn element_bytes(t: LtType) -> usize {
-    match t {
-        LtType::E4M3 | LtType::E5M2 => 1,
-        LtType::Bf16 | LtType::F16 => 2,
-        LtType::F32 => 4,
-    }
-}
-
 /// Host-side cuBLASLt descriptors, destroyed on drop (after
 /// `cublasLtMatmul` has returned: it reads them while enqueueing only).
 struct Descriptors<'a> {
@@ -177,26 +175,20 @@ impl LtHandle {
     /// Enqueues `call` on `stream`, letting cuBLASLt use up to `workspace.1`
     /// bytes at `workspace.0`, after checking that the operands, the result,
     /// the two float32 scales and the workspace lie in `memory`.
-    pub fn matmul(
+    pub(super) fn matmul(
         &self,
         stream: &impl Queue,
         call: &LtCall,
         workspace: (u64, usize),
         memory: &CallMemory<'_>,
     ) -> Result<()> {
-        for (addr, layout, what) in
-            [(call.a, call.a_layout, "A"), (call.b, call.b_layout, "B"), (call.d, call.d_layout, "D")]
-        {
-            let (rows, cols, ld) = (layout.rows as usize, layout.cols as usize, layout.ld as usize);
-            if rows == 0 || cols == 0 {
-                return Err(Error::Internal(format!("an empty fp8 GEMM operand {what}")));
-            }
-            let bytes = ((cols - 1) * ld + rows) * element_bytes(layout.dtype);
-            memory.check(addr, bytes, &format!("an fp8 GEMM's {what}"))?;
-        }
-        memory.check(call.a_scale, 4, "an fp8 GEMM's scale of A")?;
-        memory.check(call.b_scale, 4, "an fp8 GEMM's scale of B")?;
-        memory.check(workspace.0, workspace.1, "an fp8 GEMM's workspace")?;
+        let [(a, a_bytes), (b, b_bytes), (d, d_bytes)] = call.extents()?;
+        memory.check_read(a, a_bytes, "an fp8 GEMM's A")?;
+        memory.check_read(b, b_bytes, "an fp8 GEMM's B")?;
+        memory.check_write(d, d_bytes, "an fp8 GEMM's D")?;
+        memory.check_read(call.a_scale, 4, "an fp8 GEMM's scale of A")?;
+        memory.check_read(call.b_scale, 4, "an fp8 GEMM's scale of B")?;
+        memory.check_write(workspace.0, workspace.1, "an fp8 GEMM's workspace")?;
         let lt = api::cublaslt()?;
         let mut d = Descriptors { lt, desc: ptr::null_mut(), layouts: Vec::with_capacity(3), pref: ptr::null_mut() };
         let (compute, scale) = (lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, lt_sys::cudaDataType::CUDA_R_32F);

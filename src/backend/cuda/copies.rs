@@ -56,8 +56,9 @@ pub trait CopyQueue {
     type Event: Copy;
     /// This rank's memory as another rank's copy may write it.
     type Region: Copy;
-    /// Lends `bytes` bytes at `addr` (this rank's) to a peer's copy.
-    fn lend(&mut self, addr: u64, bytes: usize) -> Result<Self::Region>;
+    /// Lends `bytes` bytes at `addr` (this rank's) to a peer's copy into it
+    /// (`writable`) or out of it.
+    fn lend(&mut self, addr: u64, bytes: usize, writable: bool) -> Result<Self::Region>;
     /// This rank's ready event for message `message` from `peer`.
     fn ready_event(&mut self, peer: usize, message: u64) -> Result<Self::Event>;
     /// This rank's copied event for message `message` to `peer`.
@@ -336,7 +337,7 @@ pub fn exchange_omitting<Q: CopyQueue>(
         for r in recvs {
             let (from, to) = (r.peer, rank);
             let message = mailbox.next_wanted(from, to);
-            let region = queue.lend(r.addr, r.bytes)?;
+            let region = queue.lend(r.addr, r.bytes, true)?;
             let ready = queue.ready_event(from, message)?;
             queue.record(ready)?;
             let posted = mailbox.post_want(from, to, Want { region, bytes: r.bytes, ready })?;
@@ -405,7 +406,7 @@ pub fn offer<Q: CopyQueue>(
     queue: &mut Q,
 ) -> Result<()> {
     for s in sends {
-        let region = queue.lend(s.addr, s.bytes)?;
+        let region = queue.lend(s.addr, s.bytes, false)?;
         let message = mailbox.next_offered(rank, s.peer);
         let ready = queue.ready_event(s.peer, message)?;
         queue.record(ready)?;

@@ -148,8 +148,8 @@ pub struct CopyLane<'a, S: Queue> {
 impl<S: Queue> CopyQueue for CopyLane<'_, S> {
     type Event = KeptEvent;
     type Region = PeerRegion;
-    fn lend(&mut self, addr: u64, bytes: usize) -> Result<PeerRegion> {
-        self.memory.lend(addr, bytes)
+    fn lend(&mut self, addr: u64, bytes: usize, writable: bool) -> Result<PeerRegion> {
+        self.memory.lend(addr, bytes, writable)
     }
     fn ready_event(&mut self, peer: usize, message: u64) -> Result<KeptEvent> {
         event(self.key, self.rank, peer, Role::Ready, message, self.ordinal)

@@ -33,8 +33,8 @@ pub struct Device {
     pub multiprocessors: u32,
     /// Compute capability (major, minor): fp8 GEMMs need 9.0+.
     pub capability: (i32, i32),
-    /// The compute and the communication stream.
-    lanes: [Stream; 2],
+    /// The compute and the communication stream (shared with their cuBLAS handles).
+    lanes: [Arc<Stream>; 2],
     /// Per union of two meshes (its device ids), the stream of its reshard
     /// sends, which wait for receivers outside the send program
     /// (`backend::cuda::reshard`): one per union, so that sends to one
@@ -143,7 +143,7 @@ impl Device {
             ordinal,
             multiprocessors,
             capability: (major, minor),
-            lanes: [Stream::new()?, Stream::new()?],
+            lanes: [Arc::new(Stream::new()?), Arc::new(Stream::new()?)],
             reshard_sends: HashMap::new(),
             events: Vec::new(),
             blas: Default::default(),
@@ -161,7 +161,7 @@ impl Device {
 
     /// Internal stream `lane`: 0 computes, 1 communicates.
     pub fn lane_stream(&self, lane: usize) -> Option<&Stream> {
-        self.lanes.get(lane)
+        self.lanes.get(lane).map(|s| &**s)
     }
 
     /// The stream of the reshard sends to the union `devices` (created on

@@ -4,12 +4,20 @@
 //! drop, and every driver call the backend makes on them, on XLA's stream of
 //! a call ([`CallStream`]) and on the call's memory ([`CallMemory`]).
 //!
-//! The calls that write device memory take the [`CallMemory`] they may
-//! touch (XLA's buffers of the call, or memory the backend owns) and refuse,
-//! with INTERNAL, any range outside it: a planning mistake fails the call
-//! instead of writing over memory that is not the call's. Work is ordered
-//! by the streams it is enqueued on; the handlers join their streams back
-//! into XLA's before they return, so XLA's buffers outlive that work.
+//! The calls that touch device memory take the [`CallMemory`] they may
+//! touch (XLA's buffers of the call, operands read only, or memory the
+//! backend owns) and refuse, with INTERNAL, any range outside it: a planning
+//! mistake fails the call instead of writing over memory that is not the
+//! call's.
+//!
+//! What the range checks cannot see is *when* the device runs the work. The
+//! calls that enqueue work on a call's memory are therefore visible to the
+//! CUDA backend only (`pub(super)`), whose modules keep one rule: work on a
+//! call's memory is enqueued on XLA's stream of the call, or on a lane forked
+//! from it and joined back into it before the handler returns
+//! (`stream_issue`), so XLA's buffers outlive it. The one exception is a
+//! reshard's sends and offers (`reshard`): they read only the send program's
+//! `staging`, which Python keeps until the receivers' result is ready.
 //!
 //! Release needs the object's context current for a module (`cuModuleUnload`
 //! unloads from the current context); the owner of several handles
@@ -215,10 +223,14 @@ unsafe impl Send for KeptEvent {}
 impl KeptEvent {
     /// A new event of device `ordinal` (its context made current).
     pub fn new(ordinal: i32, what: &str) -> Result<KeptEvent> {
-        let context = std::mem::ManuallyDrop::new(Context::primary(ordinal)?);
+        let context = Context::primary(ordinal)?;
         context.make_current()?;
-        let event = std::mem::ManuallyDrop::new(Event::new(what)?);
-        Ok(KeptEvent { context: context.raw, event: event.0 })
+        let event = Event::new(what)?;
+        // Both kept for the process from here on (released on failure above).
+        let kept = KeptEvent { context: context.raw, event: event.0 };
+        std::mem::forget(event);
+        std::mem::forget(context);
+        Ok(kept)
     }
 
     pub fn record(&self, stream: &impl Queue, what: &str) -> Result<()> {
@@ -248,8 +260,9 @@ pub struct Module(cu::CUmodule);
 unsafe impl Send for Module {}
 
 impl Module {
-    /// Loads `image` (a CUBIN, or NUL-terminated PTX) into the current context.
-    pub fn load(image: &[u8]) -> Result<Module> {
+    /// Loads `image` (a CUBIN, or NUL-terminated PTX, as `kernels` compiles
+    /// them with NVRTC) into the current context.
+    pub(super) fn load(image: &[u8]) -> Result<Module> {
         if image.is_empty() {
             return Err(Error::Internal("an empty module image".into()));
         }
@@ -296,8 +309,10 @@ impl SumKernels {
     /// The kernels `SumLaunch::kernel` names, in this order.
     pub const NAMES: [&'static str; 3] = ["sum_f32", "sum_to_bf16", "sum_to_f16"];
 
-    /// Loads `image` (compiled from `kernels/elementwise.cu`) into the current context.
-    pub fn load(image: &[u8]) -> Result<SumKernels> {
+    /// Loads `image` (compiled from `kernels/elementwise.cu` by `kernels`,
+    /// whose kernels take the parameters `launch` passes: checked against the
+    /// PTX by `tests/cuda_install.rs`) into the current context.
+    pub(super) fn load(image: &[u8]) -> Result<SumKernels> {
         let module = Module::load(image)?;
         let functions =
             [module.function(Self::NAMES[0])?, module.function(Self::NAMES[1])?, module.function(Self::NAMES[2])?];
@@ -306,7 +321,7 @@ impl SumKernels {
 
     /// Enqueues `launch` on `stream` with `multiprocessors` to spread over,
     /// after checking that its terms (f32) and its destination lie in `memory`.
-    pub fn launch(
+    pub(super) fn launch(
         &self,
         stream: &impl Queue,
         launch: &SumLaunch,
@@ -324,10 +339,10 @@ impl SumKernels {
         let k = k.ok_or_else(|| Error::Internal(format!("a sum of {} terms", launch.k)))?;
         let mut terms = launch.kernel_terms();
         for (t, term) in terms.iter().enumerate().take(k) {
-            memory.check(*term, n * 4, &format!("term {t} of {}", launch.kernel))?;
+            memory.check_read(*term, n * 4, &format!("term {t} of {}", launch.kernel))?;
         }
         terms[k..].fill(0);
-        memory.check(launch.dst, n * out_size, launch.kernel)?;
+        memory.check_write(launch.dst, n * out_size, launch.kernel)?;
         let (mut out, mut k, mut n) = (launch.dst, launch.k, launch.n);
         // The kernel's parameters: (T* dst, Terms terms, int k, u64 n),
         // `Terms` being eight pointers by value, laid out as `[u64; 8]`.
@@ -420,44 +435,62 @@ impl Drop for DeviceMemory {
     }
 }
 
-/// The device memory one call's work may touch: XLA's operands and results
-/// of the call, or memory the backend owns, as `(address, bytes)` regions.
+/// The device memory one call's work may touch: XLA's operands (read only)
+/// and results of the call, or memory the backend owns, as `(address,
+/// bytes, writable)` regions.
 pub struct CallMemory<'a> {
-    regions: Vec<(u64, usize)>,
+    regions: Vec<(u64, usize, bool)>,
     _owners: PhantomData<&'a ()>,
 }
 
 impl<'a> CallMemory<'a> {
     /// Every operand and result of `frame`'s call.
-    pub fn of_frame(frame: &Frame<'a>) -> Result<CallMemory<'a>> {
+    pub(super) fn of_frame(frame: &Frame<'a>) -> Result<CallMemory<'a>> {
         Ok(CallMemory { regions: frame.device_memory()?, _owners: PhantomData })
     }
 
     /// Allocations the caller owns, borrowed while the memory is.
-    pub fn of_owned(memory: &[&'a DeviceMemory]) -> CallMemory<'a> {
-        CallMemory { regions: memory.iter().map(|m| (m.addr, m.bytes)).collect(), _owners: PhantomData }
+    pub(super) fn of_owned(memory: &[&'a DeviceMemory]) -> CallMemory<'a> {
+        CallMemory { regions: memory.iter().map(|m| (m.addr, m.bytes, true)).collect(), _owners: PhantomData }
     }
 
     /// Lends `bytes` bytes at `addr` (within this memory) to another rank's
-    /// copies into it (`copy_to_peer`); the lender keeps the memory until
-    /// those copies ran (its stream waits for them, `copies`).
-    pub fn lend(&self, addr: u64, bytes: usize) -> Result<PeerRegion> {
-        self.check(addr, bytes, "a region lent to a peer's copy")?;
-        Ok(PeerRegion { addr, bytes })
+    /// copies: into it (`writable`, `copy_to_peer`) or out of it
+    /// (`copy_from_peer`). The lender keeps the memory until those copies ran
+    /// (its stream waits for them, or its owner keeps it: see `copies`).
+    pub(super) fn lend(&self, addr: u64, bytes: usize, writable: bool) -> Result<PeerRegion> {
+        let what = "a region lent to a peer's copy";
+        if writable {
+            self.check_write(addr, bytes, what)?;
+        } else {
+            self.check_read(addr, bytes, what)?;
+        }
+        Ok(PeerRegion { addr, bytes, writable })
     }
 
     /// Ok when `bytes` bytes from `addr` lie within one region (an empty
     /// range anywhere); else INTERNAL naming `what`.
-    pub fn check(&self, addr: u64, bytes: usize, what: &str) -> Result<()> {
+    pub fn check_read(&self, addr: u64, bytes: usize, what: &str) -> Result<()> {
+        self.check(addr, bytes, false, what)
+    }
+
+    /// As [`CallMemory::check_read`], within a writable region (a result
+    /// or owned memory, never an operand).
+    pub fn check_write(&self, addr: u64, bytes: usize, what: &str) -> Result<()> {
+        self.check(addr, bytes, true, what)
+    }
+
+    fn check(&self, addr: u64, bytes: usize, write: bool, what: &str) -> Result<()> {
         let end = addr.checked_add(bytes as u64);
-        let inside = |&(start, len): &(u64, usize)| {
-            end.is_some_and(|end| addr >= start && end <= start.saturating_add(len as u64))
+        let inside = |&(start, len, writable): &(u64, usize, bool)| {
+            (writable || !write) && end.is_some_and(|end| addr >= start && end <= start.saturating_add(len as u64))
         };
         if bytes == 0 || self.regions.iter().any(inside) {
             return Ok(());
         }
+        let kind = if write { "writable " } else { "" };
         Err(Error::Internal(format!(
-            "{what}: {bytes} bytes at {addr:#x} lie outside the call's memory {:x?}",
+            "{what}: {bytes} bytes at {addr:#x} lie outside the call's {kind}memory {:x?}",
             self.regions
         )))
     }
@@ -469,19 +502,23 @@ impl<'a> CallMemory<'a> {
 pub struct PeerRegion {
     addr: u64,
     bytes: usize,
+    writable: bool,
 }
 
 /// Enqueues a copy of `bytes` bytes from `src` (within `memory`, this
 /// rank's) into `dst` (a peer's) on `stream`: a copy engine's work, peer to
 /// peer across devices where peer access is enabled (`enable_peer_access`).
-pub fn copy_to_peer(
+pub(super) fn copy_to_peer(
     stream: &impl Queue,
     dst: PeerRegion,
     src: u64,
     bytes: usize,
     memory: &CallMemory<'_>,
 ) -> Result<()> {
-    memory.check(src, bytes, "a copy to a peer's source")?;
+    memory.check_read(src, bytes, "a copy to a peer's source")?;
+    if !dst.writable {
+        return Err(Error::Internal("a copy into a peer's region lent for reading".into()));
+    }
     if bytes > dst.bytes {
         return Err(Error::Internal(format!("a copy of {bytes} bytes into a peer's region of {}", dst.bytes)));
     }
@@ -497,14 +534,14 @@ pub fn copy_to_peer(
 
 /// Enqueues a copy of `bytes` bytes from `src` (a peer's, lent) into `dst`
 /// (within `memory`, this rank's) on `stream`.
-pub fn copy_from_peer(
+pub(super) fn copy_from_peer(
     stream: &impl Queue,
     dst: u64,
     src: PeerRegion,
     bytes: usize,
     memory: &CallMemory<'_>,
 ) -> Result<()> {
-    memory.check(dst, bytes, "a copy from a peer's destination")?;
+    memory.check_write(dst, bytes, "a copy from a peer's destination")?;
     if bytes > src.bytes {
         return Err(Error::Internal(format!("a copy of {bytes} bytes out of a peer's region of {}", src.bytes)));
     }
@@ -547,25 +584,23 @@ pub fn enable_peer_access(context: &Context, to: &Context) -> Result<()> {
 }
 
 /// Enqueues zeroing `bytes` bytes at `addr` (within `memory`) on `stream`.
-pub fn zero(stream: &impl Queue, addr: u64, bytes: usize, memory: &CallMemory<'_>) -> Result<()> {
-    memory.check(addr, bytes, "zeroing")?;
+pub(super) fn zero(stream: &impl Queue, addr: u64, bytes: usize, memory: &CallMemory<'_>) -> Result<()> {
+    memory.check_write(addr, bytes, "zeroing")?;
     // SAFETY: the range lies in the call's memory (checked); the stream is live while borrowed.
     unsafe { api::zero_async(addr, bytes, stream.raw()) }
 }
 
 /// Enqueues one device-to-device 2-D copy on `stream` (a copy engine's
 /// work), after checking that every row of both sides lies in `memory`.
-pub fn copy_2d(stream: &impl Queue, copy: &Copy2d, memory: &CallMemory<'_>) -> Result<()> {
+pub(super) fn copy_2d(stream: &impl Queue, copy: &Copy2d, memory: &CallMemory<'_>) -> Result<()> {
     if copy.width == 0 || copy.height == 0 {
         return Ok(());
     }
-    let span = |pitch: usize| (copy.height - 1).checked_mul(pitch).and_then(|b| b.checked_add(copy.width));
-    let (src, dst) = (span(copy.src_pitch), span(copy.dst_pitch));
-    let (Some(src), Some(dst)) = (src, dst) else {
+    let Some((src, dst)) = copy.spans() else {
         return Err(Error::Internal(format!("a copy too large to address: {copy:?}")));
     };
-    memory.check(copy.src, src, "a copy's source")?;
-    memory.check(copy.dst, dst, "a copy's destination")?;
+    memory.check_read(copy.src, src, "a copy's source")?;
+    memory.check_write(copy.dst, dst, "a copy's destination")?;
     // SAFETY: both sides lie in the call's memory (checked); the stream is live while borrowed.
     unsafe { api::copy_2d_async(copy, stream.raw()) }
 }
@@ -584,14 +619,18 @@ mod tests {
 
     #[test]
     fn call_memory_takes_only_ranges_inside_one_region() {
-        let memory = CallMemory { regions: vec![(0x1000, 0x100), (0x1100, 0x10)], _owners: PhantomData };
-        assert!(memory.check(0x1000, 0x100, "x").is_ok());
-        assert!(memory.check(0x10f0, 0x10, "x").is_ok());
-        assert!(memory.check(0x1100, 0x10, "x").is_ok());
-        assert!(memory.check(0x9999, 0, "empty").is_ok());
+        // An operand (read only) and a result.
+        let memory = CallMemory { regions: vec![(0x1000, 0x100, false), (0x1100, 0x10, true)], _owners: PhantomData };
+        assert!(memory.check_read(0x1000, 0x100, "x").is_ok());
+        assert!(memory.check_read(0x10f0, 0x10, "x").is_ok());
+        assert!(memory.check_read(0x1100, 0x10, "x").is_ok());
+        assert!(memory.check_write(0x1100, 0x10, "out").is_ok());
+        assert!(memory.check_read(0x9999, 0, "empty").is_ok());
+        let e = memory.check_write(0x1000, 4, "a GEMM's C").unwrap_err();
+        assert!(matches!(&e, Error::Internal(m) if m.contains("writable")), "{e}");
         // Across two regions, past the end, before the start, wrapping around.
         for (addr, bytes) in [(0x10f0, 0x20), (0x1100, 0x11), (0xfff, 2), (u64::MAX - 1, 4)] {
-            let e = memory.check(addr, bytes, "a GEMM's C").unwrap_err();
+            let e = memory.check_read(addr, bytes, "a GEMM's C").unwrap_err();
             assert!(matches!(&e, Error::Internal(m) if m.contains("a GEMM's C")), "{e}");
         }
     }

@@ -150,7 +150,7 @@ struct LaneQueue<'r> {
 impl CopyQueue for LaneQueue<'_> {
     type Event = EventId;
     type Region = u64;
-    fn lend(&mut self, addr: u64, _bytes: usize) -> Result<u64> {
+    fn lend(&mut self, addr: u64, _bytes: usize, _writable: bool) -> Result<u64> {
         Ok(addr)
     }
     fn ready_event(&mut self, peer: usize, message: u64) -> Result<EventId> {
@@ -231,6 +231,10 @@ fn execute(
                 assert_eq!(t, DType::F32, "the emulation is f32 only");
             }
             let Some(c) = ColMajor::of(gemm).unwrap() else { return true };
+            // The extents the safe layer checks lie inside the buffers.
+            for (addr, bytes) in c.extents(ops.bind(bases)) {
+                mem.locate(addr, bytes);
+            }
             let (a, b, out) = c.addresses(ops.bind(bases));
             for j in 0..c.n {
                 for i in 0..c.m {
@@ -247,6 +251,9 @@ fn execute(
         DeviceOp::Fp8Gemm(g) => {
             // cuBLASLt's TN call as `fp8_gemm::Fp8Gemm::lower` gives it, on bytes.
             let call = g.bind(bases).lower((9, 0)).unwrap();
+            for (addr, bytes) in call.extents().unwrap() {
+                mem.locate(addr, bytes);
+            }
             assert_eq!(call.d_layout.dtype, LtType::F32, "the emulation writes f32 only");
             let scale = mem.f32(call.a_scale, 0) * mem.f32(call.b_scale, 0);
             let byte = |mem: &Memory, addr: u64, i: i64| mem.read(addr + i as u64, 1)[0];
@@ -439,6 +446,9 @@ fn run_streams(mut mem: Memory, ranks: &[(usize, Vec<Vec<Cmd>>)], order: Order) 
                         true
                     }
                     Cmd::Copy2d(c) => {
+                        let (src, dst) = c.spans().expect("a copy too large to address");
+                        mem.locate(c.src, src);
+                        mem.locate(c.dst, dst);
                         for row in 0..c.height as u64 {
                             let data = mem.read(c.src + row * c.src_pitch as u64, c.width);
                             mem.write(c.dst + row * c.dst_pitch as u64, &data);

@@ -120,6 +120,32 @@ pub struct LtCall {
     pub beta: f32,
 }
 
+impl LtType {
+    pub fn size(self) -> usize {
+        match self {
+            LtType::E4M3 | LtType::E5M2 => 1,
+            LtType::Bf16 | LtType::F16 => 2,
+            LtType::F32 => 4,
+        }
+    }
+}
+
+impl LtCall {
+    /// Where A, B and D start and how many bytes each spans (the stored
+    /// column-major matrices, before the transpose: `(cols - 1) * ld + rows`
+    /// elements), for the safe layer's and the emulation's checks.
+    pub fn extents(&self) -> Result<[(u64, usize); 3]> {
+        let span = |l: &Layout| -> Result<usize> {
+            let (rows, cols, ld) = (l.rows as usize, l.cols as usize, l.ld as usize);
+            if rows == 0 || cols == 0 {
+                return Err(Error::Internal(format!("an empty fp8 GEMM operand {l:?}")));
+            }
+            Ok(((cols - 1) * ld + rows) * l.dtype.size())
+        };
+        Ok([(self.a, span(&self.a_layout)?), (self.b, span(&self.b_layout)?), (self.d, span(&self.d_layout)?)])
+    }
+}
+
 /// Bytes every fp8 operand pointer is aligned to, and that `k` and every
 /// leading dimension are multiples of (in fp8 elements: one byte each), as
 /// cuBLASLt's fp8 kernels require.

@@ -76,6 +76,20 @@ impl ColMajor {
         let at = |(base, dtype): (u64, DType), offset: usize| base + (offset * dtype.size()) as u64;
         (at(ops.rhs, self.a_offset), at(ops.lhs, self.b_offset), at(ops.dst, self.c_offset))
     }
+
+    /// Where A, B and C start and how many bytes each spans: column-major
+    /// `rows x cols` with leading dimension `ld` ends `(cols - 1) * ld + rows`
+    /// elements in (the safe layer checks these against the call's memory,
+    /// the host emulation against its buffers).
+    pub fn extents(&self, ops: Operands) -> [(u64, usize); 3] {
+        let (a, b, c) = self.addresses(ops);
+        let span = |rows: usize, cols: usize, ld: usize, dtype: DType| ((cols - 1) * ld + rows) * dtype.size();
+        [
+            (a, span(self.m, self.k, self.lda, ops.rhs.1)),
+            (b, span(self.k, self.n, self.ldb, ops.lhs.1)),
+            (c, span(self.m, self.n, self.ldc, ops.dst.1)),
+        ]
+    }
 }
 
 /// cuBLAS's name for an element type (f64 is not offered on the GPU path).

@@ -45,7 +45,11 @@ impl Comm {
     fn live(&self) -> Result<std::sync::MutexGuard<'_, Option<sys::ncclComm_t>>> {
         let guard = crate::sync::lock(&self.0);
         if guard.is_none() {
-            return Err(Error::Internal("the communicator was aborted after an earlier failure".into()));
+            // Aborted by this rank's failing call or by the watchdog after a timeout.
+            return Err(Error::DeadlineExceeded(
+                "the communicator was aborted after an earlier failure or timeout; the next call creates it afresh"
+                    .into(),
+            ));
         }
         Ok(guard)
     }
@@ -86,7 +90,7 @@ impl Comm {
     /// against `memory` (sends are only read, but must be the call's too).
     /// Every rank issues its groups in plan order, which pairs them (the
     /// plan tests check that sends and receives match step by step).
-    pub fn exchange(
+    pub(super) fn exchange(
         &self,
         stream: &impl Queue,
         sends: impl IntoIterator<Item = P2p> + Clone,
@@ -95,13 +99,12 @@ impl Comm {
     ) -> Result<()> {
         let peer =
             |p: &P2p| c_int::try_from(p.peer).map_err(|_| Error::Internal(format!("peer {} out of range", p.peer)));
-        for (p, what) in sends
-            .clone()
-            .into_iter()
-            .map(|p| (p, "an NCCL send"))
-            .chain(recvs.clone().into_iter().map(|p| (p, "an NCCL receive")))
-        {
-            memory.check(p.addr, p.bytes, what)?;
+        for p in sends.clone() {
+            memory.check_read(p.addr, p.bytes, "an NCCL send")?;
+            peer(&p)?;
+        }
+        for p in recvs.clone() {
+            memory.check_write(p.addr, p.bytes, "an NCCL receive")?;
             peer(&p)?;
         }
         let guard = self.live()?;

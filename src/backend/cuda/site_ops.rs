@@ -69,7 +69,7 @@ impl SiteOps {
         })
     }
 
-    /// Checks one call's buffers against the site (sizes and types as
+    /// Checks one call's buffers against the site (their sizes as
     /// lowered, a workspace as large as the layout, the scales of an fp8
     /// call) and gives the addresses its operations bind to.
     pub fn bind(&self, buffers: &DeviceBuffers) -> Result<Bases> {

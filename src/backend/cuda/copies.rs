@@ -81,14 +81,17 @@ pub struct Deadline {
 
 type Pair = (usize, usize);
 
+/// Wants or offers of one pair not yet taken, with their message numbers.
+type Posts<E, R> = VecDeque<(u64, Want<E, R>)>;
+
 #[derive(Default)]
 struct PairState<E, R> {
     /// Wants posted by the receiver and not yet taken, with their message numbers.
-    wants: VecDeque<(u64, Want<E, R>)>,
+    wants: Posts<E, R>,
     copied: VecDeque<(u64, E)>,
     /// Offers of the pull protocol ([`offer`]) not yet pulled, and how many
     /// the sender made so far.
-    offers: VecDeque<(u64, Want<E, R>)>,
+    offers: Posts<E, R>,
     offered: u64,
     /// Messages the receiver asked for, and the sender took, so far.
     wanted: u64,
@@ -146,17 +149,17 @@ impl<E: Copy, R: Copy> Mailbox<E, R> {
         crate::sync::lock(&self.state).failed.is_some()
     }
 
-    /// The number the next message from `from` to `to` will have on the
-    /// receiving side.
-    fn post_want(&self, from: usize, to: usize, want: Want<E, R>) -> Result<u64> {
+    /// Posts `item` from `from` to `to` as the next of its kind (a want or an
+    /// offer); returns its message number.
+    fn post(&self, from: usize, to: usize, kind: Kind, item: Want<E, R>) -> Result<u64> {
         let mut state = crate::sync::lock(&self.state);
         if let Some(e) = &state.failed {
             return Err(e.clone());
         }
-        let pair = state.pairs.entry((from, to)).or_insert_with(PairState::empty);
-        let message = pair.wanted;
-        pair.wanted += 1;
-        pair.wants.push_back((message, want));
+        let (queue, count) = state.pairs.entry((from, to)).or_insert_with(PairState::empty).queue(kind);
+        let message = *count;
+        *count += 1;
+        queue.push_back((message, item));
         self.changed.notify_all();
         Ok(message)
     }
@@ -269,7 +272,23 @@ impl<E: Copy, R: Copy> Mailbox<E, R> {
     }
 }
 
+/// What a receiver posts (a want of the push protocol) or a sender (an
+/// offer of the pull protocol).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Want,
+    Offer,
+}
+
 impl<E, R> PairState<E, R> {
+    /// The queue of `kind` and how many of it were posted so far.
+    fn queue(&mut self, kind: Kind) -> (&mut Posts<E, R>, &mut u64) {
+        match kind {
+            Kind::Want => (&mut self.wants, &mut self.wanted),
+            Kind::Offer => (&mut self.offers, &mut self.offered),
+        }
+    }
+
     fn empty() -> PairState<E, R> {
         PairState {
             wants: VecDeque::new(),
@@ -336,11 +355,11 @@ pub fn exchange_omitting<Q: CopyQueue>(
         // 1. Every receive: the slot is free from here on.
         for r in recvs {
             let (from, to) = (r.peer, rank);
-            let message = mailbox.next_wanted(from, to);
+            let message = mailbox.next(from, to, Kind::Want);
             let region = queue.lend(r.addr, r.bytes, true)?;
             let ready = queue.ready_event(from, message)?;
             queue.record(ready)?;
-            let posted = mailbox.post_want(from, to, Want { region, bytes: r.bytes, ready })?;
+            let posted = mailbox.post(from, to, Kind::Want, Want { region, bytes: r.bytes, ready })?;
             if posted != message {
                 return Err(Error::Internal(format!("copy transport: want {posted} of rank {to} numbered {message}")));
             }
@@ -407,10 +426,10 @@ pub fn offer<Q: CopyQueue>(
 ) -> Result<()> {
     for s in sends {
         let region = queue.lend(s.addr, s.bytes, false)?;
-        let message = mailbox.next_offered(rank, s.peer);
+        let message = mailbox.next(rank, s.peer, Kind::Offer);
         let ready = queue.ready_event(s.peer, message)?;
         queue.record(ready)?;
-        mailbox.post_offer(rank, s.peer, Want { region, bytes: s.bytes, ready })?;
+        mailbox.post(rank, s.peer, Kind::Offer, Want { region, bytes: s.bytes, ready })?;
     }
     Ok(())
 }
@@ -445,19 +464,6 @@ pub fn pull<Q: CopyQueue>(
 }
 
 impl<E: Copy, R: Copy> Mailbox<E, R> {
-    fn post_offer(&self, from: usize, to: usize, offer: Want<E, R>) -> Result<()> {
-        let mut state = crate::sync::lock(&self.state);
-        if let Some(e) = &state.failed {
-            return Err(e.clone());
-        }
-        let pair = state.pairs.entry((from, to)).or_insert_with(PairState::empty);
-        let message = pair.offered;
-        pair.offered += 1;
-        pair.offers.push_back((message, offer));
-        self.changed.notify_all();
-        Ok(())
-    }
-
     fn take_offer(&self, from: usize, to: usize, deadline: Deadline) -> Result<(u64, Want<E, R>)> {
         let missing = |pair: &PairState<E, R>| format!("rank {from} never offered message {} to rank {to}", pair.taken);
         self.wait_for(to, (from, to), deadline, missing, |pair| {
@@ -469,12 +475,12 @@ impl<E: Copy, R: Copy> Mailbox<E, R> {
 }
 
 impl<E, R> Mailbox<E, R> {
-    fn next_offered(&self, from: usize, to: usize) -> u64 {
-        crate::sync::lock(&self.state).pairs.get(&(from, to)).map_or(0, |p| p.offered)
-    }
-
-    fn next_wanted(&self, from: usize, to: usize) -> u64 {
-        crate::sync::lock(&self.state).pairs.get(&(from, to)).map_or(0, |p| p.wanted)
+    /// The number the next post of `kind` from `from` to `to` will have.
+    fn next(&self, from: usize, to: usize, kind: Kind) -> u64 {
+        crate::sync::lock(&self.state).pairs.get(&(from, to)).map_or(0, |p| match kind {
+            Kind::Want => p.wanted,
+            Kind::Offer => p.offered,
+        })
     }
 }
 

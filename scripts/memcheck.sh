@@ -23,7 +23,7 @@ memcheck=(valgrind --quiet --error-exitcode=99 --leak-check=full --errors-for-le
 lib=$(test_binary --lib)
 # (The transport's link-model tests time transfers: not under valgrind.)
 "${memcheck[@]}" "$lib" --test-threads 2 xla:: abi:: call:: prepare:: problem:: backend::cpu::transport::tests \
-    --skip throttled --skip switch_port --skip both_neighbours --skip when_its_step_became_ready
+    --skip throttled --skip switch_port --skip both_neighbours --skip when_its_step_became_ready --skip share_its_ports
 
 fuzz=$(test_binary --test frame_fuzz)
 COMMFUSE_FUZZ_ITERATIONS=1000 "${memcheck[@]}" "$fuzz" --test-threads 1

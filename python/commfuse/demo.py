@@ -81,6 +81,13 @@ def _parse_args(argv=None):
         metavar="PATH",
         help="write a Perfetto trace of one fused call here (commfuse_demo.pftrace; '' to skip)",
     )
+    p.add_argument(
+        "--timeline",
+        default="",
+        metavar="PNG",
+        help="draw one fused call under the link model as a timeline image here (needs matplotlib; "
+             "docs/images/demo_timeline.png is made this way)",
+    )
     args = p.parse_args(argv)
     n = args.devices
     if n < 1:
@@ -245,6 +252,8 @@ def _link_model_run(args, mesh, specs, fused, operands, t_compute) -> None:
         for _ in range(args.reps):
             for name, fn in programs.items():
                 times[name] += _time(fn, operands, 1)
+        if args.timeline:
+            _draw_timeline(args, programs["fused"], operands)
     finally:
         if link is None:
             os.environ.pop("COMMFUSE_CPU_LINK")
@@ -259,6 +268,24 @@ def _link_model_run(args, mesh, specs, fused, operands, t_compute) -> None:
           f"{med['fused'] / med['sequential']:.3f}x sequential")
     print(f"  sequential  {med['sequential'] * 1e3:13.2f} ms = {med['sequential'] / floor:.3f}x floor "
           f"(the same transfers, then the GEMMs: what an unfused program waits)")
+
+
+def _draw_timeline(args, fused, operands) -> None:
+    """One fused call of the layer under the link model, traced and drawn."""
+    import tempfile
+
+    import jax
+
+    import commfuse
+    from commfuse import _timeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with commfuse.trace(os.path.join(tmp, "trace.json")) as path:
+            jax.block_until_ready(fused(*operands))
+        title = (f"commfuse demo: TP+SP MLP, {args.devices} CPU devices, schedule={args.schedule}, "
+                 f"link model T_comm = {_LINK_RATIO} x T_compute")
+        _timeline.draw(path, args.timeline, title)
+    print(f"timeline of one fused call (link model): {os.path.abspath(args.timeline)}")
 
 
 def _prediction(args, machine) -> None:

@@ -168,3 +168,43 @@ pub fn encode(events: &[Event]) -> Vec<u8> {
     packets.append(&mut timed);
     Trace { packet: packets }.encode_to_vec()
 }
+
+/// `events` as a Chrome trace (JSON, which Perfetto opens too, and which
+/// `scripts/plot_timeline.py` draws): one complete ("X") event per slice, a
+/// process per device and a thread per lane (0 compute, 1 comm), times in
+/// microseconds from the first slice.
+pub fn encode_json(events: &[Event]) -> Vec<u8> {
+    use serde_json::{json, Map, Value as Json};
+    let first = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
+    let slices: Vec<Json> = events
+        .iter()
+        .map(|e| {
+            let mut args = Map::new();
+            args.insert("rank".into(), json!(e.rank));
+            args.insert("call".into(), json!(e.call));
+            if let Some(step) = e.step {
+                args.insert("step".into(), json!(step));
+            }
+            for (k, v) in &e.args {
+                let v = match v {
+                    Value::U(u) => json!(u),
+                    Value::I(i) => json!(i),
+                    Value::S(s) => json!(s),
+                    Value::B(b) => json!(b),
+                };
+                args.insert((*k).into(), v);
+            }
+            json!({
+                "name": e.name(),
+                "cat": e.kind.name(),
+                "ph": "X",
+                "ts": (e.start_ns - first) as f64 / 1e3,
+                "dur": (e.end_ns.saturating_sub(e.start_ns)) as f64 / 1e3,
+                "pid": e.device,
+                "tid": match e.lane { Lane::Compute => 0, Lane::Comm => 1 },
+                "args": Json::Object(args),
+            })
+        })
+        .collect();
+    serde_json::to_vec(&json!({ "traceEvents": slices, "displayTimeUnit": "ns" })).unwrap_or_default()
+}

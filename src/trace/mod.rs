@@ -28,7 +28,7 @@ pub mod proto;
 #[cfg(test)]
 mod tests;
 
-pub use encode::encode;
+pub use encode::{encode, encode_json};
 
 use crate::error::{Error, Result};
 use crate::exec::{Copies, Direction, LaneObserver, Observer};
@@ -99,9 +99,12 @@ pub fn drain() -> Vec<Event> {
 }
 
 /// Stops recording and writes the buffered events to `path` as a Perfetto
-/// trace; returns the bytes written.
+/// trace, or as a Chrome trace (JSON) where `path` ends in `.json`; returns
+/// the bytes written.
 pub fn write(path: &std::path::Path) -> Result<usize> {
-    let bytes = encode(&drain());
+    let events = drain();
+    let json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let bytes = if json { encode_json(&events) } else { encode(&events) };
     std::fs::write(path, &bytes)
         .map_err(|e| Error::InvalidArgument(format!("writing the trace to {}: {e}", path.display())))?;
     Ok(bytes.len())

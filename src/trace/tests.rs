@@ -217,6 +217,20 @@ fn executor_records_every_step_in_plan_order() {
     let tracks = slices(&trace);
     assert_eq!(tracks.len(), 2, "one track per lane of the one device");
     assert_eq!(tracks.values().map(Vec::len).sum::<usize>(), events.len());
+
+    // The same slices as a Chrome trace: one complete event each, the
+    // device as the process, the lane as the thread, microseconds.
+    let json: serde_json::Value = serde_json::from_slice(&encode_json(&events)).unwrap();
+    let slices = json["traceEvents"].as_array().unwrap();
+    assert_eq!(slices.len(), events.len());
+    let matmuls: Vec<_> = slices.iter().filter(|e| e["cat"] == "matmul").collect();
+    assert_eq!(matmuls.len(), n);
+    assert!(matmuls.iter().all(|e| e["ph"] == "X" && e["pid"] == 902 && e["tid"] == 0 && e["dur"].as_f64() >= Some(0.0)));
+    let recvs: Vec<_> = slices.iter().filter(|e| e["cat"] == "recv").collect();
+    assert!(recvs.iter().all(|e| e["tid"] == 1 && e["args"]["bytes"] == 64), "{recvs:?}");
+    let first = events.iter().map(|e| e.start_ns).min().unwrap();
+    let starts: Vec<f64> = slices.iter().map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert!(starts.iter().all(|&t| t >= 0.0) && starts.contains(&0.0), "times from the first slice ({first} ns)");
 }
 
 /// Notes every backend call of each lane, in order.

@@ -20,6 +20,19 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// The same kind of error with `prefix` before its message (a peer's
+    /// error as another rank reports it).
+    pub fn prefixed(&self, prefix: &str) -> Error {
+        let m = format!("{prefix}{}", self.message());
+        match self {
+            Error::InvalidArgument(_) => Error::InvalidArgument(m),
+            Error::Unimplemented(_) => Error::Unimplemented(m),
+            Error::DeadlineExceeded(_) => Error::DeadlineExceeded(m),
+            Error::Interrupted(_) => Error::Interrupted(m),
+            Error::Internal(_) => Error::Internal(m),
+        }
+    }
+
     pub fn message(&self) -> &str {
         match self {
             Error::InvalidArgument(m)

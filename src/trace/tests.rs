@@ -225,7 +225,9 @@ fn executor_records_every_step_in_plan_order() {
     assert_eq!(slices.len(), events.len());
     let matmuls: Vec<_> = slices.iter().filter(|e| e["cat"] == "matmul").collect();
     assert_eq!(matmuls.len(), n);
-    assert!(matmuls.iter().all(|e| e["ph"] == "X" && e["pid"] == 902 && e["tid"] == 0 && e["dur"].as_f64() >= Some(0.0)));
+    assert!(matmuls
+        .iter()
+        .all(|e| e["ph"] == "X" && e["pid"] == 902 && e["tid"] == 0 && e["dur"].as_f64() >= Some(0.0)));
     let recvs: Vec<_> = slices.iter().filter(|e| e["cat"] == "recv").collect();
     assert!(recvs.iter().all(|e| e["tid"] == 1 && e["args"]["bytes"] == 64), "{recvs:?}");
     let first = events.iter().map(|e| e.start_ns).min().unwrap();

@@ -43,6 +43,8 @@ pub const RING: u64 = 4;
 /// Where a message goes: posted by its receiver (`region`, lent for the copy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Want<E, R> {
+    /// The call it belongs to (`CallId`): a sender in another call refuses it.
+    pub call: CallId,
     pub region: R,
     pub bytes: usize,
     /// Recorded where the receiver's buffer is free to be written.
@@ -69,6 +71,15 @@ pub trait CopyQueue {
     fn copy(&mut self, dst: Self::Region, src: u64, bytes: usize) -> Result<()>;
     /// Copies `bytes` bytes from `src` (a sender's) into `dst` (this rank's).
     fn pull(&mut self, dst: u64, src: Self::Region, bytes: usize) -> Result<()>;
+}
+
+/// Which call of the group an exchange belongs to: its call site and XLA's
+/// run id (the same on every rank of one execution), so that ranks of
+/// different calls never pair their messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallId {
+    pub site: i64,
+    pub run: i64,
 }
 
 /// When a host wait gives up.
@@ -142,6 +153,16 @@ impl<E: Copy, R: Copy> Mailbox<E, R> {
         if let Some(n) = crate::sync::lock(&self.state).entered.get_mut(rank) {
             *n += 1;
         }
+    }
+
+    /// Fails the mailbox with rank `rank`'s error `e`, as the other ranks
+    /// report it (the same kind, naming the rank; a deadline as it is).
+    pub fn fail_for(&self, rank: usize, e: &Error) {
+        let who = self.devices.get(rank).map_or(String::new(), |d| format!(" (device {d})"));
+        self.fail(match e {
+            Error::DeadlineExceeded(_) => e.clone(),
+            other => other.prefixed(&format!("rank {rank}{who} failed: ")),
+        });
     }
 
     /// Whether the mailbox failed.
@@ -318,18 +339,21 @@ pub enum Omit {
 /// addresses: its own buffers), on `queue` (see the module's doc).
 pub fn exchange<Q: CopyQueue>(
     mailbox: &Mailbox<Q::Event, Q::Region>,
+    call: CallId,
     rank: usize,
     sends: &[P2p],
     recvs: &[P2p],
     queue: &mut Q,
     deadline: Deadline,
 ) -> Result<()> {
-    exchange_omitting(mailbox, rank, sends, recvs, queue, deadline, Omit::Nothing)
+    exchange_omitting(mailbox, call, rank, sends, recvs, queue, deadline, Omit::Nothing)
 }
 
 /// [`exchange`], leaving out `omit` (only the tests leave anything out).
+#[allow(clippy::too_many_arguments)]
 pub fn exchange_omitting<Q: CopyQueue>(
     mailbox: &Mailbox<Q::Event, Q::Region>,
+    call: CallId,
     rank: usize,
     sends: &[P2p],
     recvs: &[P2p],
@@ -359,7 +383,7 @@ pub fn exchange_omitting<Q: CopyQueue>(
             let region = queue.lend(r.addr, r.bytes, true)?;
             let ready = queue.ready_event(from, message)?;
             queue.record(ready)?;
-            let posted = mailbox.post(from, to, Kind::Want, Want { region, bytes: r.bytes, ready })?;
+            let posted = mailbox.post(from, to, Kind::Want, Want { call, region, bytes: r.bytes, ready })?;
             if posted != message {
                 return Err(Error::Internal(format!("copy transport: want {posted} of rank {to} numbered {message}")));
             }
@@ -367,7 +391,17 @@ pub fn exchange_omitting<Q: CopyQueue>(
         }
         // 2. Every send: into the receiver's slot once it is free.
         for s in sends {
+            // The copied event first: once the copy is enqueued, nothing may
+            // fail before its event is recorded and posted (a receiver that
+            // fails waits for what was posted).
+            let copied = queue.copied_event(s.peer, message_to(mailbox, rank, s.peer))?;
             mailbox.send(rank, s.peer, deadline, |message, want| {
+                if want.call != call {
+                    return Err(Error::Internal(format!(
+                        "copy transport: rank {} is in call {:?} of the group, rank {rank} in {call:?}",
+                        s.peer, want.call
+                    )));
+                }
                 if want.bytes != s.bytes {
                     return Err(Error::Internal(format!(
                         "copy transport: rank {} wants {} bytes of message {message} from rank {rank}, which sends {}",
@@ -378,7 +412,6 @@ pub fn exchange_omitting<Q: CopyQueue>(
                     queue.wait(want.ready)?;
                 }
                 queue.copy(want.region, s.addr, s.bytes)?;
-                let copied = queue.copied_event(s.peer, message)?;
                 queue.record(copied)?;
                 Ok(copied)
             })?;
@@ -401,13 +434,14 @@ pub fn exchange_omitting<Q: CopyQueue>(
         }
         // The group's message numbers are now out of step: every rank's
         // waits end, and the next call starts a new mailbox.
-        let who = mailbox.devices.get(rank).map_or(String::new(), |d| format!(" (device {d})"));
-        mailbox.fail(match e {
-            Error::DeadlineExceeded(m) => Error::DeadlineExceeded(m.clone()),
-            other => Error::DeadlineExceeded(format!("rank {rank}{who} failed: {other}")),
-        });
+        mailbox.fail_for(rank, e);
     }
     result
+}
+
+/// The number of the next message from `from` to `to` on the sending side.
+fn message_to<E, R>(mailbox: &Mailbox<E, R>, from: usize, to: usize) -> u64 {
+    crate::sync::lock(&mailbox.state).pairs.get(&(from, to)).map_or(0, |p| p.taken)
 }
 
 /// The pull protocol, for transfers whose source outlives the sender's
@@ -420,24 +454,30 @@ pub fn exchange_omitting<Q: CopyQueue>(
 /// for more of the sender's stream, which never waits for receivers.
 pub fn offer<Q: CopyQueue>(
     mailbox: &Mailbox<Q::Event, Q::Region>,
+    call: CallId,
     rank: usize,
     sends: &[P2p],
     queue: &mut Q,
 ) -> Result<()> {
-    for s in sends {
+    let result = sends.iter().try_for_each(|s| {
         let region = queue.lend(s.addr, s.bytes, false)?;
         let message = mailbox.next(rank, s.peer, Kind::Offer);
         let ready = queue.ready_event(s.peer, message)?;
         queue.record(ready)?;
-        mailbox.post(rank, s.peer, Kind::Offer, Want { region, bytes: s.bytes, ready })?;
+        mailbox.post(rank, s.peer, Kind::Offer, Want { call, region, bytes: s.bytes, ready }).map(drop)
+    });
+    if let Err(e) = &result {
+        // Its receivers would wait for offers that never come.
+        mailbox.fail_for(rank, e);
     }
-    Ok(())
+    result
 }
 
 /// The receiving half of the pull protocol (see [`offer`]): each of `recvs`
 /// copied from its sender's offer into this rank's buffer, in plan order.
 pub fn pull<Q: CopyQueue>(
     mailbox: &Mailbox<Q::Event, Q::Region>,
+    call: CallId,
     rank: usize,
     recvs: &[P2p],
     queue: &mut Q,
@@ -446,6 +486,12 @@ pub fn pull<Q: CopyQueue>(
     let result = (|| {
         for r in recvs {
             let (message, offer) = mailbox.take_offer(r.peer, rank, deadline)?;
+            if offer.call != call {
+                return Err(Error::Internal(format!(
+                    "copy transport: rank {} offered message {message} of {:?}, rank {rank} is in {call:?}",
+                    r.peer, offer.call
+                )));
+            }
             if offer.bytes != r.bytes {
                 return Err(Error::Internal(format!(
                     "copy transport: rank {} offers {} bytes as message {message}, rank {rank} expects {}",
@@ -458,7 +504,7 @@ pub fn pull<Q: CopyQueue>(
         Ok(())
     })();
     if let Err(e) = &result {
-        mailbox.fail(e.clone());
+        mailbox.fail_for(rank, e);
     }
     result
 }

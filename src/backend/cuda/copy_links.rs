@@ -50,6 +50,24 @@ pub fn choose(setting: Transport, members: &[Option<i32>]) -> Result<Chosen> {
     }
 }
 
+/// Chooses the transport of the group `key` (`choose`) and keeps it for the
+/// group's later calls (`decided`).
+pub fn decide(key: &CommKey, setting: Transport, members: &[Option<i32>]) -> Result<Chosen> {
+    let chosen = choose(setting, members)?;
+    crate::sync::lock(decisions()).insert(key.clone(), chosen);
+    Ok(chosen)
+}
+
+/// The transport last chosen for the group `key`, if any.
+pub fn decided(key: &CommKey) -> Option<Chosen> {
+    crate::sync::lock(decisions()).get(key).copied()
+}
+
+fn decisions() -> &'static Mutex<HashMap<CommKey, Chosen>> {
+    static DECISIONS: OnceLock<Mutex<HashMap<CommKey, Chosen>>> = OnceLock::new();
+    DECISIONS.get_or_init(Default::default)
+}
+
 /// Why copies cannot serve `members`, if they cannot (peer access is asked
 /// of the driver once per pair and kept).
 fn copies_refused(members: &[Option<i32>]) -> Result<Option<String>> {

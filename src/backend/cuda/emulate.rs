@@ -20,7 +20,7 @@
 #![forbid(unsafe_code)]
 
 use super::addresses::{Bases, DeviceBuffers, DeviceOp, P2p, Region};
-use super::copies::{self, CopyQueue, Deadline, Mailbox, Omit};
+use super::copies::{self, CallId, CopyQueue, Deadline, Mailbox, Omit};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
 use super::site_ops::SiteOps;
@@ -88,6 +88,8 @@ enum Transport<'a> {
 /// Records what the handler would enqueue on one rank; stream `lanes.len()` is XLA's.
 struct Recorder<'a> {
     rank: usize,
+    /// The call being issued (the copy transport pairs only messages of one call).
+    call: CallId,
     site: &'a SiteOps,
     bases: Bases,
     records: &'a Records,
@@ -125,7 +127,8 @@ impl StreamOps for Recorder<'_> {
                     let (rank, records) = (self.rank, self.records);
                     let failing = failing == Some(rank);
                     let mut lane = LaneQueue { rank, records, stream: &mut self.streams[lane], failing };
-                    copies::exchange_omitting(mailbox, rank, &sends, &recvs, &mut lane, deadline, omit)?;
+                    let call = self.call;
+                    copies::exchange_omitting(mailbox, call, rank, &sends, &recvs, &mut lane, deadline, omit)?;
                 }
                 _ => self.streams[lane].push(Cmd::Op(Box::new(op.clone()), bases)),
             }
@@ -348,11 +351,19 @@ struct Setup {
     /// A rank whose copies fail on its device.
     failing: Option<usize>,
     deadline: Duration,
+    /// Calls each rank makes in turn over one mailbox (the last one's output counts).
+    calls: usize,
 }
 
 impl Setup {
-    const NCCL: Setup =
-        Setup { copies: false, omit: Omit::Nothing, absent: None, failing: None, deadline: Duration::from_secs(20) };
+    const NCCL: Setup = Setup {
+        copies: false,
+        omit: Omit::Nothing,
+        absent: None,
+        failing: None,
+        deadline: Duration::from_secs(20),
+        calls: 1,
+    };
     const COPIES: Setup = Setup { copies: true, ..Setup::NCCL };
 }
 
@@ -402,8 +413,13 @@ fn issue_all(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setu
                 let records = &records;
                 scope.spawn(move || {
                     let streams = vec![Vec::new(); site.streams.lanes.len() + 1];
-                    let mut rec = Recorder { rank, site, bases: *bases, records, transport, streams };
-                    issue(p, &site.streams, &mut rec, 0, None).map(|()| (*id, rec.streams))
+                    let call = CallId { site: 0x0e0, run: 0 };
+                    let mut rec = Recorder { rank, call, site, bases: *bases, records, transport, streams };
+                    for run in 0..setup.calls {
+                        rec.call.run = run as i64;
+                        issue(p, &site.streams, &mut rec, 0, None)?;
+                    }
+                    Ok((*id, rec.streams))
                 })
             })
             .collect();
@@ -644,7 +660,7 @@ fn a_rank_that_never_arrives_ends_the_copy_transport_with_a_deadline_naming_it()
 }
 
 /// A rank whose copy fails ends every other rank's host wait at once, with
-/// an error naming it and saying why.
+/// its error's code, naming it and saying why.
 #[test]
 fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
     let (kind, x, w, out) = &cases(4)[0];
@@ -659,7 +675,7 @@ fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
         let m = e.message();
         assert!(m.contains("ILLEGAL_ADDRESS"), "rank {rank}: {e}");
         if rank != 1 {
-            assert!(matches!(&e, Error::DeadlineExceeded(m) if m.contains("rank 1 (device 1) failed")), "{e}");
+            assert!(matches!(&e, Error::Internal(m) if m.contains("rank 1 (device 1) failed")), "{e}");
         }
     }
 }
@@ -669,6 +685,9 @@ fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
 /// pipeline issues them in); 200 random layouts between disjoint meshes,
 /// direct as over copies, in every stream order: each destination tile is
 /// the planner's.
+/// The copy transport's identity of the reshards of the model.
+const RESHARD: CallId = CallId { site: 0x5e5d, run: 0 };
+
 #[test]
 fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
     use crate::reshard::device::{receive_side, send_side, Buffer};
@@ -705,7 +724,7 @@ fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
             let mut stream: Vec<Cmd> = side.pack.iter().map(|c| Cmd::Copy2d(*c)).collect();
             let sends: Vec<P2p> = side.sends.iter().map(p2p).collect();
             let mut lane = LaneQueue { rank: r, records: &records, stream: &mut stream, failing: false };
-            copies::offer(&mailbox, r, &sends, &mut lane).unwrap();
+            copies::offer(&mailbox, RESHARD, r, &sends, &mut lane).unwrap();
             ranks.push((2 * r, vec![stream]));
         }
         for r in (0..2 * n).filter(|&r| layout.dst[r].is_some()) {
@@ -715,7 +734,7 @@ fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
                 assert!(round.sends.is_empty(), "a direct plan forwards");
                 let recvs: Vec<P2p> = round.recvs.iter().map(p2p).collect();
                 let mut lane = LaneQueue { rank: r, records: &records, stream: &mut stream, failing: false };
-                copies::pull(&mailbox, r, &recvs, &mut lane, deadline).unwrap();
+                copies::pull(&mailbox, RESHARD, r, &recvs, &mut lane, deadline).unwrap();
             }
             stream.extend(side.unpack.iter().map(|c| Cmd::Copy2d(*c)));
             ranks.push((2 * r, vec![stream]));
@@ -728,4 +747,14 @@ fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
             }
         }
     }
+}
+
+/// Several calls in turn over one mailbox and one set of events, as a
+/// program's step after step: the events' ring wraps across calls, and the
+/// last call's outputs are still the CPU backend's.
+#[test]
+fn the_copy_transport_serves_calls_in_turn_over_one_mailbox() {
+    let mut site = 0x0c10_a000;
+    let differed = compare(&[2, 3, 4, 8], Setup { calls: 3, ..Setup::COPIES }, &mut site);
+    assert!(differed.is_empty(), "differ from the CPU backend: {differed:?}");
 }

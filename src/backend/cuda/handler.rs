@@ -13,6 +13,7 @@
 use super::addresses::{DeviceBuffers, Region};
 use super::api::require;
 use super::communicators::{CommKey, Placement};
+use super::copies::CallId;
 use super::copy_links::{self, Chosen};
 use super::device;
 use super::device_watch::{self, CallWatch};
@@ -86,14 +87,21 @@ fn placed<'a>(frame: &Frame<'a>) -> Result<(i64, Placement<'a>, &'a [i64], i32)>
 }
 
 /// The group's members: each one's CUDA ordinal in this process, `None`
-/// for another process's; and the transport its exchanges take.
+/// for another process's; and the transport its exchanges take: chosen at
+/// the INITIALIZE stage (`decide`) and kept, so that every rank of a launch
+/// takes the same one even if the setting changes while it runs.
 fn members_and_transport(
     group: &Group,
     placement: &Placement<'_>,
     mesh_devices: &[i64],
+    decide: bool,
 ) -> Result<(Vec<Option<i32>>, Chosen)> {
-    let members = placement.members(mesh_devices, &CommKey::of(group), device::device_count()?)?;
-    let chosen = copy_links::choose(crate::config::transport()?, &members)?;
+    let key = CommKey::of(group);
+    let members = placement.members(mesh_devices, &key, device::device_count()?)?;
+    let chosen = match copy_links::decided(&key) {
+        Some(chosen) if !decide => chosen,
+        _ => copy_links::decide(&key, crate::config::transport()?, &members)?,
+    };
     Ok((members, chosen))
 }
 
@@ -126,7 +134,7 @@ fn initialize(frame: &mut Frame<'_>) -> Result<()> {
     if group.devices.len() < 2 {
         return Ok(());
     }
-    let (members, chosen) = members_and_transport(&group, &placement, mesh_devices)?;
+    let (members, chosen) = members_and_transport(&group, &placement, mesh_devices, true)?;
     if chosen == Chosen::Copies {
         // No communicator: copies need only peer access, set up before any copy.
         return copy_links::enable_peer_access(ordinal, &members);
@@ -190,7 +198,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     // lock for the enqueueing.
     let key = CommKey::of(group);
     let chosen = if site_ops.exchanges {
-        let (members, chosen) = members_and_transport(group, &placement, mesh_devices)?;
+        let (members, chosen) = members_and_transport(group, &placement, mesh_devices, false)?;
         Some((members, chosen))
     } else {
         None
@@ -205,7 +213,10 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     let mailbox = matches!(chosen, Some((_, Chosen::Copies))).then(|| copy_links::mailbox(&key));
     let transport = match (&comms, &mailbox) {
         (Some(c), _) => Some(Exchanges::Nccl(c.rank(group.rank)?)),
-        (None, Some(m)) => Some(Exchanges::Copies { mailbox: m, key: &key, rank: group.rank }),
+        (None, Some(m)) => {
+            let call = CallId { site: *site, run: frame.run_id()? };
+            Some(Exchanges::Copies { mailbox: m, key: &key, rank: group.rank, call })
+        }
         (None, None) => None,
     };
     let mut d = crate::sync::lock(&dev);
@@ -236,7 +247,18 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         ..CallLabel::new(i64::from(ordinal), *site, kind.name(), plan, problem, x.bytes)
     });
     let observer = recording.as_ref().map(|r| r as &dyn Observer);
-    let result = stream_issue::issue(plan, &site_ops.streams, &mut ops, marked, observer);
+    let mut result = stream_issue::issue(plan, &site_ops.streams, &mut ops, marked, observer);
+    if let (Err(e), Some(m)) = (&result, &mailbox) {
+        // Whatever failed, the group's messages are out of step: its other
+        // ranks stop waiting, and its next call starts a new mailbox. Peers'
+        // copies already on their way into this call's buffers (and its own
+        // out) run on its lanes, which never wait for anything unrecorded:
+        // XLA's stream waits for them before it reuses the buffers.
+        m.fail_for(group.rank, e);
+        if let Err(join) = stream_issue::join_lanes(&site_ops.streams, &mut ops) {
+            result = result.map_err(|e| Error::Internal(format!("{e}; joining the lanes after it: {join}")));
+        }
+    }
     let comm_failed = ops.comm_failed;
     let result = match (result, watch) {
         (Ok(()), Some(w)) => w.submit(&xla_stream, kind.name(), *site, group.rank, *timeout),

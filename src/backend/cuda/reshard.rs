@@ -35,7 +35,7 @@
 use super::addresses::{check_same_device, poll_until, P2p};
 use super::api::require;
 use super::communicators::CommKey;
-use super::copies::{self, Deadline};
+use super::copies::{self, CallId, Deadline};
 use super::copy_links::{self, Chosen, CopyLane};
 use super::device::{self, Device};
 use super::device_watch::{self, CallWatch};
@@ -160,7 +160,7 @@ pub fn send_handler(frame: &mut Frame<'_>) -> Result<()> {
             }
             let sends: Vec<P2p> =
                 side.sends.iter().map(|t| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer }).collect();
-            copies::offer(mailbox, call.rank, &sends, lane)
+            copies::offer(mailbox, call.copy_call(), call.rank, &sends, lane)
         });
     }
     call.enqueue(frame, "reshard send", &xla, &memory, |d, comm| {
@@ -202,7 +202,7 @@ pub fn receive_handler(frame: &mut Frame<'_>) -> Result<()> {
                 }
                 let recvs: Vec<P2p> =
                     round.recvs.iter().map(|t| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer }).collect();
-                copies::pull(mailbox, call.rank, &recvs, lane, deadline)?;
+                copies::pull(mailbox, call.copy_call(), call.rank, &recvs, lane, deadline)?;
             }
             for copy in &side.unpack {
                 copy_on(copy, &xla, &memory)?;
@@ -315,6 +315,13 @@ impl ReshardCall {
         let deadline = Instant::now() + timeout;
         let interrupts = crate::config::interrupts();
         Ok(ReshardCall { attrs, planned, chosen, rank, site: frame.attr_i64("site")?, deadline, interrupts, timeout })
+    }
+
+    /// The copy transport's identity of this reshard: its layout pair's call
+    /// site, which the send and the receive program share (their XLA runs
+    /// differ).
+    fn copy_call(&self) -> CallId {
+        CallId { site: self.site, run: 0 }
     }
 
     /// Runs `body` over the copy transport: the device locked and current,

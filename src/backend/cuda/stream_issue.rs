@@ -62,7 +62,6 @@ pub fn issue(
     let watchers: Vec<Box<dyn LaneObserver + '_>> =
         observer.map_or_else(Vec::new, |o| schedule.lanes.iter().map(|&lane| o.lane(lane)).collect());
     let fork = schedule.events;
-    let join = |lane: usize| schedule.events + 1 + lane;
     ops.record(None, fork)?;
     for lane in 0..schedule.lanes.len() {
         ops.wait(Some(lane), fork)?;
@@ -87,6 +86,15 @@ pub fn issue(
             Command::Record(e) => ops.record(Some(lane), e)?,
         }
     }
+    join_lanes(schedule, ops)
+}
+
+/// Joins every lane back into the caller's stream: what `issue` does last,
+/// and what a caller does after a failed `issue` whose lanes may still hold
+/// work on the call's buffers that never waits for anything unrecorded (the
+/// copy transport's), so that the caller's stream covers it.
+pub fn join_lanes(schedule: &StreamSchedule, ops: &mut impl StreamOps) -> Result<()> {
+    let join = |lane: usize| schedule.events + 1 + lane;
     for lane in 0..schedule.lanes.len() {
         ops.record(Some(lane), join(lane))?;
         ops.wait(None, join(lane))?;

@@ -65,7 +65,7 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
         Stage::Initialize => {
             require(&[Lib::Driver, Lib::Nvrtc])?;
             let dev = device::bind(&stream)?;
-            let (members, chosen) = union_transport(&attrs)?;
+            let (members, chosen) = union_transport(&attrs, true)?;
             if chosen == Chosen::Copies {
                 copy_links::enable_peer_access(stream.ordinal, &members)?;
                 crate::sync::lock(copy_unions()).insert(attrs.devices.clone());
@@ -113,8 +113,10 @@ fn copy_unions() -> &'static Mutex<std::collections::HashSet<Vec<i64>>> {
 }
 
 /// The union's members as this process's CUDA ordinals (a reshard's union
-/// is all in this process: its device ids are the ordinals) and its transport.
-fn union_transport(attrs: &Attrs) -> Result<(Vec<Option<i32>>, Chosen)> {
+/// is all in this process: its device ids are the ordinals) and its
+/// transport: chosen by the connect program (`decide`) and kept, so that
+/// its send and receive programs take the same one.
+fn union_transport(attrs: &Attrs, decide: bool) -> Result<(Vec<Option<i32>>, Chosen)> {
     let count = device::device_count()?;
     let members = attrs
         .devices
@@ -126,7 +128,11 @@ fn union_transport(attrs: &Attrs) -> Result<(Vec<Option<i32>>, Chosen)> {
             ))),
         })
         .collect::<Result<Vec<_>>>()?;
-    let chosen = copy_links::choose(crate::config::transport()?, &members)?;
+    let key = CommKey::reshard(attrs.devices.clone());
+    let chosen = match copy_links::decided(&key) {
+        Some(chosen) if !decide => chosen,
+        _ => copy_links::decide(&key, crate::config::transport()?, &members)?,
+    };
     Ok((members, chosen))
 }
 
@@ -278,7 +284,7 @@ fn union_comms(
     let rank = attrs.rank_of(i64::from(ordinal))?;
     let d = crate::sync::lock(dev);
     check_same_device(ordinal, d.ordinal)?;
-    let (members, _) = union_transport(attrs)?;
+    let (members, _) = union_transport(attrs, false)?;
     let comms = nccl_group::group_comms(&CommKey::reshard(attrs.devices.clone()), &members, None, &d, deadline)?;
     Ok((rank, comms))
 }
@@ -309,7 +315,7 @@ impl ReshardCall {
     fn decode(frame: &Frame<'_>) -> Result<ReshardCall> {
         let attrs = Attrs::decode(frame)?;
         let rank = attrs.rank_of(i64::from(frame.device_ordinal()?))?;
-        let (_, chosen) = union_transport(&attrs)?;
+        let (_, chosen) = union_transport(&attrs, false)?;
         let planned = planned(&attrs, chosen)?;
         let timeout = crate::config::timeout()?;
         let deadline = Instant::now() + timeout;

@@ -73,6 +73,26 @@ pub trait CopyQueue {
     fn pull(&mut self, dst: u64, src: Self::Region, bytes: usize) -> Result<()>;
 }
 
+impl<E, R> Want<E, R> {
+    /// Ok when this post of rank `from` (`(from, me)`) is of `me`'s call and
+    /// as large as `me` expects message `message` to be.
+    fn check(&self, call: CallId, bytes: usize, (from, me): (usize, usize), message: u64) -> Result<()> {
+        if self.call != call {
+            return Err(Error::Internal(format!(
+                "copy transport: rank {from} posted message {message} of call {:?}, rank {me} is in {call:?}",
+                self.call
+            )));
+        }
+        if self.bytes != bytes {
+            return Err(Error::Internal(format!(
+                "copy transport: rank {from} posted {} bytes as message {message}, rank {me} expects {bytes}",
+                self.bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Which call of the group an exchange belongs to: its call site and XLA's
 /// run id (the same on every rank of one execution), so that ranks of
 /// different calls never pair their messages.
@@ -396,18 +416,7 @@ pub fn exchange_omitting<Q: CopyQueue>(
             // fails waits for what was posted).
             let copied = queue.copied_event(s.peer, message_to(mailbox, rank, s.peer))?;
             mailbox.send(rank, s.peer, deadline, |message, want| {
-                if want.call != call {
-                    return Err(Error::Internal(format!(
-                        "copy transport: rank {} is in call {:?} of the group, rank {rank} in {call:?}",
-                        s.peer, want.call
-                    )));
-                }
-                if want.bytes != s.bytes {
-                    return Err(Error::Internal(format!(
-                        "copy transport: rank {} wants {} bytes of message {message} from rank {rank}, which sends {}",
-                        s.peer, want.bytes, s.bytes
-                    )));
-                }
+                want.check(call, s.bytes, (s.peer, rank), message)?;
                 if omit != Omit::ReadyWait {
                     queue.wait(want.ready)?;
                 }
@@ -486,18 +495,7 @@ pub fn pull<Q: CopyQueue>(
     let result = (|| {
         for r in recvs {
             let (message, offer) = mailbox.take_offer(r.peer, rank, deadline)?;
-            if offer.call != call {
-                return Err(Error::Internal(format!(
-                    "copy transport: rank {} offered message {message} of {:?}, rank {rank} is in {call:?}",
-                    r.peer, offer.call
-                )));
-            }
-            if offer.bytes != r.bytes {
-                return Err(Error::Internal(format!(
-                    "copy transport: rank {} offers {} bytes as message {message}, rank {rank} expects {}",
-                    r.peer, offer.bytes, r.bytes
-                )));
-            }
+            offer.check(call, r.bytes, (r.peer, rank), message)?;
             queue.wait(offer.ready)?;
             queue.pull(r.addr, offer.region, r.bytes)?;
         }

@@ -158,7 +158,8 @@ def reshard(x: jax.Array, sharding: NamedSharding, *, schedule: str = "auto") ->
     at the devices holding it, in chunks, so each holder sends it once per
     chain), or `"auto"` (the cost model's pick, on the link model's figures
     when one is set). Runs on CPU devices, and on GPUs of one process between
-    meshes without a common device (NCCL); elsewhere `"auto"` falls back to
+    meshes without a common device (copy engines, direct only, or NCCL with
+    ``commfuse.configure(transport="nccl")``); elsewhere `"auto"` falls back to
     `jax.device_put` and the explicit schedules raise, saying why. To
     overlap the transfer with compute, use `reshard_start`.
     """

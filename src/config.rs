@@ -19,14 +19,27 @@ static TIMEOUT_OVERRIDE: Mutex<Option<Duration>> = Mutex::new(None);
 /// The deadline of every wait across devices: `configure`'s value, else
 /// `COMMFUSE_TIMEOUT_S` as it is when the program runs, else 30 s.
 pub fn timeout() -> Result<Duration> {
-    if let Some(t) = *crate::sync::lock(&TIMEOUT_OVERRIDE) {
-        return Ok(t);
+    setting(&TIMEOUT_OVERRIDE, TIMEOUT_VAR, parse_seconds, "a positive number of seconds", DEFAULT_TIMEOUT)
+}
+
+/// A setting: `overridden`'s value (set from Python), else the variable
+/// `var` as it is now, parsed by `parse` (an error saying it must be
+/// `expected`), else `default`.
+fn setting<T: Copy>(
+    overridden: &Mutex<Option<T>>,
+    var: &str,
+    parse: fn(&str) -> Option<T>,
+    expected: &str,
+    default: T,
+) -> Result<T> {
+    if let Some(v) = *crate::sync::lock(overridden) {
+        return Ok(v);
     }
-    match std::env::var(TIMEOUT_VAR) {
-        Ok(text) => parse_seconds(&text).ok_or_else(|| {
-            Error::InvalidArgument(format!("{TIMEOUT_VAR} must be a positive number of seconds, got {text:?}"))
-        }),
-        Err(_) => Ok(DEFAULT_TIMEOUT),
+    match std::env::var(var) {
+        Ok(text) => {
+            parse(&text).ok_or_else(|| Error::InvalidArgument(format!("{var} must be {expected}, got {text:?}")))
+        }
+        Err(_) => Ok(default),
     }
 }
 
@@ -64,15 +77,7 @@ static TRANSPORT_OVERRIDE: Mutex<Option<Transport>> = Mutex::new(None);
 /// The GPU transport: `configure`'s, else `COMMFUSE_TRANSPORT` as it is when
 /// the program runs (`auto`, `copies` or `nccl`), else `auto`.
 pub fn transport() -> Result<Transport> {
-    if let Some(t) = *crate::sync::lock(&TRANSPORT_OVERRIDE) {
-        return Ok(t);
-    }
-    match std::env::var(TRANSPORT_VAR) {
-        Ok(text) => Transport::parse(&text).ok_or_else(|| {
-            Error::InvalidArgument(format!("{TRANSPORT_VAR} must be auto, copies or nccl, got {text:?}"))
-        }),
-        Err(_) => Ok(Transport::Auto),
-    }
+    setting(&TRANSPORT_OVERRIDE, TRANSPORT_VAR, Transport::parse, "auto, copies or nccl", Transport::Auto)
 }
 
 /// `None` clears the override.

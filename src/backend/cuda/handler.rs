@@ -87,22 +87,20 @@ fn placed<'a>(frame: &Frame<'a>) -> Result<(i64, Placement<'a>, &'a [i64], i32)>
 }
 
 /// The group's members: each one's CUDA ordinal in this process, `None`
-/// for another process's; and the transport its exchanges take: chosen at
-/// the INITIALIZE stage (`decide`) and kept, so that every rank of a launch
-/// takes the same one even if the setting changes while it runs.
-fn members_and_transport(
-    group: &Group,
-    placement: &Placement<'_>,
-    mesh_devices: &[i64],
-    decide: bool,
-) -> Result<(Vec<Option<i32>>, Chosen)> {
-    let key = CommKey::of(group);
-    let members = placement.members(mesh_devices, &key, device::device_count()?)?;
-    let chosen = match copy_links::decided(&key) {
-        Some(chosen) if !decide => chosen,
-        _ => copy_links::decide(&key, crate::config::transport()?, &members)?,
-    };
-    Ok((members, chosen))
+/// for another process's.
+fn members_of(group: &Group, placement: &Placement<'_>, mesh_devices: &[i64]) -> Result<Vec<Option<i32>>> {
+    placement.members(mesh_devices, &CommKey::of(group), device::device_count()?)
+}
+
+/// The transport of the group `key` (members `members`): chosen at the
+/// INITIALIZE stage and kept, so that every rank of a launch takes the same
+/// one even if the setting changes while it runs; an EXECUTE call takes the
+/// kept one (deciding only if INITIALIZE never ran).
+fn transport_of(key: &CommKey, members: impl FnOnce() -> Result<Vec<Option<i32>>>, decide: bool) -> Result<Chosen> {
+    match copy_links::decided(key) {
+        Some(chosen) if !decide => Ok(chosen),
+        _ => copy_links::decide(key, crate::config::transport()?, &members()?),
+    }
 }
 
 /// The group's communicators (created on first use: a host wait for every
@@ -134,7 +132,8 @@ fn initialize(frame: &mut Frame<'_>) -> Result<()> {
     if group.devices.len() < 2 {
         return Ok(());
     }
-    let (members, chosen) = members_and_transport(&group, &placement, mesh_devices, true)?;
+    let members = members_of(&group, &placement, mesh_devices)?;
+    let chosen = transport_of(&CommKey::of(&group), || Ok(members.clone()), true)?;
     if chosen == Chosen::Copies {
         // No communicator: copies need only peer access, set up before any copy.
         return copy_links::enable_peer_access(ordinal, &members);
@@ -197,20 +196,17 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
     // group's lock and sets other devices' contexts), then this device's
     // lock for the enqueueing.
     let key = CommKey::of(group);
-    let chosen = if site_ops.exchanges {
-        let (members, chosen) = members_and_transport(group, &placement, mesh_devices, false)?;
-        Some((members, chosen))
-    } else {
-        None
-    };
-    let comms = match &chosen {
-        Some((members, Chosen::Nccl)) => {
+    // Over copies a call needs no member list: only NCCL's communicators do.
+    let members = || members_of(group, &placement, mesh_devices);
+    let chosen = site_ops.exchanges.then(|| transport_of(&key, members, false)).transpose()?;
+    let comms = match chosen {
+        Some(Chosen::Nccl) => {
             require(&[Lib::Nccl])?;
-            Some(communicators(group, &placement, members, ordinal, &dev, deadline)?)
+            Some(communicators(group, &placement, &members()?, ordinal, &dev, deadline)?)
         }
         _ => None,
     };
-    let mailbox = matches!(chosen, Some((_, Chosen::Copies))).then(|| copy_links::mailbox(&key));
+    let mailbox = (chosen == Some(Chosen::Copies)).then(|| copy_links::mailbox(&key));
     let transport = match (&comms, &mailbox) {
         (Some(c), _) => Some(Exchanges::Nccl(c.rank(group.rank)?)),
         (None, Some(m)) => {
@@ -241,7 +237,7 @@ pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
         watch: watch.as_ref(),
     };
     let marked = if watch.is_some() { site_ops.marks } else { 0 };
-    let transport_name = chosen.as_ref().map_or("none", |(_, c)| c.name());
+    let transport_name = chosen.map_or("none", Chosen::name);
     let recording = Recording::begin(plan, || CallLabel {
         transport: transport_name,
         ..CallLabel::new(i64::from(ordinal), *site, kind.name(), plan, problem, x.bytes)

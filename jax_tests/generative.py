@@ -298,13 +298,18 @@ class Builder:
         if layout is None or not self.fits(layout[3]) or any(d > MAX_DIM for d in layout[0]):
             raise _Skip
         i, _ = self._dot_weight(form, layout, wspec)
-        self.step(lambda h, ws, i=i, layout=layout: _dot(h, ws[i], layout, form))
-        before, dtype = self.shape, self.dtype
+        before = self._step_dot(lambda h, ws, i=i, layout=layout: _dot(h, ws[i], layout, form), layout, form)
+        return f"dot {dot_desc(form)} {before} @ w{list(layout[0])} -> {_fmt(self.shape, self.dtype)}"
+
+    def _step_dot(self, fn, layout, form):
+        """Adds `fn`, a dot of `layout` in `form`, as the next step; returns the
+        operand as it was (shape and dtype, for the description)."""
+        self.step(fn)
+        before = _fmt(self.shape, self.dtype)
         self.shape = layout[3]
         if form.get("pet"):
             self.dtype = F32
-        return (f"dot {dot_desc(form)} {_fmt(before, dtype)} @ w{list(layout[0])} -> "
-                f"{_fmt(self.shape, self.dtype)}")
+        return before
 
     def _claim(self, what, dots=1):
         self.pairs.append(what)
@@ -453,11 +458,8 @@ class Builder:
             w = jax.lax.all_gather(ws[i].astype(h.dtype), axes, axis=wdim, tiled=True)
             return _dot(h, w, layout, form)
 
-        self.step(fn)
-        before, self.shape = self.shape, layout[3]
-        if form.get("pet"):
-            self.dtype = F32
-        self.say(f"[pair] dot {dot_desc(form)} {_fmt(before, self.dtype)} @ all_gather(w{local}, axes={axes}, "
+        before = self._step_dot(fn, layout, form)
+        self.say(f"[pair] dot {dot_desc(form)} {before} @ all_gather(w{local}, axes={axes}, "
                  f"dim={wdim}) -> {_fmt(self.shape, self.dtype)}")
         self._claim(f"dot {dot_desc(form)} of all_gather(w, dim={wdim})")
         return True
@@ -577,11 +579,8 @@ class Builder:
         def fn(h, ws, i=i, layout=layout):
             return _dot(h, jax.lax.all_gather(ws[i].astype(h.dtype), axes_w, axis=wdim, tiled=True), layout, form)
 
-        self.step(fn)
-        before, self.shape = self.shape, layout[3]
-        if form.get("pet"):
-            self.dtype = F32
-        self.say(f"[pair] {a}  ->  dot {dot_desc(form)} {_fmt(before, self.dtype)} @ all_gather(w{local}, "
+        before = self._step_dot(fn, layout, form)
+        self.say(f"[pair] {a}  ->  dot {dot_desc(form)} {before} @ all_gather(w{local}, "
                  f"axes={axes_w}, dim={wdim}) -> {_fmt(self.shape, self.dtype)}")
         self._claim(f"all_gather(dim={dim}) -> dot {dot_desc(form)} <- all_gather(w, dim={wdim}) (one dot)")
         return True

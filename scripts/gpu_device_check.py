@@ -189,12 +189,6 @@ def check_pytest(repo: str) -> None:
     row("jax_tests/test_gpu.py (COMMFUSE_REQUIRE_GPU=1)", "PASS" if code == 0 else "FAIL",
         (summary[-1] if summary else tail(out)) + ("" if code == 0 else " | " + tail(
             "\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR", "E "))), 800)))
-    env = dict(os.environ, COMMFUSE_TEST_SHARED_GPU="1", COMMFUSE_TIMEOUT_S="60")
-    code, out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "gpu",
-                     os.path.join(repo, "jax_tests", "test_gpu.py"), "-k", "two_processes and ring"], 400, env,
-                    "two_ranks_one_gpu.log")
-    row("two ranks on one GPU (two jax.distributed processes, NCCL_MULTI_RANK_GPU_ENABLE=1)",
-        "PASS" if code == 0 else "FAIL", tail(out, 600))
 
 
 def check_rust(tests: str | None) -> None:
@@ -207,7 +201,7 @@ def check_rust(tests: str | None) -> None:
         "PASS" if code == 0 else "FAIL", tail(out))
     code, out = run([tests, "--include-ignored", "--test-threads", "1",
                      "backend::cuda::enqueue::tests::several_ranks_on_one_gpu",
-                     "backend::cuda::enqueue::tests::a_rank_that_never_arrives"], 600, log="rust_copies_one_gpu.log")
+                     "backend::cuda::enqueue::tests::a_rank_that_never_arrives"], 300, log="rust_copies_one_gpu.log")
     row("Rust device tests: 2, 4 and 8 ranks on GPU 0 over the copy transport, every op kind and schedule vs the "
         "CPU backend bit for bit; a rank that never arrives ends in DEADLINE_EXCEEDED naming it",
         "PASS" if code == 0 else "FAIL", tail(out))
@@ -224,6 +218,80 @@ def check_rust(tests: str | None) -> None:
     row(label, "PASS" if code == 0 else "FAIL", tail(out))
 
 
+def multi_rank_nccl() -> str | None:
+    """The NCCL of 2.30 or later that COMMFUSE_MULTI_RANK_NCCL names, once it
+    exists: it may still be being built beside the first checks, so this
+    waits for it, bounded by COMMFUSE_MULTI_RANK_NCCL_WAIT_S (default 0)."""
+    nccl = os.environ.get("COMMFUSE_MULTI_RANK_NCCL")
+    waited = time.monotonic() + float(os.environ.get("COMMFUSE_MULTI_RANK_NCCL_WAIT_S", "0"))
+    while nccl and not os.path.exists(nccl) and time.monotonic() < waited:
+        time.sleep(2)
+    return nccl if nccl and os.path.exists(nccl) else None
+
+
+def check_multi_rank_nccl(tests: str | None, repo: str) -> None:
+    """Two ranks on GPU 0 over NCCL, in one process (the Rust device test) and
+    in two jax.distributed processes: needs an NCCL of 2.30 or later, named
+    by COMMFUSE_MULTI_RANK_NCCL (pip's 2.28 refuses several ranks on one GPU).
+    (`multi_rank_nccl`)."""
+    nccl = multi_rank_nccl()
+    rust = "Rust device test: 2 ranks on GPU 0 over NCCL, every op kind and schedule vs the CPU backend bit for bit"
+    jax_label = "two ranks on one GPU (two jax.distributed processes, NCCL_MULTI_RANK_GPU_ENABLE=1)"
+    if not nccl:
+        why = "COMMFUSE_MULTI_RANK_NCCL names no NCCL 2.30+ (pip's NCCL refuses several ranks on one GPU)"
+        row(rust, "N/A", why)
+        row(jax_label, "N/A", why)
+        return
+    if tests:
+        env = dict(os.environ, COMMFUSE_CUDA_LIBRARY_PATH=nccl, NCCL_MULTI_RANK_GPU_ENABLE="1")
+        code, out = run([tests, "--include-ignored", "--test-threads", "1",
+                         "backend::cuda::enqueue::tests::two_ranks_on_one_gpu"], 240, env, "rust_nccl_one_gpu.log")
+        row(rust, "PASS" if code == 0 else "FAIL", f"NCCL at {nccl}: " + tail(out))
+    else:
+        row(rust, "N/A", "no test binary given (--rust-tests)")
+    # Preloaded too, so that XLA's own collectives in those processes use the same NCCL.
+    env = dict(os.environ, COMMFUSE_TEST_SHARED_GPU="1", COMMFUSE_TIMEOUT_S="60", COMMFUSE_CUDA_LIBRARY_PATH=nccl,
+               LD_PRELOAD=nccl)
+    code, out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "gpu",
+                     os.path.join(repo, "jax_tests", "test_gpu.py"), "-k", "two_processes and ring"], 400, env,
+                    "two_ranks_one_gpu.log")
+    row(jax_label, "PASS" if code == 0 else "FAIL", tail(out, 600))
+
+
+def check_gemm_facts(repo: str) -> None:
+    """scripts/gpu_contention.py: a GEMM beside copy-engine copies, and a ring's
+    per-peer GEMM pieces against one GEMM (figures, not pass/fail)."""
+    import json
+
+    code, out = run([sys.executable, os.path.join(repo, "scripts", "gpu_contention.py")], 300, log="gemm_facts.log")
+    for line in out.splitlines():
+        try:
+            f = json.loads(line)
+        except ValueError:
+            continue
+        shape = f"{f.get('m')}x{f.get('k')}x{f.get('n')}"
+        if f["kind"] == "gemm":
+            row(f"GEMM bf16 {shape}", "PASS", f"{f['ms']:.3f} ms, {f['tflops']:.0f} TFLOP/s")
+        elif f["kind"] == "beside_copies":
+            target = "unpaced" if f["target_gbps"] is None else f"paced to {f['target_gbps']:.0f} GB/s"
+            row(f"GEMM bf16 {shape} beside copy-engine copies {target}", "PASS",
+                f"GEMM keeps {f['gemm_kept']:.3f} of its throughput; copies moved {f['achieved_gbps']:.0f} GB/s")
+        elif f["kind"] == "pieces":
+            row(f"{f['parts']} per-peer pieces of {shape}, {f['how']}", "PASS",
+                f"{f['efficiency']:.3f} of one GEMM (tile/wave model {f['model']:.3f})")
+        elif f["kind"] == "rows_curve":
+            row(f"GEMM bf16 {shape} alone", "PASS", f"{f['us']:.1f} us, {f['tflops']:.0f} TFLOP/s")
+        elif f["kind"] == "beside_nccl":
+            row(f"GEMM bf16 {shape} beside NCCL {f['nccl']} send/receive, 2 ranks on this GPU", "PASS",
+                f"GEMM keeps {f['gemm_kept']:.3f} of its throughput; NCCL moved {f['achieved_gbps']:.1f} GB/s each way")
+        elif f["kind"] == "error":
+            row("GEMM facts", "N/A" if "not measured" in f["error"] else "FAIL", f["error"])
+        elif f["kind"] == "device":
+            row("GEMM facts: device", "PASS", f"{f['name']}, {f['sms']} SMs, torch {f['torch']}")
+    if code != 0:
+        row("scripts/gpu_contention.py", "FAIL", tail(out))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_check_table.md")
@@ -234,13 +302,14 @@ def main() -> int:
     LOGS = args.logs
     os.makedirs(LOGS, exist_ok=True)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for check in (check_host, check_libraries, check_ops_and_kernels, check_overhead):
+    # The Rust device tests first: no JAX process holds the GPU while they run.
+    for check in (check_host, lambda: check_rust(args.rust_tests), lambda: check_multi_rank_nccl(args.rust_tests, repo),
+                  lambda: check_gemm_facts(repo), check_libraries, check_ops_and_kernels, check_overhead,
+                  lambda: check_pytest(repo)):
         try:
             check()
         except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run
-            row(check.__name__, "FAIL", tail(f"{type(e).__name__}: {e}"))
-    check_rust(args.rust_tests)
-    check_pytest(repo)
+            row(getattr(check, "__name__", "check"), "FAIL", tail(f"{type(e).__name__}: {e}"))
     lines = ["| check | result | detail |", "|---|---|---|"]
     lines += [f"| {c} | {s} | {d.replace('|', '/')} |" for c, s, d in ROWS]
     table = "\n".join(lines)

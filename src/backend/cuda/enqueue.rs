@@ -231,8 +231,13 @@ mod tests {
         let device = device::bind_as(&xla, me.slot).unwrap();
         let call_memory = CallMemory::of_owned(&[&xd, &wd, &outd, &wsd]);
         let comms = (n > 1 && me.copies.is_none()).then(|| {
-            let key = CommKey::fused_ops((0..n as i64).collect());
-            let members: Vec<Option<i32>> = (0..n as i32).map(Some).collect();
+            // Ranks in device slots share one GPU (NCCL 2.30+ with
+            // NCCL_MULTI_RANK_GPU_ENABLE=1); otherwise rank r is GPU r.
+            let (key, members): (CommKey, Vec<Option<i32>>) = if me.slot > 0 {
+                (CommKey::fused_ops((7200..7200 + n as i64).collect()), vec![Some(me.ordinal); n])
+            } else {
+                (CommKey::fused_ops((0..n as i64).collect()), (0..n as i32).map(Some).collect())
+            };
             let d = device.lock().unwrap();
             nccl_group::group_comms(&key, &members, None, &d, deadline).unwrap()
         });
@@ -346,6 +351,39 @@ mod tests {
                     for r in 0..n {
                         assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on GPU 0", case.0);
                     }
+                }
+            }
+        }
+    }
+
+    /// Two ranks on GPU 0 over NCCL (2.30 or later, which accepts several
+    /// ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1): every op kind and
+    /// schedule, bit for bit as the CPU backend.
+    #[test]
+    #[ignore = "needs a CUDA GPU and NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1: scripts/gpu_device_check.sh runs it"]
+    fn two_ranks_on_one_gpu_run_every_op_over_nccl_as_the_cpu_backend_does() {
+        usable_devices();
+        let version = crate::backend::cuda::nccl::version_code().unwrap();
+        assert!(version >= 23000, "NCCL {version} refuses several ranks on one GPU: 2.30 or later is needed");
+        assert_eq!(std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref(), Ok("1"), "set NCCL_MULTI_RANK_GPU_ENABLE=1");
+        let n = 2;
+        let mut site = 0x7300;
+        for case in cases(n as i64) {
+            for schedule in schedules(case.0) {
+                site += 1;
+                let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..n)
+                        .map(|r| {
+                            let me = Rank { slot: 1 + r, ..Rank::nccl(0, r, n) };
+                            let case = &case;
+                            s.spawn(move || run_on(&me, case, schedule))
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                let want = reference(&case, schedule, n, site);
+                for r in 0..n {
+                    assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on GPU 0 over NCCL", case.0);
                 }
             }
         }

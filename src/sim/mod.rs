@@ -14,6 +14,7 @@
 
 pub mod engine;
 pub mod explain;
+pub mod gemm_waves;
 pub mod model;
 #[cfg(test)]
 mod tests;
@@ -23,6 +24,7 @@ pub use model::{auto_pick, auto_schedule, candidates, choose, predict, Choice, M
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use gemm_waves::Waves;
 
 /// How devices are connected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -45,9 +47,11 @@ pub struct Link {
 }
 
 /// The GEMM rate as a function of shape: a roofline, `time = overhead +
-/// max(flops / (peak * efficiency * size_efficiency), bytes / memory bandwidth)`,
-/// with `size_efficiency = d / (d + half_dim)` for `d` the smallest of m, k, n
-/// (thin GEMMs fill fewer tiles). Sums and copies are memory bound.
+/// max(flops / (peak * efficiency * size_efficiency), bytes / memory bandwidth)`.
+/// On a GPU (`waves`), `size_efficiency` is the tile/wave model's
+/// ([`gemm_waves`]: the last wave of tiles leaves SMs idle); elsewhere it is
+/// `d / (d + half_dim)` for `d` the smallest of m, k, n (thin GEMMs fill
+/// fewer tiles). Sums and copies are memory bound.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Compute {
     /// Peak flop/s for 16-bit inputs (bf16, f16), f32 inputs, and f64 inputs.
@@ -62,6 +66,8 @@ pub struct Compute {
     pub half_dim: f64,
     /// Fixed cost of each GEMM or sum (a kernel launch, a thread wake-up).
     pub overhead_s: f64,
+    /// A GPU's SMs and tiles: GEMMs pay for their last wave (`None`: `half_dim`).
+    pub waves: Option<Waves>,
 }
 
 impl Compute {
@@ -82,7 +88,11 @@ impl Compute {
             return self.overhead_s;
         }
         let d = mf.min(kf).min(nf);
-        let size_efficiency = if self.half_dim > 0.0 { d / (d + self.half_dim) } else { 1.0 };
+        let size_efficiency = match self.waves {
+            Some(w) => w.efficiency(m, n),
+            None if self.half_dim > 0.0 => d / (d + self.half_dim),
+            None => 1.0,
+        };
         let rate = self.peak(input) * self.efficiency * size_efficiency;
         let reads = if accumulate { 2.0 } else { 1.0 };
         let bytes = (mf * kf + kf * nf) * input.size() as f64 + mf * nf * acc.size() as f64 * reads;
@@ -116,16 +126,21 @@ impl Machine {
     /// - Dense tensor-core peaks from the NVIDIA H100 datasheet (SXM column):
     ///   bf16/fp16 989.4 TFLOP/s (1979 "with sparsity"), TF32 494.7 (used for
     ///   f32, as cuBLAS does under JAX's default precision), FP64 tensor 66.9.
-    /// - ~70% of peak achievable on large GEMMs (typical cuBLAS bf16 results,
-    ///   ~650-750 TFLOP/s); half efficiency at a smallest dim of ~128 (one
-    ///   tile row): an estimate.
+    /// - 78% of peak on large GEMMs whose tiles fill whole waves: cuBLAS bf16
+    ///   8192x8192x3584 measured at 788 TFLOP/s on an H100 (2026-11-25) and
+    ///   700-800 on an H200 (2026-11-26); smaller GEMMs and per-peer pieces
+    ///   lose their last wave (`gemm_waves`, fitted to the pieces measured on
+    ///   both, GPU.md).
     /// - HBM3 3.35 TB/s (datasheet).
     /// - NVLink 4: 18 links x 50 GB/s = 900 GB/s bidirectional per GPU, i.e.
     ///   450 GB/s per direction, all through the NVSwitch: switch topology.
     ///   NCCL reaches ~370-400 GB/s bus bandwidth; we take 450 per the brief
     ///   of ideal-but-usable P2P over copy engines.
     /// - Latency ~8 us per message (NCCL P2P launch plus hop; an estimate),
-    ///   and ~4 us per kernel (launch and tail).
+    ///   and 2 us per kernel (launch and tail: the fit of the per-peer pieces).
+    /// - Copy-engine transfers leave a GEMM its throughput (0.97-1.08 of it
+    ///   beside copies paced to 40-300 GB/s, H200 2026-11-26), so transfers
+    ///   take nothing from the GEMMs here; NCCL's kernels took 5-18% (GPU.md).
     pub fn h100_nvlink() -> Machine {
         Machine {
             name: "h100_nvlink".into(),
@@ -133,10 +148,11 @@ impl Machine {
                 peak_16: 989.4e12,
                 peak_32: 494.7e12,
                 peak_64: 66.9e12,
-                efficiency: 0.7,
+                efficiency: 0.78,
                 memory_bytes_per_s: 3.35e12,
-                half_dim: 128.0,
-                overhead_s: 4e-6,
+                half_dim: 0.0,
+                overhead_s: 2e-6,
+                waves: Some(Waves::HOPPER_132),
             },
             link: Link { bytes_per_s: 450e9, latency_s: 8e-6, topology: Topology::Switch },
             shared_processors: None,
@@ -161,6 +177,7 @@ impl Machine {
     ///   Each GPU has its own x16 link into the PCIe switch / root complex:
     ///   switch topology with 64 GB/s ports.
     /// - Latency ~15 us per message (PCIe P2P through the root complex; an estimate).
+    /// - 114 SMs (the PCIe part's), GEMMs as on the SXM part (`h100_nvlink`).
     pub fn h100_pcie() -> Machine {
         Machine {
             name: "h100_pcie".into(),
@@ -168,10 +185,11 @@ impl Machine {
                 peak_16: 756e12,
                 peak_32: 378e12,
                 peak_64: 51.2e12,
-                efficiency: 0.7,
+                efficiency: 0.78,
                 memory_bytes_per_s: 2.0e12,
-                half_dim: 128.0,
-                overhead_s: 4e-6,
+                half_dim: 0.0,
+                overhead_s: 2e-6,
+                waves: Some(Waves::HOPPER_114),
             },
             link: Link { bytes_per_s: 64e9, latency_s: 15e-6, topology: Topology::Switch },
             shared_processors: None,
@@ -197,6 +215,7 @@ impl Machine {
                 memory_bytes_per_s: 10e9,
                 half_dim: 4.0,
                 overhead_s: 5e-6,
+                waves: None,
             },
             link: Link { bytes_per_s: 10e9, latency_s: 10e-6, topology: Topology::Switch },
             shared_processors: Some(cores.max(1) as f64),

@@ -201,9 +201,11 @@ def check_rust(tests: str | None) -> None:
         "PASS" if code == 0 else "FAIL", tail(out))
     code, out = run([tests, "--include-ignored", "--test-threads", "1",
                      "backend::cuda::enqueue::tests::several_ranks_on_one_gpu",
-                     "backend::cuda::enqueue::tests::a_rank_that_never_arrives"], 300, log="rust_copies_one_gpu.log")
+                     "backend::cuda::enqueue::tests::a_rank_that_never_arrives",
+                     "backend::cuda::reshard::tests::ranks_on_one_gpu"], 300, log="rust_copies_one_gpu.log")
     row("Rust device tests: 2, 4 and 8 ranks on GPU 0 over the copy transport, every op kind and schedule vs the "
-        "CPU backend bit for bit; a rank that never arrives ends in DEADLINE_EXCEEDED naming it",
+        "CPU backend bit for bit; a rank that never arrives ends in DEADLINE_EXCEEDED naming it; reshard layouts "
+        "between 8 ranks on GPU 0 as the planner says",
         "PASS" if code == 0 else "FAIL", tail(out))
     try:
         gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")

@@ -533,6 +533,103 @@ mod tests {
         out.map(|o| o.read(o.bytes()).unwrap())
     }
 
+    /// Rank `rank`'s part of `layout` over the copy transport, every rank
+    /// on GPU 0 (as the handlers enqueue it, without XLA): the source packs
+    /// and offers, the destination pulls and unpacks. Each rank keeps its
+    /// memory until every rank is done (`done`): an offer is read by its
+    /// receiver after the sender's call returned, as `commfuse.reshard`'s
+    /// staging outlives its send program. Returns the destination tile.
+    fn run_rank_over_copies(layout: &Layout, plan: &Plan, rank: usize, done: &std::sync::Barrier) -> Option<Vec<u8>> {
+        use crate::backend::cuda::copies::{self, Deadline};
+        let context = Context::primary(0).unwrap();
+        context.make_current().unwrap();
+        let stream = Stream::new().unwrap();
+        let xla = CallStream::playing_xla(&stream).unwrap();
+        let deadline =
+            Deadline { at: Instant::now() + Duration::from_secs(60), interrupts: crate::config::interrupts() };
+        let key = CommKey::reshard((8000..8000 + layout.ranks() as i64).collect());
+        let mailbox = copy_links::mailbox(&key);
+        let call = CallId { site: 0x5e50, run: 0 };
+        let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
+        let buffer = |m: &DeviceMemory| Buffer { addr: m.addr(), bytes: m.bytes() };
+        let p2p = |t: &Transfer| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer };
+        let mut kept = vec![];
+        if let Some(tile) = &layout.src[rank] {
+            let (x, staging) = (memory(&filled(layout, tile)), memory(&vec![0xee; layout.bytes(tile)]));
+            let side = send_side(layout, plan, rank, buffer(&x), buffer(&staging)).unwrap();
+            let owned = CallMemory::of_owned(&[&x, &staging]);
+            side.pack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
+            let sends: Vec<P2p> = side.sends.iter().map(p2p).collect();
+            let mut lane = CopyLane { key: &key, rank, ordinal: 0, stream: &xla, memory: &owned };
+            copies::offer(&mailbox, call, rank, &sends, &mut lane).unwrap();
+            drop(owned);
+            kept.extend([x, staging]);
+        }
+        let out = layout.dst[rank].as_ref().map(|tile| {
+            let (out, staging) = (memory(&vec![0xee; layout.bytes(tile)]), memory(&vec![0xee; layout.bytes(tile)]));
+            let side = receive_side(layout, plan, rank, buffer(&out), buffer(&staging)).unwrap();
+            let owned = CallMemory::of_owned(&[&out, &staging]);
+            for round in &side.rounds {
+                assert!(round.sends.is_empty(), "a direct plan forwards");
+                let recvs: Vec<P2p> = round.recvs.iter().map(p2p).collect();
+                let mut lane = CopyLane { key: &key, rank, ordinal: 0, stream: &xla, memory: &owned };
+                copies::pull(&mailbox, call, rank, &recvs, &mut lane, deadline).unwrap();
+            }
+            side.unpack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
+            drop(owned);
+            kept.push(staging);
+            out
+        });
+        synchronize(&xla).unwrap();
+        let out = out.map(|o| o.read(o.bytes()).unwrap());
+        done.wait();
+        out
+    }
+
+    /// Layouts between ranks that all live on GPU 0, over the copy
+    /// transport (direct, as reshards over copies go): 4 source ranks with
+    /// rows to 4 destination ranks with columns, rows and replicas, and the
+    /// reverse; every tile as the planner's.
+    #[test]
+    #[ignore = "needs a CUDA GPU: scripts/gpu_device_check.sh runs it"]
+    fn ranks_on_one_gpu_move_layouts_over_copies_as_the_planner_says() {
+        require(&[Lib::Driver, Lib::Nvrtc]).unwrap();
+        let half = 4;
+        let (rows, cols) = (16 * half, 8 * half);
+        let tile = |r: (usize, usize), c: (usize, usize)| Some(Region { start: vec![r.0, c.0], end: vec![r.1, c.1] });
+        let split = |i: usize, n: usize| (i * n / half, (i + 1) * n / half);
+        let by_rows: Vec<_> = (0..half).map(|i| tile(split(i, rows), (0, cols))).collect();
+        let others: [Vec<Option<Region>>; 3] = [
+            (0..half).map(|i| tile((0, rows), split(i, cols))).collect(),
+            by_rows.clone(),
+            (0..half).map(|_| tile((0, rows), (0, cols))).collect(),
+        ];
+        let none = || (0..half).map(|_| None::<Region>);
+        for other in others {
+            for (src, dst) in [(by_rows.clone(), other.clone()), (other.clone(), by_rows.clone())] {
+                let src: Vec<_> = src.into_iter().chain(none()).collect();
+                let dst: Vec<_> = none().chain(dst).collect();
+                let layout = Layout::new(vec![rows, cols], 4, src, dst).unwrap();
+                let plan = plan(&layout, Method::Direct);
+                let done = std::sync::Barrier::new(2 * half);
+                let outs: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..2 * half)
+                        .map(|r| {
+                            let (layout, plan, done) = (&layout, &plan, &done);
+                            s.spawn(move || run_rank_over_copies(layout, plan, r, done))
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (rank, out) in outs.into_iter().enumerate() {
+                    if let Some(tile) = &layout.dst[rank] {
+                        assert!(out.unwrap() == filled(&layout, tile), "rank {rank} of {layout:?}");
+                    }
+                }
+            }
+        }
+    }
+
     /// Rows over the first half of the local GPUs to columns, rows and
     /// replicas over the second half, each method, one thread per GPU (as
     /// XLA runs them); every tile as the planner's.

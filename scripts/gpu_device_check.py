@@ -260,6 +260,39 @@ def check_multi_rank_nccl(tests: str | None, repo: str) -> None:
     row(jax_label, "PASS" if code == 0 else "FAIL", tail(out, 600))
 
 
+def check_one_rank(tests: str | None, repo: str) -> None:
+    """The one-rank mode (src/backend/cuda/solo.rs): rank 0 and N-1 of N alone
+    on GPU 0 bit for bit (the Rust device test), then the benchmark's quick
+    table (python -m commfuse.bench_gpu --quick), one row per case."""
+    label = "Rust device test: one rank of N = 2, 4, 8 alone on GPU 0, peers' messages paced, every op kind and " \
+            "schedule vs the CPU backend bit for bit"
+    if tests:
+        code, out = run([tests, "--include-ignored", "--test-threads", "1",
+                         "backend::cuda::solo_device::tests::one_rank_of_n"], 300, log="rust_one_rank.log")
+        row(label, "PASS" if code == 0 else "FAIL", tail(out))
+    else:
+        row(label, "N/A", "no test binary given (--rust-tests)")
+    out_dir = os.path.join(LOGS, "bench_gpu")
+    code, out = run([sys.executable, "-m", "commfuse.bench_gpu", "--quick", "--out", out_dir], 400,
+                    log="bench_gpu.log")
+    if code != 0 or not os.path.exists(os.path.join(out_dir, "bench_gpu.csv")):
+        row("one-rank benchmark (python -m commfuse.bench_gpu --quick)", "FAIL", tail(out))
+        return
+    import csv
+
+    with open(os.path.join(out_dir, "bench_gpu.csv")) as f:
+        for r in csv.DictReader(f):
+            if r["source"] != "measured":
+                row("one-rank benchmark", "FAIL", "no GPU: the benchmark fell back to the cost model")
+                return
+            row(f"one rank: {r['model']} {r['projection']} {r['op']} {int(r['tokens']) // 1024}k tokens N={r['n']} "
+                f"{r['schedule']}", "PASS",
+                f"fused {float(r['fused_ms']):.3f} ms, GEMM {float(r['gemm_ms']):.3f}, transfers "
+                f"{float(r['transfers_ms']):.3f}, pieces {float(r['pieces_ms']):.3f}; fused/max "
+                f"{float(r['fused_over_max']):.3f}, fused/sum {float(r['fused_over_sum']):.3f}, pieces' efficiency "
+                f"{float(r['pieces_efficiency']):.3f}; link {float(r['link_gbps']):.0f} of {float(r['pace_gbps']):.0f} GB/s")
+
+
 def check_gemm_facts(repo: str) -> None:
     """scripts/gpu_contention.py: a GEMM beside copy-engine copies, and a ring's
     per-peer GEMM pieces against one GEMM (figures, not pass/fail)."""
@@ -299,19 +332,34 @@ def main() -> int:
     parser.add_argument("--out", default="gpu_check_table.md")
     parser.add_argument("--rust-tests", default=None)
     parser.add_argument("--logs", default=".", help="directory for the full logs of the subprocess checks")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these checks (names as in CHECKS)")
     args = parser.parse_args()
     global LOGS
     LOGS = args.logs
     os.makedirs(LOGS, exist_ok=True)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The Rust device tests first: no JAX process holds the GPU while they run.
-    for check in (check_host, lambda: check_rust(args.rust_tests), lambda: check_multi_rank_nccl(args.rust_tests, repo),
-                  lambda: check_gemm_facts(repo), check_libraries, check_ops_and_kernels, check_overhead,
-                  lambda: check_pytest(repo)):
+    checks = {
+        "host": check_host,
+        "rust": lambda: check_rust(args.rust_tests),
+        "one_rank": lambda: check_one_rank(args.rust_tests, repo),
+        "multi_rank_nccl": lambda: check_multi_rank_nccl(args.rust_tests, repo),
+        "gemm_facts": lambda: check_gemm_facts(repo),
+        "libraries": check_libraries,
+        "ops": check_ops_and_kernels,
+        "overhead": check_overhead,
+        "pytest": lambda: check_pytest(repo),
+    }
+    unknown = set(args.only or ()) - set(checks)
+    if unknown:
+        parser.error(f"unknown checks {sorted(unknown)}; there are {list(checks)}")
+    for name, check in checks.items():
+        if args.only is not None and name not in args.only:
+            continue
         try:
             check()
         except Exception as e:  # noqa: BLE001 - a broken check is a FAIL row, the others still run
-            row(getattr(check, "__name__", "check"), "FAIL", tail(f"{type(e).__name__}: {e}"))
+            row(name, "FAIL", tail(f"{type(e).__name__}: {e}"))
     lines = ["| check | result | detail |", "|---|---|---|"]
     lines += [f"| {c} | {s} | {d.replace('|', '/')} |" for c, s, d in ROWS]
     table = "\n".join(lines)

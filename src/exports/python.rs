@@ -311,6 +311,42 @@ fn cuda_libraries() -> String {
     ["cuda", "cublas", "cublasLt", "nccl", "nvrtc"].iter().map(|k| format!("{k}\t\t\t\t{why}\n")).collect()
 }
 
+/// Runs one case of the one-rank benchmark on GPU 0
+/// (`backend::cuda::solo_device::bench_json`; `request` is a NUL-terminated
+/// JSON object) and writes its JSON answer as `commfuse_prepare` does: its
+/// length, or -1 with the reason (no GPU, no CUDA backend, bad request).
+///
+/// # Safety
+/// `request` must be a NUL-terminated string and `out` a writable buffer of
+/// `out_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_one_rank_bench(
+    request: *const std::ffi::c_char,
+    out: *mut u8,
+    out_len: usize,
+) -> i64 {
+    let result = catch_unwind(|| {
+        if request.is_null() {
+            return Err("null request".to_string());
+        }
+        // SAFETY: the caller passes a NUL-terminated string.
+        let request = unsafe { std::ffi::CStr::from_ptr(request) }.to_str().map_err(|e| e.to_string())?;
+        one_rank_bench(request)
+    });
+    // SAFETY: forwarded contract.
+    unsafe { answer(result, "panic in the one-rank benchmark", out, out_len) }
+}
+
+#[cfg(feature = "cuda")]
+fn one_rank_bench(request: &str) -> Result<String, String> {
+    crate::backend::cuda::solo_device::bench_json(request).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn one_rank_bench(_request: &str) -> Result<String, String> {
+    Err("this commfuse library was built without the `cuda` feature: the one-rank benchmark needs it".into())
+}
+
 /// How many devices had their kernels loaded inside an EXECUTE call rather
 /// than at the INITIALIZE stage (0 without the `cuda` feature).
 #[no_mangle]

@@ -19,7 +19,7 @@
 use super::api;
 use super::blas::{BlasHandle, LtHandle};
 use super::driver::{self, CallMemory, CallStream, Context, DeviceMemory, Event, Stream, SumKernels};
-use super::kernels::{self, ImageCache, Target, SOURCES};
+use super::kernels::{self, ImageCache, Target, ELEMENTWISE};
 use crate::error::{Error, Result};
 use cudarc::driver::sys as dsys;
 use std::collections::HashMap;
@@ -136,9 +136,9 @@ impl Device {
             (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
         let multiprocessors = u32::try_from(attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?).unwrap_or(1);
         let target = Target::for_device(major, minor, &kernels::supported_archs()?)?;
-        let image = IMAGES.get_or_init(ImageCache::default).get(&target, SOURCES[0])?;
+        let image = IMAGES.get_or_init(ImageCache::default).get(&target, ELEMENTWISE)?;
         let sums = SumKernels::load(&image)
-            .map_err(|e| Error::Internal(format!("{} ({} of {})", e.message(), target.arch(), SOURCES[0].name)))?;
+            .map_err(|e| Error::Internal(format!("{} ({} of {})", e.message(), target.arch(), ELEMENTWISE.name)))?;
         Ok(Device {
             ordinal,
             multiprocessors,

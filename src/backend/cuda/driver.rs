@@ -151,8 +151,8 @@ impl<'a> CallStream<'a> {
         Ok(CallStream { raw, context, ordinal: device, _call: PhantomData })
     }
 
-    /// A stream the caller owns, playing XLA's in the tests.
-    #[cfg(test)]
+    /// A stream the caller owns, playing XLA's: the device tests' and the
+    /// one-rank mode's (`solo_device`), which run calls without XLA.
     pub fn playing_xla(stream: &'a Stream) -> Result<CallStream<'a>> {
         // SAFETY: `stream` is live while borrowed.
         let (context, device) = unsafe { api::bind_stream(stream.0) }?;
@@ -374,6 +374,89 @@ impl SumKernels {
         };
         check_cu(launched, "cuLaunchKernel")
     }
+}
+
+/// The one-rank mode's timer kernels (`kernels/pace.cu`), loaded in one
+/// context: `commfuse_stamp` and `commfuse_pace`, one thread each.
+pub struct PaceKernels {
+    stamp: cu::CUfunction,
+    pace: cu::CUfunction,
+    /// Keeps the functions valid.
+    _module: Module,
+}
+
+// SAFETY: kernel handles may be launched from any thread with their context current.
+unsafe impl Send for PaceKernels {}
+
+impl PaceKernels {
+    /// Loads `image` (compiled from `kernels/pace.cu`, whose kernels take the
+    /// parameters the launches below pass: checked against the PTX by
+    /// `tests/cuda_install.rs`) into the current context.
+    pub(super) fn load(image: &[u8]) -> Result<PaceKernels> {
+        let module = Module::load(image)?;
+        Ok(PaceKernels {
+            stamp: module.function("commfuse_stamp")?,
+            pace: module.function("commfuse_pace")?,
+            _module: module,
+        })
+    }
+
+    /// Enqueues writing the GPU's global timer (ns) to the u64 at `at`.
+    pub(super) fn stamp(&self, stream: &impl Queue, at: u64, memory: &CallMemory<'_>) -> Result<()> {
+        memory.check_write(at, 8, "a timer stamp")?;
+        let mut at = at;
+        let mut params: [*mut c_void; 1] = [(&mut at as *mut u64).cast()];
+        // SAFETY: the kernel takes one pointer, to 8 writable bytes of the
+        // call's memory (checked); the parameter lives across the call.
+        unsafe { launch_one_thread(self.stamp, stream, &mut params) }
+    }
+
+    /// Enqueues holding `stream` until the global timer reads the u64 at
+    /// `start` plus `after_ns`; then the time is written to `log`, if given.
+    pub(super) fn pace(
+        &self,
+        stream: &impl Queue,
+        start: u64,
+        after_ns: u64,
+        log: Option<u64>,
+        memory: &CallMemory<'_>,
+    ) -> Result<()> {
+        memory.check_read(start, 8, "a pace's start")?;
+        if let Some(log) = log {
+            memory.check_write(log, 8, "a pace's log")?;
+        }
+        let (mut start, mut after_ns, mut log) = (start, after_ns, log.unwrap_or(0));
+        let mut params: [*mut c_void; 3] =
+            [(&mut start as *mut u64).cast(), (&mut after_ns as *mut u64).cast(), (&mut log as *mut u64).cast()];
+        // SAFETY: the kernel takes (const u64*, u64, u64*) and reads and
+        // writes only those (checked) addresses, the log when not null.
+        unsafe { launch_one_thread(self.pace, stream, &mut params) }
+    }
+}
+
+/// Launches `function` as one block of one thread on `stream`.
+///
+/// # Safety
+/// `function` must be a loaded kernel whose parameters are exactly those
+/// `params` points to, and every address among them valid for the kernel.
+unsafe fn launch_one_thread(function: cu::CUfunction, stream: &impl Queue, params: &mut [*mut c_void]) -> Result<()> {
+    let launch_kernel = api::driver()?.launch_kernel;
+    // SAFETY: the caller's contract; the driver copies the parameters.
+    let launched =
+        unsafe { launch_kernel(function, 1, 1, 1, 1, 1, 1, 0, stream.raw(), params.as_mut_ptr(), ptr::null_mut()) };
+    check_cu(launched, "cuLaunchKernel")
+}
+
+/// Enqueues a copy of `bytes` bytes from `src` to `dst`, both within
+/// `memory` (this call's own), on `stream`: a copy engine's work.
+pub(super) fn copy(stream: &impl Queue, dst: u64, src: u64, bytes: usize, memory: &CallMemory<'_>) -> Result<()> {
+    memory.check_read(src, bytes, "a copy's source")?;
+    memory.check_write(dst, bytes, "a copy's destination")?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: both ranges lie in the call's memory (checked); the stream is live while borrowed.
+    check_cu(unsafe { (api::driver()?.memcpy_dtod_async)(dst, src, bytes, stream.raw()) }, "cuMemcpyDtoDAsync")
 }
 
 /// Device memory of the current context, freed on drop.
@@ -605,9 +688,8 @@ pub(super) fn copy_2d(stream: &impl Queue, copy: &Copy2d, memory: &CallMemory<'_
     unsafe { api::copy_2d_async(copy, stream.raw()) }
 }
 
-/// Waits on the host until `stream` has run all its work (tests only: the
-/// hot path never synchronises).
-#[cfg(test)]
+/// Waits on the host until `stream` has run all its work: the tests and
+/// the one-rank mode (`solo_device`); no handler synchronises.
 pub fn synchronize(stream: &impl Queue) -> Result<()> {
     // SAFETY: the stream is live while borrowed.
     unsafe { api::stream_synchronize(stream.raw()) }

@@ -24,6 +24,7 @@ use super::copies::{self, CallId, CopyQueue, Deadline, Mailbox, Omit};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
 use super::site_ops::SiteOps;
+use super::solo::{Inbox, Pace, PacedQueue, SoloLink};
 use super::stream_issue::{issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
@@ -82,7 +83,14 @@ enum Cmd {
 #[derive(Clone, Copy)]
 enum Transport<'a> {
     Nccl,
-    Copies { mailbox: &'a Mailbox<EventId, u64>, deadline: Deadline, omit: Omit, failing: Option<usize> },
+    Copies {
+        mailbox: &'a Mailbox<EventId, u64>,
+        deadline: Deadline,
+        omit: Omit,
+        failing: Option<usize>,
+    },
+    /// One rank alone, its peers' messages copied from its inbox (`solo`).
+    Solo(&'a SoloLink),
 }
 
 /// Records what the handler would enqueue on one rank; stream `lanes.len()` is XLA's.
@@ -129,6 +137,10 @@ impl StreamOps for Recorder<'_> {
                     let mut lane = LaneQueue { rank, records, stream: &mut self.streams[lane], failing };
                     let call = self.call;
                     copies::exchange_omitting(mailbox, call, rank, &sends, &recvs, &mut lane, deadline, omit)?;
+                }
+                (DeviceOp::Exchange { sends, recvs }, Transport::Solo(link)) => {
+                    let bind = |list: &[P2p<_>]| list.iter().map(|p| p.bind(&bases)).collect::<Vec<_>>();
+                    link.exchange(&bind(sends), &bind(recvs), &mut PacedLane(&mut self.streams[lane]))?;
                 }
                 _ => self.streams[lane].push(Cmd::Op(Box::new(op.clone()), bases)),
             }
@@ -184,9 +196,30 @@ impl CopyQueue for LaneQueue<'_> {
     }
 }
 
-/// Device memory of all ranks: buffer `id` lives at `base(id)`.
+/// The one-rank mode's pacing on a recorded stream: the copies move bytes;
+/// the timer kernels only hold a stream until a time, which the model
+/// (ordering, not timing) has no use for.
+struct PacedLane<'s>(&'s mut Vec<Cmd>);
+
+impl PacedQueue for PacedLane<'_> {
+    fn stamp(&mut self, _at: u64) -> Result<()> {
+        Ok(())
+    }
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.0.push(Cmd::Copy { dst, src, bytes });
+        Ok(())
+    }
+    fn pace(&mut self, _start: u64, _after_ns: u64, _log: Option<u64>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Device memory of all ranks: buffer `id` lives at `base(id)`; and every
+/// message an NCCL group delivered, as (from, to, bytes), in order.
+#[derive(Default)]
 struct Memory {
     buffers: Vec<Vec<u8>>,
+    delivered: Vec<(usize, usize, Vec<u8>)>,
 }
 
 const SPAN: u64 = 1 << 32;
@@ -304,6 +337,7 @@ fn execute(
                 let data = channels.get_mut(&(r.peer, rank)).unwrap().pop_front().unwrap();
                 assert_eq!(data.len(), r.bytes, "rank {rank}: a message of the wrong size from {}", r.peer);
                 mem.write(r.addr, &data);
+                mem.delivered.push((r.peer, rank, data));
             }
             *posted = false;
             true
@@ -375,7 +409,7 @@ type Issued = Vec<Result<(usize, Vec<Vec<Cmd>>)>>;
 /// transport's hosts wait for each other), into fresh device memory.
 fn issue_all(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup: Setup) -> (Memory, Issued) {
     let sizes = problem.sizes();
-    let mut mem = Memory { buffers: Vec::new() };
+    let mut mem = Memory::default();
     let mut sites = Vec::new();
     for rank in 0..n {
         let p = plan(kind.pattern(), schedule, n, rank);
@@ -507,7 +541,7 @@ fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup
     ORDERS
         .iter()
         .map(|&order| {
-            let mem = Memory { buffers: mem.buffers.clone() };
+            let mem = Memory { buffers: mem.buffers.clone(), ..Memory::default() };
             let mem =
                 run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{kind:?} {schedule:?} {order:?}: {e}"));
             ranks.iter().map(|(id, _)| mem.buffers[id + 2].clone()).collect()
@@ -706,7 +740,7 @@ fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
         let plan = plan(&layout, Method::Direct);
         let (records, mailbox) = (Records::default(), Mailbox::<EventId, u64>::new((0..2 * n as i64).collect()));
         // Rank r's tile (x or out) is buffer 2r, its staging buffer 2r + 1.
-        let mut mem = Memory { buffers: Vec::new() };
+        let mut mem = Memory::default();
         for r in 0..2 * n {
             let tile = layout.src[r].as_ref().or(layout.dst[r].as_ref());
             let bytes = tile.map_or(0, |t| layout.bytes(t));
@@ -740,7 +774,7 @@ fn reshards_over_copies_deliver_every_tile_as_the_planner_says() {
             ranks.push((2 * r, vec![stream]));
         }
         for order in ORDERS {
-            let run = run_streams(Memory { buffers: mem.buffers.clone() }, &ranks, order).unwrap();
+            let run = run_streams(Memory { buffers: mem.buffers.clone(), ..Memory::default() }, &ranks, order).unwrap();
             for r in (0..2 * n).filter(|&r| layout.dst[r].is_some()) {
                 let want = filled(&layout, layout.dst[r].as_ref().unwrap());
                 assert!(run.buffers[2 * r] == want, "{order:?}: rank {r} of {layout:?}");
@@ -757,4 +791,121 @@ fn the_copy_transport_serves_calls_in_turn_over_one_mailbox() {
     let mut site = 0x0c10_a000;
     let differed = compare(&[2, 3, 4, 8], Setup { calls: 3, ..Setup::COPIES }, &mut site);
     assert!(differed.is_empty(), "differ from the CPU backend: {differed:?}");
+}
+
+/// The messages rank `rank` of `n` receives in `case` under `schedule`, per
+/// peer in the order it sends them: what the one-rank mode's inbox holds
+/// to reproduce the group's result (the model of the whole group over NCCL,
+/// run forwards).
+pub fn solo_inbox(case: &Case, schedule: Schedule, n: usize, rank: usize) -> Vec<Vec<Vec<u8>>> {
+    let (kind, x, w, out) = case;
+    let op = |dims| Operand { dims, dtype: DType::F32 };
+    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap();
+    let (mem, issued) = issue_all(&problem, *kind, schedule, n, Setup::NCCL);
+    let ranks: Vec<_> = issued.into_iter().map(Result::unwrap).collect();
+    let mem = run_streams(mem, &ranks, Order::Forward).unwrap();
+    let mut inbox = vec![Vec::new(); n];
+    for (from, to, data) in mem.delivered {
+        if to == rank {
+            inbox[from].push(data);
+        }
+    }
+    inbox
+}
+
+/// Rank `rank` of `n` alone in the model, its peers' messages copied from
+/// `inbox` at the pace of an H100's NVLink: its output in each order.
+fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>> {
+    let (kind, x, w, out) = case;
+    let op = |dims| Operand { dims, dtype: DType::F32 };
+    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap();
+    let sizes = problem.sizes();
+    let p = plan(kind.pattern(), schedule, n, rank);
+    let site = SiteOps::new(&problem, &p).unwrap();
+    let mut mem = Memory::default();
+    mem.buffers.push(fill(sizes.x, rank));
+    mem.buffers.push(fill(sizes.w, 100 + rank));
+    mem.buffers.push(vec![0xff; sizes.result * 4]);
+    mem.buffers.push(vec![0xff; site.layout.total()]);
+    let mut messages = Vec::new();
+    for peer in inbox {
+        let mut list = Vec::new();
+        for m in peer {
+            list.push((base(mem.buffers.len()), m.len()));
+            mem.buffers.push(m.clone());
+        }
+        messages.push(list);
+    }
+    let sink = base(mem.buffers.len());
+    mem.buffers.push(vec![0; super::solo::CHUNK]);
+    let region = |i: usize, bytes| Region { addr: base(i), bytes, dtype: DType::F32 };
+    let buffers = DeviceBuffers {
+        x: region(0, sizes.x * 4),
+        w: region(1, sizes.w * 4),
+        out: region(2, sizes.result * 4),
+        workspace: (base(3), site.layout.total()),
+        scales: None,
+    };
+    let bases = site.bind(&buffers).unwrap();
+    let pace = Pace::of_machine("h100_nvlink").unwrap();
+    let link = SoloLink::new(Inbox::Messages(messages), (sink, super::solo::CHUNK), pace, 0, 2 + 2 * p.steps.len());
+    link.begin_call();
+    let records = Records::default();
+    let streams = vec![Vec::new(); site.streams.lanes.len() + 1];
+    let call = CallId { site: 0x0e1, run: 0 };
+    let mut rec =
+        Recorder { rank, call, site: &site, bases, records: &records, transport: Transport::Solo(&link), streams };
+    issue(&p, &site.streams, &mut rec, 0, None).unwrap();
+    let ranks = [(0, rec.streams)];
+    ORDERS
+        .iter()
+        .map(|&order| {
+            let mem = Memory { buffers: mem.buffers.clone(), ..Memory::default() };
+            let mem =
+                run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{kind:?} {schedule:?} {order:?}: {e}"));
+            mem.buffers[2].clone()
+        })
+        .collect()
+}
+
+/// One rank of a group alone (the one-rank mode), every op kind and
+/// schedule, N = 2, 3, 4 and 8, the first and the last rank: given its
+/// peers' messages, it computes what the CPU backend computes for it, in
+/// every stream order (the copies, not only the GEMMs, are waited for).
+#[test]
+fn one_rank_alone_computes_what_the_cpu_backend_computes() {
+    let mut site = 0x0c11_a000;
+    let mut differed = Vec::new();
+    for n in [2usize, 3, 4, 8] {
+        for case in cases(n as i64) {
+            for schedule in schedules(case.0) {
+                site += 1;
+                let want = reference(&case, schedule, n, site);
+                for rank in [0, n - 1] {
+                    let inbox = solo_inbox(&case, schedule, n, rank);
+                    assert!(inbox.iter().map(Vec::len).sum::<usize>() > 0, "{:?} {schedule:?}: no messages", case.0);
+                    for (order, got) in ORDERS.iter().zip(solo_emulated(&case, schedule, n, rank, &inbox)) {
+                        if got != want[rank] {
+                            differed.push(format!("{:?} {schedule:?} n={n} rank {rank} {order:?}", case.0));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(differed.is_empty(), "differ from the CPU backend: {differed:?}");
+}
+
+/// The comparison above sees the messages: with each one's values negated
+/// (same sizes, same order), rank 0's output differs in every order.
+#[test]
+fn one_rank_alone_with_other_messages_differs() {
+    let case = &cases(4)[0];
+    let want = reference(case, Schedule::Ring, 4, 0x0c12_a000);
+    let mut inbox = solo_inbox(case, Schedule::Ring, 4, 0);
+    for byte in inbox.iter_mut().flatten().flat_map(|m| m.iter_mut().skip(3).step_by(4)) {
+        *byte ^= 0x80; // an f32's sign bit
+    }
+    let got = solo_emulated(case, Schedule::Ring, 4, 0, &inbox);
+    assert!(got.iter().all(|g| *g != want[0]));
 }

@@ -1,6 +1,7 @@
 //! Enqueues one call's steps on a device ([`CallOps`], the `StreamOps` that
 //! `stream_issue` drives): GEMMs with cuBLAS or cuBLASLt, the sum kernels,
-//! NCCL send/receive groups, events between the lanes and the watchdog's
+//! exchanges (NCCL send/receive groups, the copy transport, or the one-rank
+//! mode's paced copies), events between the lanes and the watchdog's
 //! progress marks, all on the device's internal streams forked from XLA's,
 //! through the safe layers (`driver`, `blas`, `nccl`), which check every
 //! address against the call's memory.
@@ -12,20 +13,32 @@ use super::copies::{self, CallId, Deadline};
 use super::copy_links::{CopyLane, CudaMailbox};
 use super::device::Device;
 use super::device_watch::CallWatch;
-use super::driver::{CallMemory, CallStream, Event, Stream};
+use super::driver::{self, CallMemory, CallStream, Event, PaceKernels, Stream};
 use super::nccl::Comm;
 use super::site_ops::SiteOps;
+use super::solo::{PacedQueue, SoloLink};
 use super::stream_issue::StreamOps;
 use crate::error::{Error, Result};
 use crate::plan::Step;
 use std::time::Instant;
 
-/// How one call's exchanges go: NCCL on this rank's communicator, or the
-/// copy transport through the group's mailbox.
+/// How one call's exchanges go: NCCL on this rank's communicator, the copy
+/// transport through the group's mailbox, or, for one rank measured alone,
+/// paced copies from its inbox.
 #[derive(Clone, Copy)]
 pub enum Exchanges<'a> {
     Nccl(&'a Comm),
-    Copies { mailbox: &'a CudaMailbox, key: &'a CommKey, rank: usize, call: CallId },
+    Copies {
+        mailbox: &'a CudaMailbox,
+        key: &'a CommKey,
+        rank: usize,
+        call: CallId,
+    },
+    /// One rank alone on the device, its peers played by paced copies (`solo`).
+    Solo {
+        link: &'a SoloLink,
+        kernels: &'a PaceKernels,
+    },
 }
 
 /// Enqueues one call's steps: lanes `Compute`/`Comm` on the device's
@@ -100,11 +113,35 @@ impl<'a> CallOps<'a> {
                 let deadline = Deadline { at: self.deadline, interrupts: self.interrupts };
                 copies::exchange(mailbox, call, rank, &sends, &recvs, &mut lane, deadline)
             }
+            Some(Exchanges::Solo { link, kernels }) => {
+                let bind = |list: &[P2p<Addr>]| list.iter().map(|p| p.bind(&bases)).collect::<Vec<_>>();
+                let mut lane = PacedLane { stream, kernels, memory: self.memory };
+                link.exchange(&bind(sends), &bind(recvs), &mut lane)
+            }
         };
         if result.is_err() {
             self.comm_failed = true;
         }
         result
+    }
+}
+
+/// The one-rank mode's pacing on one of a call's streams.
+struct PacedLane<'a> {
+    stream: &'a Stream,
+    kernels: &'a PaceKernels,
+    memory: &'a CallMemory<'a>,
+}
+
+impl PacedQueue for PacedLane<'_> {
+    fn stamp(&mut self, at: u64) -> Result<()> {
+        self.kernels.stamp(self.stream, at, self.memory)
+    }
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        driver::copy(self.stream, dst, src, bytes, self.memory)
+    }
+    fn pace(&mut self, start: u64, after_ns: u64, log: Option<u64>) -> Result<()> {
+        self.kernels.pace(self.stream, start, after_ns, log, self.memory)
     }
 }
 

@@ -23,8 +23,14 @@ pub struct Source {
 }
 
 /// Every source the backend uses (the NVRTC test compiles all of `kernels/`).
-pub const SOURCES: [Source; 1] =
-    [Source { name: "elementwise.cu", text: include_str!("../../../kernels/elementwise.cu") }];
+pub const SOURCES: [Source; 2] = [ELEMENTWISE, PACE];
+
+/// The sums (`driver::SumKernels`).
+pub const ELEMENTWISE: Source =
+    Source { name: "elementwise.cu", text: include_str!("../../../kernels/elementwise.cu") };
+
+/// The one-rank mode's timer kernels (`driver::PaceKernels`).
+pub const PACE: Source = Source { name: "pace.cu", text: include_str!("../../../kernels/pace.cu") };
 
 /// The oldest architecture the kernels support (bf16 `cvt` needs sm_80).
 const OLDEST: i32 = 80;

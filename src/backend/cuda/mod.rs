@@ -83,6 +83,10 @@ pub mod reshard;
 #[cfg(feature = "cuda")]
 pub mod site_ops;
 #[cfg(feature = "cuda")]
+pub mod solo;
+#[cfg(feature = "cuda")]
+pub mod solo_device;
+#[cfg(feature = "cuda")]
 pub mod stream_issue;
 #[cfg(feature = "cuda")]
 pub mod watchdog;

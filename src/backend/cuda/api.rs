@@ -78,6 +78,7 @@ functions! {
         memcpy_dtod_async = "cuMemcpyDtoDAsync_v2": fn(cu::CUdeviceptr, cu::CUdeviceptr, usize, cu::CUstream) -> cu::CUresult;
         device_can_access_peer = "cuDeviceCanAccessPeer": fn(*mut c_int, cu::CUdevice, cu::CUdevice) -> cu::CUresult;
         ctx_enable_peer_access = "cuCtxEnablePeerAccess": fn(cu::CUcontext, c_uint) -> cu::CUresult;
+        launch_host_func = "cuLaunchHostFunc": fn(cu::CUstream, cu::CUhostFn, *mut c_void) -> cu::CUresult;
     }
 }
 

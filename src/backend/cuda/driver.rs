@@ -376,12 +376,11 @@ impl SumKernels {
     }
 }
 
-/// The one-rank mode's timer kernels (`kernels/pace.cu`), loaded in one
-/// context: `commfuse_stamp` and `commfuse_pace`, one thread each.
+/// The one-rank mode's timer kernel (`kernels/pace.cu`), loaded in one
+/// context: `commfuse_stamp`, one thread.
 pub struct PaceKernels {
     stamp: cu::CUfunction,
-    pace: cu::CUfunction,
-    /// Keeps the functions valid.
+    /// Keeps the function valid.
     _module: Module,
 }
 
@@ -389,16 +388,12 @@ pub struct PaceKernels {
 unsafe impl Send for PaceKernels {}
 
 impl PaceKernels {
-    /// Loads `image` (compiled from `kernels/pace.cu`, whose kernels take the
-    /// parameters the launches below pass: checked against the PTX by
+    /// Loads `image` (compiled from `kernels/pace.cu`, whose kernel takes the
+    /// parameter the launch below passes: checked against the PTX by
     /// `tests/cuda_install.rs`) into the current context.
     pub(super) fn load(image: &[u8]) -> Result<PaceKernels> {
         let module = Module::load(image)?;
-        Ok(PaceKernels {
-            stamp: module.function("commfuse_stamp")?,
-            pace: module.function("commfuse_pace")?,
-            _module: module,
-        })
+        Ok(PaceKernels { stamp: module.function("commfuse_stamp")?, _module: module })
     }
 
     /// Enqueues writing the GPU's global timer (ns) to the u64 at `at`.
@@ -410,28 +405,40 @@ impl PaceKernels {
         // call's memory (checked); the parameter lives across the call.
         unsafe { launch_one_thread(self.stamp, stream, &mut params) }
     }
+}
 
-    /// Enqueues holding `stream` until the global timer reads the u64 at
-    /// `start` plus `after_ns`; then the time is written to `log`, if given.
-    pub(super) fn pace(
-        &self,
-        stream: &impl Queue,
-        start: u64,
-        after_ns: u64,
-        log: Option<u64>,
-        memory: &CallMemory<'_>,
-    ) -> Result<()> {
-        memory.check_read(start, 8, "a pace's start")?;
-        if let Some(log) = log {
-            memory.check_write(log, 8, "a pace's log")?;
-        }
-        let (mut start, mut after_ns, mut log) = (start, after_ns, log.unwrap_or(0));
-        let mut params: [*mut c_void; 3] =
-            [(&mut start as *mut u64).cast(), (&mut after_ns as *mut u64).cast(), (&mut log as *mut u64).cast()];
-        // SAFETY: the kernel takes (const u64*, u64, u64*) and reads and
-        // writes only those (checked) addresses, the log when not null.
-        unsafe { launch_one_thread(self.pace, stream, &mut params) }
+/// Work for the driver's host-callback thread: it runs when the stream
+/// reaches it, and the stream's later work waits until it returns.
+pub type HostWork = Box<dyn FnOnce() + Send>;
+
+/// Enqueues `work` on `stream` (`cuLaunchHostFunc`): run on the driver's
+/// thread once the stream's earlier work is done, holding the stream's later
+/// work until it returns, without an SM. `work` must not call CUDA (the
+/// driver forbids it there) and must return in bounded time.
+pub(super) fn launch_host(stream: &impl Queue, work: HostWork) -> Result<()> {
+    let data = Box::into_raw(Box::new(work));
+    // SAFETY: `run_host_work` takes back the box it is given exactly once;
+    // the stream is live while borrowed.
+    let launched = unsafe { (api::driver()?.launch_host_func)(stream.raw(), Some(run_host_work), data.cast()) };
+    if let Err(e) = check_cu(launched, "cuLaunchHostFunc") {
+        // Not enqueued: the callback will never run, so the box is ours again.
+        // SAFETY: made by `Box::into_raw` above and not handed to the driver.
+        drop(unsafe { Box::from_raw(data) });
+        return Err(e);
     }
+    Ok(())
+}
+
+/// The driver's callback for [`launch_host`]: runs the boxed work once,
+/// catching any panic (nothing unwinds into the driver).
+unsafe extern "C" fn run_host_work(data: *mut c_void) {
+    if data.is_null() {
+        return;
+    }
+    // SAFETY: `launch_host` passed a `Box<HostWork>` it gave up; the driver
+    // calls this once per launch.
+    let work = unsafe { Box::from_raw(data.cast::<HostWork>()) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
 }
 
 /// Launches `function` as one block of one thread on `stream`.

@@ -24,7 +24,7 @@ use super::copies::{self, CallId, CopyQueue, Deadline, Mailbox, Omit};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
 use super::site_ops::SiteOps;
-use super::solo::{Inbox, Pace, PacedQueue, SoloLink};
+use super::solo::{Inbox, Pace, PacedQueue, SoloLink, StepClock};
 use super::stream_issue::{issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::plan::{plan, Schedule, Step};
 use crate::problem::{OpKind, Operand, Problem};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// An event of the model: a call's (from its stream schedule), or one of
@@ -197,19 +197,19 @@ impl CopyQueue for LaneQueue<'_> {
 }
 
 /// The one-rank mode's pacing on a recorded stream: the copies move bytes;
-/// the timer kernels only hold a stream until a time, which the model
-/// (ordering, not timing) has no use for.
+/// the holds only keep a stream until a time, which the model (ordering,
+/// not timing) has no use for.
 struct PacedLane<'s>(&'s mut Vec<Cmd>);
 
 impl PacedQueue for PacedLane<'_> {
-    fn stamp(&mut self, _at: u64) -> Result<()> {
+    fn start(&mut self, _clock: &Arc<StepClock>) -> Result<()> {
         Ok(())
     }
     fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         self.0.push(Cmd::Copy { dst, src, bytes });
         Ok(())
     }
-    fn pace(&mut self, _start: u64, _after_ns: u64, _log: Option<u64>) -> Result<()> {
+    fn hold(&mut self, _clock: &Arc<StepClock>, _after_ns: u64, _last: bool) -> Result<()> {
         Ok(())
     }
 }
@@ -836,8 +836,9 @@ fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: 
         }
         messages.push(list);
     }
+    let pace = Pace::of_machine("h100_nvlink").unwrap();
     let sink = base(mem.buffers.len());
-    mem.buffers.push(vec![0; super::solo::CHUNK]);
+    mem.buffers.push(vec![0; pace.chunk()]);
     let region = |i: usize, bytes| Region { addr: base(i), bytes, dtype: DType::F32 };
     let buffers = DeviceBuffers {
         x: region(0, sizes.x * 4),
@@ -847,8 +848,7 @@ fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: 
         scales: None,
     };
     let bases = site.bind(&buffers).unwrap();
-    let pace = Pace::of_machine("h100_nvlink").unwrap();
-    let link = SoloLink::new(Inbox::Messages(messages), (sink, super::solo::CHUNK), pace, 0, 2 + 2 * p.steps.len());
+    let link = SoloLink::new(Inbox::Messages(messages), (sink, pace.chunk()), pace);
     link.begin_call();
     let records = Records::default();
     let streams = vec![Vec::new(); site.streams.lanes.len() + 1];

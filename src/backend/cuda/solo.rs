@@ -7,13 +7,17 @@
 //! takes the time it would take on a link of the given bandwidth and
 //! latency, with real kernels, copy engines, events and contention.
 //!
-//! Pacing: an exchange step stamps the GPU's global timer when its lane
-//! reaches it, cuts its transfers into chunks of at most [`CHUNK`] bytes,
-//! and takes them in the order the link would deliver them (incoming and
-//! outgoing each at the link's rate, as a device's two ports of a switch):
-//! each chunk is copied, then the lane waits until `latency + bytes so far /
-//! bandwidth` after the stamp. The last wait logs when the step ended, so
-//! the achieved rate is measured on the device, not assumed ([`LinkReport`]).
+//! Pacing: an exchange step marks the time its lane reaches it, cuts its
+//! transfers into chunks ([`Pace::chunk`]) and takes them in the order the
+//! link would deliver them (incoming and outgoing each at the link's rate,
+//! as a device's two ports of a switch): each chunk is copied, then the lane
+//! is held until `latency + bytes so far / bandwidth` after the mark. The
+//! marks and holds run on the host (`driver::launch_host`), not as kernels:
+//! a kernel waits for a free SM, and a GEMM beside it holds all of them
+//! until it ends (a first version paced with a timer kernel and reached
+//! 12-60% of the link's rate beside GEMMs on an H200). The last hold of a
+//! step notes when it ended, so the achieved rate is measured
+//! ([`LinkReport`]), not assumed.
 //!
 //! With the inbox holding exactly the messages the peers send (the CPU
 //! model of the group gives them: `emulate::solo_inbox`), the rank's output
@@ -22,11 +26,9 @@
 
 use super::addresses::P2p;
 use crate::error::{Error, Result};
-use std::sync::Mutex;
-
-/// Bytes of one paced copy: small enough that the copies follow the link's
-/// rate closely, large enough that each is mostly transfer, not launch.
-pub const CHUNK: usize = 4 << 20;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 /// A link's pace: the rate of each direction (a device's incoming and its
 /// outgoing port) and the latency every exchange step pays first.
@@ -46,9 +48,67 @@ impl Pace {
 
     /// Nanoseconds after a step's start by which `bytes` have arrived.
     pub fn due_ns(&self, bytes: usize) -> u64 {
-        let s = self.latency_s + if self.bytes_per_s.is_finite() { bytes as f64 / self.bytes_per_s } else { 0.0 };
-        (s * 1e9).ceil() as u64
+        let transfer = if self.bytes_per_s.is_finite() { (bytes as f64 * 1e9 / self.bytes_per_s).ceil() } else { 0.0 };
+        (self.latency_s * 1e9).round() as u64 + transfer as u64
     }
+
+    /// Bytes of one paced copy: what the link moves in 50 us, at least 4
+    /// MiB, so that a hold's own latency (some microseconds) is small beside it.
+    pub fn chunk(&self) -> usize {
+        let per_50us = if self.bytes_per_s.is_finite() { self.bytes_per_s * 50e-6 } else { f64::MAX };
+        (per_50us.min(1e12) as usize).max(MIN_CHUNK)
+    }
+}
+
+/// The smallest paced copy.
+pub const MIN_CHUNK: usize = 4 << 20;
+
+/// When an exchange step began and ended, in nanoseconds of [`now_ns`];
+/// written by the holds on the host as the stream reaches them.
+#[derive(Debug, Default)]
+pub struct StepClock {
+    start: AtomicU64,
+    end: AtomicU64,
+}
+
+impl StepClock {
+    /// The stream reached the step.
+    pub fn mark_start(&self) {
+        self.start.store(now_ns().max(1), Ordering::Release);
+    }
+
+    /// Returns once `after_ns` have passed since the start (at once if the
+    /// start was never marked); notes the time as the step's end if `last`.
+    /// Sleeps while more than 200 us remain, then spins: bounded by `after_ns`.
+    pub fn hold_until(&self, after_ns: u64, last: bool) {
+        let start = self.start.load(Ordering::Acquire);
+        let due = if start == 0 { 0 } else { start.saturating_add(after_ns) };
+        let mut now = now_ns();
+        while now < due {
+            let left = due - now;
+            if left > 200_000 {
+                std::thread::sleep(std::time::Duration::from_nanos(left - 100_000));
+            } else {
+                std::hint::spin_loop();
+            }
+            now = now_ns();
+        }
+        if last {
+            self.end.store(now, Ordering::Release);
+        }
+    }
+
+    /// (start, end) in ns, once both were noted.
+    pub fn span(&self) -> Option<(u64, u64)> {
+        let (start, end) = (self.start.load(Ordering::Acquire), self.end.load(Ordering::Acquire));
+        (start > 0 && end >= start).then_some((start, end))
+    }
+}
+
+/// Nanoseconds since this process first asked (a monotonic clock).
+pub fn now_ns() -> u64 {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    u64::try_from(BASE.get_or_init(Instant::now).elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Where the peers' messages are on the device.
@@ -60,30 +120,24 @@ pub enum Inbox {
     Any { addr: u64, bytes: usize },
 }
 
-/// What one exchange step did: its clock slots and its bytes each way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What one exchange step did: its bytes each way and when it ran.
+#[derive(Debug, Clone)]
 pub struct StepRecord {
-    pub start_slot: usize,
-    pub end_slot: usize,
     pub bytes_in: usize,
     pub bytes_out: usize,
+    pub clock: Arc<StepClock>,
 }
 
 /// The device side of the pacing, on one stream: the CUDA lane
 /// (`enqueue`) or the model's recorder (`emulate`).
 pub trait PacedQueue {
-    /// Writes the global timer to the u64 at `at`.
-    fn stamp(&mut self, at: u64) -> Result<()>;
+    /// Marks the step's start when the stream gets there (`StepClock::mark_start`).
+    fn start(&mut self, clock: &Arc<StepClock>) -> Result<()>;
     /// Copies `bytes` bytes from `src` to `dst` (a copy engine's work).
     fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()>;
-    /// Holds the stream until the timer reads the u64 at `start` plus
-    /// `after_ns`; then writes the time to `log`, if given.
-    fn pace(&mut self, start: u64, after_ns: u64, log: Option<u64>) -> Result<()>;
+    /// Holds the stream until `after_ns` after the step's start (`StepClock::hold_until`).
+    fn hold(&mut self, clock: &Arc<StepClock>, after_ns: u64, last: bool) -> Result<()>;
 }
-
-/// Clock slots the timer kernels write: 0 and 1 are a call's start and end
-/// (`run` stamps them), then two per exchange step.
-pub const CALL_SLOTS: usize = 2;
 
 /// One rank's link to its absent peers, for one call at a time.
 pub struct SoloLink {
@@ -91,9 +145,6 @@ pub struct SoloLink {
     /// Device memory the rank's sends are copied into.
     pub sink: (u64, usize),
     pub pace: Pace,
-    /// Device address of `slots` u64 clock slots.
-    pub clock: u64,
-    pub slots: usize,
     state: Mutex<State>,
 }
 
@@ -105,8 +156,8 @@ struct State {
 }
 
 impl SoloLink {
-    pub fn new(inbox: Inbox, sink: (u64, usize), pace: Pace, clock: u64, slots: usize) -> SoloLink {
-        SoloLink { inbox, sink, pace, clock, slots, state: Mutex::default() }
+    pub fn new(inbox: Inbox, sink: (u64, usize), pace: Pace) -> SoloLink {
+        SoloLink { inbox, sink, pace, state: Mutex::default() }
     }
 
     /// Starts a call: every peer's messages from the first, no steps yet.
@@ -121,52 +172,40 @@ impl SoloLink {
         crate::sync::lock(&self.state).steps.clone()
     }
 
-    fn slot(&self, slot: usize) -> u64 {
-        self.clock + 8 * slot as u64
-    }
-
     /// Enqueues one exchange step on `queue`: the receives from the inbox,
     /// the sends into the sink, paced as the module's doc says.
     pub fn exchange(&self, sends: &[P2p], recvs: &[P2p], queue: &mut impl PacedQueue) -> Result<()> {
         let mut state = crate::sync::lock(&self.state);
-        let start_slot = CALL_SLOTS + 2 * state.steps.len();
-        let end_slot = start_slot + 1;
-        if end_slot >= self.slots {
-            return Err(Error::Internal(format!(
-                "one-rank mode: step {} needs clock slot {end_slot} of {}",
-                state.steps.len(),
-                self.slots
-            )));
-        }
+        let chunk = self.pace.chunk();
         // (due ns, destination, source, bytes), incoming and outgoing each
         // delivered at the link's rate.
         let mut chunks: Vec<(u64, u64, u64, usize)> = Vec::new();
         let mut bytes_in = 0;
         for r in recvs {
             let src = self.message(&mut state, r)?;
-            for (offset, bytes) in pieces(r.bytes, CHUNK) {
+            for (offset, bytes) in pieces(r.bytes, chunk) {
                 bytes_in += bytes;
                 chunks.push((self.pace.due_ns(bytes_in), r.addr + offset as u64, src + offset as u64, bytes));
             }
         }
         let mut bytes_out = 0;
         for s in sends {
-            for (offset, bytes) in pieces(s.bytes, CHUNK.min(self.sink.1)) {
+            for (offset, bytes) in pieces(s.bytes, chunk.min(self.sink.1)) {
                 bytes_out += bytes;
                 chunks.push((self.pace.due_ns(bytes_out), self.sink.0, s.addr + offset as u64, bytes));
             }
         }
         chunks.sort_by_key(|c| c.0);
-        let (start, end) = (self.slot(start_slot), self.slot(end_slot));
-        queue.stamp(start)?;
+        let clock = Arc::new(StepClock::default());
+        queue.start(&clock)?;
         for (i, &(due, dst, src, bytes)) in chunks.iter().enumerate() {
             queue.copy(dst, src, bytes)?;
-            queue.pace(start, due, (i + 1 == chunks.len()).then_some(end))?;
+            queue.hold(&clock, due, i + 1 == chunks.len())?;
         }
         if chunks.is_empty() {
-            queue.pace(start, self.pace.due_ns(0), Some(end))?;
+            queue.hold(&clock, self.pace.due_ns(0), true)?;
         }
-        state.steps.push(StepRecord { start_slot, end_slot, bytes_in, bytes_out });
+        state.steps.push(StepRecord { bytes_in, bytes_out, clock });
         Ok(())
     }
 
@@ -205,8 +244,8 @@ fn pieces(bytes: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..bytes.div_ceil(chunk)).map(move |i| (i * chunk, chunk.min(bytes - i * chunk)))
 }
 
-/// The link rate a call achieved, from its clock slots: the bytes of the
-/// busier direction over the steps' time past their latency.
+/// The link rate a call achieved: the bytes of the busier direction over
+/// the steps' time past their latency (from their clocks).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkReport {
     pub bytes: usize,
@@ -215,14 +254,13 @@ pub struct LinkReport {
 }
 
 impl LinkReport {
-    pub fn of(steps: &[StepRecord], clock: &[u64], pace: Pace) -> LinkReport {
+    pub fn of(steps: &[StepRecord], pace: Pace) -> LinkReport {
         let mut bytes = 0;
         let mut seconds = 0.0;
         for s in steps {
-            let (start, end) = (clock.get(s.start_slot).copied(), clock.get(s.end_slot).copied());
-            if let (Some(start), Some(end)) = (start, end) {
+            if let Some((start, end)) = s.clock.span() {
                 bytes += s.bytes_in.max(s.bytes_out);
-                seconds += (end.saturating_sub(start) as f64 / 1e9 - pace.latency_s).max(0.0);
+                seconds += ((end - start) as f64 / 1e9 - pace.latency_s).max(0.0);
             }
         }
         let bytes_per_s = if seconds > 0.0 { bytes as f64 / seconds } else { 0.0 };
@@ -234,73 +272,79 @@ impl LinkReport {
 mod tests {
     use super::*;
 
-    /// Records what an exchange enqueues.
+    /// Records what an exchange enqueues, running the holds as it goes.
     #[derive(Default)]
     struct Log(Vec<String>);
 
     impl PacedQueue for Log {
-        fn stamp(&mut self, at: u64) -> Result<()> {
-            self.0.push(format!("stamp {at}"));
+        fn start(&mut self, clock: &Arc<StepClock>) -> Result<()> {
+            clock.mark_start();
+            self.0.push("start".into());
             Ok(())
         }
         fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
             self.0.push(format!("copy {dst} {src} {bytes}"));
             Ok(())
         }
-        fn pace(&mut self, start: u64, after_ns: u64, log: Option<u64>) -> Result<()> {
-            self.0.push(format!("pace {start} {after_ns} {log:?}"));
+        fn hold(&mut self, clock: &Arc<StepClock>, after_ns: u64, last: bool) -> Result<()> {
+            clock.hold_until(after_ns, last);
+            self.0.push(format!("hold {after_ns} {last}"));
             Ok(())
         }
     }
 
     #[test]
-    fn a_step_delivers_each_direction_at_the_links_rate_and_logs_its_end() {
-        let pace = Pace { bytes_per_s: 1e9, latency_s: 1e-6 };
-        let inbox = Inbox::Messages(vec![vec![], vec![(5000, 6 << 20)]]);
-        let link = SoloLink::new(inbox, (9000, CHUNK), pace, 100, 8);
+    fn a_step_delivers_each_direction_at_the_links_rate_and_notes_its_end() {
+        let pace = Pace { bytes_per_s: 1e12, latency_s: 1e-6 };
+        let chunk = pace.chunk();
+        assert_eq!(chunk, 50_000_000);
+        let inbox = Inbox::Messages(vec![vec![], vec![(5000, chunk + 100)]]);
+        let link = SoloLink::new(inbox, (9000, chunk), pace);
         link.begin_call();
-        let recvs = [P2p { addr: 7000, bytes: 6 << 20, peer: 1 }];
+        let recvs = [P2p { addr: 7000, bytes: chunk + 100, peer: 1 }];
         let sends = [P2p { addr: 8000, bytes: 1 << 20, peer: 1 }];
         let mut log = Log::default();
         link.exchange(&sends, &recvs, &mut log).unwrap();
-        // Clock slot 2 (the first after the call's two) at 100 + 16.
         let want = [
-            "stamp 116".to_string(),
+            "start".to_string(),
             format!("copy 9000 8000 {}", 1 << 20),
-            format!("pace 116 {} None", 1_000 + (1u64 << 20)),
-            format!("copy 7000 5000 {CHUNK}"),
-            format!("pace 116 {} None", 1_000 + CHUNK as u64),
-            format!("copy {} {} {}", 7000 + CHUNK, 5000 + CHUNK, (6 << 20) - CHUNK),
-            format!("pace 116 {} Some(124)", 1_000 + (6u64 << 20)),
+            format!("hold {} false", 1_000 + (1u64 << 20).div_ceil(1000)),
+            format!("copy 7000 5000 {chunk}"),
+            format!("hold {} false", 1_000 + chunk as u64 / 1000),
+            format!("copy {} {} 100", 7000 + chunk, 5000 + chunk),
+            format!("hold {} true", 1_000 + (chunk as u64 + 100).div_ceil(1000)),
         ];
         assert_eq!(log.0, want);
-        assert_eq!(
-            link.steps(),
-            vec![StepRecord { start_slot: 2, end_slot: 3, bytes_in: 6 << 20, bytes_out: 1 << 20 }]
-        );
+        let steps = link.steps();
+        assert_eq!((steps[0].bytes_in, steps[0].bytes_out), (chunk + 100, 1 << 20));
+        // The holds made the step last as long as the link would: 50 us.
+        let report = LinkReport::of(&steps, pace);
+        assert!(report.seconds >= 50e-6 && report.bytes_per_s <= 1e12 * 1.001, "{report:?}");
         // The peer has no second message.
         let e = link.exchange(&[], &recvs, &mut Log::default()).unwrap_err();
         assert!(e.message().contains("rank 1 sends no message 1"), "{e}");
-        // Achieved: 6 MiB over the logged time less the latency.
-        let clock = [0, 0, 1_000, 1_000 + 1_000 + 6_291_456];
-        let report = LinkReport::of(&link.steps(), &clock, pace);
-        assert_eq!(report.bytes, 6 << 20);
-        assert!((report.bytes_per_s - 1e9).abs() < 1.0, "{report:?}");
     }
 
     #[test]
-    fn the_clock_bounds_the_steps_and_a_call_starts_afresh() {
-        let link =
-            SoloLink::new(Inbox::Any { addr: 1, bytes: 64 }, (2, 64), Pace::of_machine("h100_nvlink").unwrap(), 0, 4);
+    fn a_call_starts_afresh_and_the_inbox_bounds_the_messages() {
+        let link = SoloLink::new(Inbox::Any { addr: 1, bytes: 64 }, (2, 64), Pace::of_machine("h100_nvlink").unwrap());
         link.begin_call();
         let recv = [P2p { addr: 3, bytes: 64, peer: 0 }];
         link.exchange(&[], &recv, &mut Log::default()).unwrap();
-        let e = link.exchange(&[], &recv, &mut Log::default()).unwrap_err();
-        assert!(e.message().contains("clock slot 5 of 4"), "{e}");
+        link.exchange(&[], &recv, &mut Log::default()).unwrap();
+        assert_eq!(link.steps().len(), 2);
         link.begin_call();
         assert!(link.steps().is_empty());
         let e = link.exchange(&[], &[P2p { addr: 3, bytes: 65, peer: 0 }], &mut Log::default()).unwrap_err();
         assert!(e.message().contains("larger than the inbox"), "{e}");
-        link.exchange(&[], &recv, &mut Log::default()).unwrap();
+    }
+
+    #[test]
+    fn a_hold_without_a_start_returns_at_once() {
+        let clock = StepClock::default();
+        let begun = Instant::now();
+        clock.hold_until(10_000_000_000, true);
+        assert!(begun.elapsed().as_secs() < 5);
+        assert_eq!(clock.span(), None);
     }
 }

@@ -11,7 +11,7 @@ use super::driver::{synchronize, CallMemory, CallStream, Context, DeviceMemory, 
 use super::enqueue::{CallOps, Exchanges};
 use super::kernels::{self, ImageCache, Target};
 use super::site_ops::SiteOps;
-use super::solo::{Inbox, LinkReport, Pace, SoloLink, CALL_SLOTS, CHUNK};
+use super::solo::{Inbox, LinkReport, Pace, SoloLink};
 use super::stream_issue::issue;
 use crate::abi::{self, CallShapes};
 use crate::error::{Error, Result};
@@ -130,11 +130,10 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
             inbox
         }
     };
-    let sink = zeroed(CHUNK)?;
-    // Two per exchange step at most, after the call's own.
-    let slots = CALL_SLOTS + 2 * p.steps.len();
-    let clock = zeroed(8 * slots)?;
-    let link = SoloLink::new(inbox, (sink.addr(), sink.bytes()), call.pace, clock.addr(), slots);
+    let sink = zeroed(call.pace.chunk())?;
+    // The call's start and end on the device's global timer.
+    let clock = zeroed(16)?;
+    let link = SoloLink::new(inbox, (sink.addr(), sink.bytes()), call.pace);
     let mut owned: Vec<&DeviceMemory> = vec![&xd, &wd, &outd, &wsd, &sink, &clock];
     owned.extend(inbox_memory.iter());
     let memory = CallMemory::of_owned(&owned);
@@ -162,7 +161,7 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
             site: &site,
             bases,
             memory: &memory,
-            transport: Some(Exchanges::Solo { link: &link, kernels: &pace_kernels }),
+            transport: Some(Exchanges::Solo(&link)),
             deadline: Instant::now() + Duration::from_secs(60),
             interrupts: crate::config::interrupts(),
             comm_failed: false,
@@ -175,11 +174,10 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
         // Whatever was enqueued finishes before its memory is freed.
         synchronize(&xla)?;
         issued?;
-        let words = clock.read(8 * slots)?;
-        let times: Vec<u64> =
-            words.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; 8]))).collect();
-        seconds.push(times[1].saturating_sub(times[0]) as f64 / 1e9);
-        report = LinkReport::of(&link.steps(), &times, call.pace);
+        let words = clock.read(16)?;
+        let time = |i: usize| words.get(8 * i..8 * i + 8).and_then(|w| w.try_into().ok()).map_or(0, u64::from_le_bytes);
+        seconds.push(time(1).saturating_sub(time(0)) as f64 / 1e9);
+        report = LinkReport::of(&link.steps(), call.pace);
     }
     drop(pace_kernels);
     Ok(SoloResult { out: outd.read(out_bytes)?, seconds, link: report })

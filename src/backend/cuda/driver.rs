@@ -433,13 +433,14 @@ impl MappedWords {
         let mut host: *mut c_void = ptr::null_mut();
         // SAFETY: a valid out-pointer; the size is that of `words` u32s.
         check_cu(unsafe { (d.mem_host_alloc)(&mut host, words * 4, PORTABLE | DEVICEMAP) }, "cuMemHostAlloc")?;
-        let mapped = MappedWords { host: host.cast(), device: 0, words };
+        // Owned from here on (freed on drop), its device address set below.
+        let mut mapped = MappedWords { host: host.cast(), device: 0, words };
         // SAFETY: the allocation holds `words` u32s, aligned (page-aligned).
         unsafe { ptr::write_bytes(mapped.host, 0, words) };
-        let mut device: cu::CUdeviceptr = 0;
         // SAFETY: `host` is a live mapped allocation; flags must be 0.
-        check_cu(unsafe { (d.mem_host_get_device_pointer)(&mut device, host, 0) }, "cuMemHostGetDevicePointer")?;
-        Ok(MappedWords { device, ..mapped })
+        let status = unsafe { (d.mem_host_get_device_pointer)(&mut mapped.device, host, 0) };
+        check_cu(status, "cuMemHostGetDevicePointer")?;
+        Ok(mapped)
     }
 
     fn word(&self, i: usize) -> Result<&AtomicU32> {

@@ -136,22 +136,17 @@ struct PacedLane<'a> {
 
 impl PacedQueue for PacedLane<'_> {
     fn start(&mut self, step: usize) -> Result<()> {
-        driver::write_word(self.stream, self.flags, flags::STARTED, count(step + 1))
+        driver::write_word(self.stream, self.flags, flags::STARTED, flags::count(step + 1))
     }
     fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         driver::copy(self.stream, dst, src, bytes, self.memory)
     }
     fn hold(&mut self, hold: usize) -> Result<()> {
-        driver::wait_word(self.stream, self.flags, flags::RELEASED, count(hold + 1))
+        driver::wait_word(self.stream, self.flags, flags::RELEASED, flags::count(hold + 1))
     }
     fn end(&mut self, step: usize) -> Result<()> {
-        driver::write_word(self.stream, self.flags, flags::ENDED, count(step + 1))
+        driver::write_word(self.stream, self.flags, flags::ENDED, flags::count(step + 1))
     }
-}
-
-/// A count as a flag's value (the pacer releases everything at `u32::MAX`).
-fn count(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX - 1)
 }
 
 impl StreamOps for CallOps<'_> {

@@ -81,6 +81,16 @@ pub mod flags {
     /// Exchange steps the stream has passed (it writes `step + 1`).
     pub const ENDED: usize = 2;
     pub const COUNT: usize = 3;
+    /// What the pacer raises *released* to when it returns: every wait ends.
+    /// Not `u32::MAX`: a stream's "at least" wait compares cyclically
+    /// (`(int32_t)(flag - value) >= 0`, cuStreamWaitValue32's GEQ), so the
+    /// largest value every count is below is `i32::MAX`.
+    pub const TOP: u32 = i32::MAX as u32;
+
+    /// A count as a flag's value, below [`TOP`].
+    pub fn count(n: usize) -> u32 {
+        u32::try_from(n).unwrap_or(TOP).min(TOP - 1)
+    }
 }
 
 /// The pacer's view of the flags (the mapped words on a GPU).
@@ -93,12 +103,12 @@ pub trait Flags {
 /// them; returns each step's (start, end) in [`now_ns`]. Bounded: a step the
 /// stream does not reach, or does not pass, before `deadline` ends it with
 /// DEADLINE_EXCEEDED. On every return the flag *released* is raised to the
-/// top, so the stream never waits on a pacer that is gone.
+/// top ([`flags::TOP`]), so the stream never waits on a pacer that is gone.
 pub fn pace(steps: &[StepRecord], flags: &impl Flags, deadline: Instant) -> Result<Vec<(u64, u64)>> {
     struct ReleaseAll<'f, F: Flags>(&'f F);
     impl<F: Flags> Drop for ReleaseAll<'_, F> {
         fn drop(&mut self) {
-            let _ = self.0.store(flags::RELEASED, u32::MAX);
+            let _ = self.0.store(flags::RELEASED, flags::TOP);
         }
     }
     let _release_all = ReleaseAll(flags);
@@ -113,7 +123,7 @@ pub fn pace(steps: &[StepRecord], flags: &impl Flags, deadline: Instant) -> Resu
     };
     let mut spans = Vec::with_capacity(steps.len());
     for (s, step) in steps.iter().enumerate() {
-        let count = u32::try_from(s + 1).unwrap_or(u32::MAX);
+        let count = flags::count(s + 1);
         wait_flag(flags::STARTED, count, &format!("reached exchange step {s}"))?;
         let start = now_ns();
         for (i, &due) in step.dues.iter().enumerate() {
@@ -127,7 +137,7 @@ pub fn pace(steps: &[StepRecord], flags: &impl Flags, deadline: Instant) -> Resu
                 }
                 now = now_ns();
             }
-            flags.store(flags::RELEASED, u32::try_from(step.first_hold + i + 1).unwrap_or(u32::MAX))?;
+            flags.store(flags::RELEASED, flags::count(step.first_hold + i + 1))?;
         }
         wait_flag(flags::ENDED, count, &format!("passed exchange step {s}"))?;
         spans.push((start, now_ns()));
@@ -434,7 +444,7 @@ mod tests {
             // The stream saw the start no later than the pacer did.
             assert!(elapsed.as_nanos() as u64 + 1 >= due, "released after {elapsed:?}, due {due} ns");
         }
-        assert_eq!(flags.load(flags::RELEASED).unwrap(), u32::MAX, "released to the top on return");
+        assert_eq!(flags.load(flags::RELEASED).unwrap(), flags::TOP, "released to the top on return");
     }
 
     #[test]
@@ -446,6 +456,6 @@ mod tests {
         let flags = HostFlags::default();
         let e = pace(&link.steps(), &flags, Instant::now() + Duration::from_millis(50)).unwrap_err();
         assert!(matches!(&e, Error::DeadlineExceeded(m) if m.contains("never reached exchange step 0")), "{e}");
-        assert_eq!(flags.load(flags::RELEASED).unwrap(), u32::MAX);
+        assert_eq!(flags.load(flags::RELEASED).unwrap(), flags::TOP);
     }
 }

@@ -78,11 +78,7 @@ functions! {
         memcpy_dtod_async = "cuMemcpyDtoDAsync_v2": fn(cu::CUdeviceptr, cu::CUdeviceptr, usize, cu::CUstream) -> cu::CUresult;
         device_can_access_peer = "cuDeviceCanAccessPeer": fn(*mut c_int, cu::CUdevice, cu::CUdevice) -> cu::CUresult;
         ctx_enable_peer_access = "cuCtxEnablePeerAccess": fn(cu::CUcontext, c_uint) -> cu::CUresult;
-        mem_host_alloc = "cuMemHostAlloc": fn(*mut *mut c_void, usize, c_uint) -> cu::CUresult;
-        mem_host_get_device_pointer = "cuMemHostGetDevicePointer_v2": fn(*mut cu::CUdeviceptr, *mut c_void, c_uint) -> cu::CUresult;
-        mem_free_host = "cuMemFreeHost": fn(*mut c_void) -> cu::CUresult;
-        stream_write_value32 = "cuStreamWriteValue32_v2": fn(cu::CUstream, cu::CUdeviceptr, u32, c_uint) -> cu::CUresult;
-        stream_wait_value32 = "cuStreamWaitValue32_v2": fn(cu::CUstream, cu::CUdeviceptr, u32, c_uint) -> cu::CUresult;
+        launch_host_func = "cuLaunchHostFunc": fn(cu::CUstream, cu::CUhostFn, *mut c_void) -> cu::CUresult;
     }
 }
 

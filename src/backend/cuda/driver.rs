@@ -33,7 +33,6 @@ use cudarc::driver::sys as cu;
 use std::ffi::{c_uint, c_void, CString};
 use std::marker::PhantomData;
 use std::ptr;
-use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 
 /// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
 const STREAM_NON_BLOCKING: c_uint = 1;
@@ -408,92 +407,38 @@ impl PaceKernels {
     }
 }
 
-/// Pinned host memory mapped into the devices' address space: u32 words
-/// that the host and the streams both read and write (the one-rank mode's
-/// pacing flags: a stream writes one when it reaches a point, and waits
-/// until the host has raised another). Zeroed; freed on drop.
-pub struct MappedWords {
-    host: *mut u32,
-    device: u64,
-    words: usize,
+/// Work for the driver's host-callback thread: it runs when the stream
+/// reaches it, and the stream's later work waits until it returns.
+pub type HostWork = Box<dyn FnOnce() + Send>;
+
+/// Enqueues `work` on `stream` (`cuLaunchHostFunc`): run on the driver's
+/// thread once the stream's earlier work is done, holding the stream's later
+/// work until it returns, without an SM. `work` must not call CUDA (the
+/// driver forbids it there) and must return in bounded time.
+pub(super) fn launch_host(stream: &impl Queue, work: HostWork) -> Result<()> {
+    let data = Box::into_raw(Box::new(work));
+    // SAFETY: `run_host_work` takes back the box it is given exactly once;
+    // the stream is live while borrowed.
+    let launched = unsafe { (api::driver()?.launch_host_func)(stream.raw(), Some(run_host_work), data.cast()) };
+    if let Err(e) = check_cu(launched, "cuLaunchHostFunc") {
+        // Not enqueued: the callback will never run, so the box is ours again.
+        // SAFETY: made by `Box::into_raw` above and not handed to the driver.
+        drop(unsafe { Box::from_raw(data) });
+        return Err(e);
+    }
+    Ok(())
 }
 
-// SAFETY: the words are accessed only atomically (`load`, `store`), from any thread.
-unsafe impl Send for MappedWords {}
-// SAFETY: as above.
-unsafe impl Sync for MappedWords {}
-
-impl MappedWords {
-    /// `words` (at least 1) zeroed words, mapped for the current context's device.
-    pub fn new(words: usize) -> Result<MappedWords> {
-        const PORTABLE: c_uint = 0x01; // CU_MEMHOSTALLOC_PORTABLE
-        const DEVICEMAP: c_uint = 0x02; // CU_MEMHOSTALLOC_DEVICEMAP
-        let words = words.max(1);
-        let d = api::driver()?;
-        let mut host: *mut c_void = ptr::null_mut();
-        // SAFETY: a valid out-pointer; the size is that of `words` u32s.
-        check_cu(unsafe { (d.mem_host_alloc)(&mut host, words * 4, PORTABLE | DEVICEMAP) }, "cuMemHostAlloc")?;
-        // Owned from here on (freed on drop), its device address set below.
-        let mut mapped = MappedWords { host: host.cast(), device: 0, words };
-        // SAFETY: the allocation holds `words` u32s, aligned (page-aligned).
-        unsafe { ptr::write_bytes(mapped.host, 0, words) };
-        // SAFETY: `host` is a live mapped allocation; flags must be 0.
-        let status = unsafe { (d.mem_host_get_device_pointer)(&mut mapped.device, host, 0) };
-        check_cu(status, "cuMemHostGetDevicePointer")?;
-        Ok(mapped)
+/// The driver's callback for [`launch_host`]: runs the boxed work once,
+/// catching any panic (nothing unwinds into the driver).
+unsafe extern "C" fn run_host_work(data: *mut c_void) {
+    if data.is_null() {
+        return;
     }
-
-    fn word(&self, i: usize) -> Result<&AtomicU32> {
-        if i >= self.words {
-            return Err(Error::Internal(format!("mapped word {i} of {}", self.words)));
-        }
-        // SAFETY: in bounds (checked), aligned, live while `self` is; every
-        // host access is atomic (the device's are its own stream operations).
-        Ok(unsafe { AtomicU32::from_ptr(self.host.add(i)) })
-    }
-
-    pub fn load(&self, i: usize) -> Result<u32> {
-        Ok(self.word(i)?.load(AtomicOrdering::Acquire))
-    }
-
-    pub fn store(&self, i: usize, value: u32) -> Result<()> {
-        self.word(i)?.store(value, AtomicOrdering::Release);
-        Ok(())
-    }
-
-    fn device_addr(&self, i: usize) -> Result<u64> {
-        self.word(i)?;
-        Ok(self.device + 4 * i as u64)
-    }
-}
-
-impl Drop for MappedWords {
-    fn drop(&mut self) {
-        if let Ok(d) = api::driver() {
-            // SAFETY: allocated in `new`, freed once; its owner keeps it until
-            // no stream operation on it is queued (the caller synchronises).
-            let _ = unsafe { (d.mem_free_host)(self.host.cast()) };
-        }
-    }
-}
-
-/// Enqueues on `stream`, after its earlier work, writing `value` to word
-/// `i` of `words` (`cuStreamWriteValue32`; no SM). The caller keeps `words`
-/// until the stream has passed it.
-pub(super) fn write_word(stream: &impl Queue, words: &MappedWords, i: usize, value: u32) -> Result<()> {
-    let addr = words.device_addr(i)?;
-    // SAFETY: `addr` is a word of a live mapped allocation; the stream is live while borrowed.
-    check_cu(unsafe { (api::driver()?.stream_write_value32)(stream.raw(), addr, value, 0) }, "cuStreamWriteValue32")
-}
-
-/// Enqueues on `stream` a wait until word `i` of `words` is at least
-/// `value` (`cuStreamWaitValue32` with GEQ; no SM). Whoever raises the word
-/// must do so in bounded time: the stream waits for nothing else.
-pub(super) fn wait_word(stream: &impl Queue, words: &MappedWords, i: usize, value: u32) -> Result<()> {
-    const GEQ: c_uint = 0x0; // CU_STREAM_WAIT_VALUE_GEQ
-    let addr = words.device_addr(i)?;
-    // SAFETY: as in `write_word`.
-    check_cu(unsafe { (api::driver()?.stream_wait_value32)(stream.raw(), addr, value, GEQ) }, "cuStreamWaitValue32")
+    // SAFETY: `launch_host` passed a `Box<HostWork>` it gave up; the driver
+    // calls this once per launch.
+    let work = unsafe { Box::from_raw(data.cast::<HostWork>()) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
 }
 
 /// Launches `function` as one block of one thread on `stream`.

@@ -24,7 +24,7 @@ use super::copies::{self, CallId, CopyQueue, Deadline, Mailbox, Omit};
 use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
 use super::site_ops::SiteOps;
-use super::solo::{Inbox, Pace, PacedQueue, SoloLink};
+use super::solo::{Inbox, Pace, PacedQueue, SoloLink, StepClock};
 use super::stream_issue::{issue, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::plan::{plan, Schedule, Step};
 use crate::problem::{OpKind, Operand, Problem};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// An event of the model: a call's (from its stream schedule), or one of
@@ -197,22 +197,19 @@ impl CopyQueue for LaneQueue<'_> {
 }
 
 /// The one-rank mode's pacing on a recorded stream: the copies move bytes;
-/// the flags only hold a stream until a time, which the model (ordering,
+/// the holds only keep a stream until a time, which the model (ordering,
 /// not timing) has no use for.
 struct PacedLane<'s>(&'s mut Vec<Cmd>);
 
 impl PacedQueue for PacedLane<'_> {
-    fn start(&mut self, _step: usize) -> Result<()> {
+    fn start(&mut self, _clock: &Arc<StepClock>) -> Result<()> {
         Ok(())
     }
     fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         self.0.push(Cmd::Copy { dst, src, bytes });
         Ok(())
     }
-    fn hold(&mut self, _hold: usize) -> Result<()> {
-        Ok(())
-    }
-    fn end(&mut self, _step: usize) -> Result<()> {
+    fn hold(&mut self, _clock: &Arc<StepClock>, _after_ns: u64, _last: bool) -> Result<()> {
         Ok(())
     }
 }

@@ -13,13 +13,14 @@ use super::copies::{self, CallId, Deadline};
 use super::copy_links::{CopyLane, CudaMailbox};
 use super::device::Device;
 use super::device_watch::CallWatch;
-use super::driver::{self, CallMemory, CallStream, Event, MappedWords, Stream};
+use super::driver::{self, CallMemory, CallStream, Event, Stream};
 use super::nccl::Comm;
 use super::site_ops::SiteOps;
-use super::solo::{flags, PacedQueue, SoloLink};
+use super::solo::{PacedQueue, SoloLink, StepClock};
 use super::stream_issue::StreamOps;
 use crate::error::{Error, Result};
 use crate::plan::Step;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// How one call's exchanges go: NCCL on this rank's communicator, the copy
@@ -35,10 +36,7 @@ pub enum Exchanges<'a> {
         call: CallId,
     },
     /// One rank alone on the device, its peers played by paced copies (`solo`).
-    Solo {
-        link: &'a SoloLink,
-        flags: &'a MappedWords,
-    },
+    Solo(&'a SoloLink),
 }
 
 /// Enqueues one call's steps: lanes `Compute`/`Comm` on the device's
@@ -113,9 +111,9 @@ impl<'a> CallOps<'a> {
                 let deadline = Deadline { at: self.deadline, interrupts: self.interrupts };
                 copies::exchange(mailbox, call, rank, &sends, &recvs, &mut lane, deadline)
             }
-            Some(Exchanges::Solo { link, flags }) => {
+            Some(Exchanges::Solo(link)) => {
                 let bind = |list: &[P2p<Addr>]| list.iter().map(|p| p.bind(&bases)).collect::<Vec<_>>();
-                let mut lane = PacedLane { stream, memory: self.memory, flags };
+                let mut lane = PacedLane { stream, memory: self.memory };
                 link.exchange(&bind(sends), &bind(recvs), &mut lane)
             }
         };
@@ -126,26 +124,25 @@ impl<'a> CallOps<'a> {
     }
 }
 
-/// The one-rank mode's pacing on one of a call's streams: copies, and the
-/// flags the pacer reads and raises, as stream memory operations (no SM).
+/// The one-rank mode's pacing on one of a call's streams: copies on the
+/// stream, marks and holds on the driver's host thread as the stream
+/// reaches them.
 struct PacedLane<'a> {
     stream: &'a Stream,
     memory: &'a CallMemory<'a>,
-    flags: &'a MappedWords,
 }
 
 impl PacedQueue for PacedLane<'_> {
-    fn start(&mut self, step: usize) -> Result<()> {
-        driver::write_word(self.stream, self.flags, flags::STARTED, flags::count(step + 1))
+    fn start(&mut self, clock: &Arc<StepClock>) -> Result<()> {
+        let clock = Arc::clone(clock);
+        driver::launch_host(self.stream, Box::new(move || clock.mark_start()))
     }
     fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         driver::copy(self.stream, dst, src, bytes, self.memory)
     }
-    fn hold(&mut self, hold: usize) -> Result<()> {
-        driver::wait_word(self.stream, self.flags, flags::RELEASED, flags::count(hold + 1))
-    }
-    fn end(&mut self, step: usize) -> Result<()> {
-        driver::write_word(self.stream, self.flags, flags::ENDED, flags::count(step + 1))
+    fn hold(&mut self, clock: &Arc<StepClock>, after_ns: u64, last: bool) -> Result<()> {
+        let clock = Arc::clone(clock);
+        driver::launch_host(self.stream, Box::new(move || clock.hold_until(after_ns, last)))
     }
 }
 

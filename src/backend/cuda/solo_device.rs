@@ -7,11 +7,11 @@
 
 use super::addresses::{DeviceBuffers, DeviceOp, Region};
 use super::device;
-use super::driver::{synchronize, CallMemory, CallStream, Context, DeviceMemory, MappedWords, PaceKernels, Stream};
+use super::driver::{synchronize, CallMemory, CallStream, Context, DeviceMemory, PaceKernels, Stream};
 use super::enqueue::{CallOps, Exchanges};
 use super::kernels::{self, ImageCache, Target};
 use super::site_ops::SiteOps;
-use super::solo::{self, flags, Inbox, LinkReport, Pace, SoloLink};
+use super::solo::{Inbox, LinkReport, Pace, SoloLink};
 use super::stream_issue::issue;
 use crate::abi::{self, CallShapes};
 use crate::error::{Error, Result};
@@ -152,20 +152,17 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
     let pace_kernels = PaceKernels::load(&IMAGES.get_or_init(ImageCache::default).get(&target, kernels::PACE)?)?;
     CallOps::prepare(&mut d, site.events)?;
     let (mut seconds, mut report) = (Vec::new(), LinkReport { bytes: 0, seconds: 0.0, bytes_per_s: 0.0 });
-    let shared = MappedWords::new(flags::COUNT)?;
     for _ in 0..call.reps.max(1) {
         link.begin_call();
-        (0..flags::COUNT).try_for_each(|f| shared.store(f, 0))?;
         pace_kernels.stamp(&xla, clock.addr(), &memory)?;
-        let deadline = Instant::now() + Duration::from_secs(60);
         let mut ops = CallOps {
             device: &d,
             xla: &xla,
             site: &site,
             bases,
             memory: &memory,
-            transport: Some(Exchanges::Solo { link: &link, flags: &shared }),
-            deadline,
+            transport: Some(Exchanges::Solo(&link)),
+            deadline: Instant::now() + Duration::from_secs(60),
             interrupts: crate::config::interrupts(),
             comm_failed: false,
             tf32: call.tf32,
@@ -174,32 +171,16 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
         };
         let issued = issue(&p, &site.streams, &mut ops, 0, None);
         pace_kernels.stamp(&xla, clock.addr() + 8, &memory)?;
-        // The pacer raises what the stream waits on (and everything when it
-        // returns, whatever happened), so the stream always finishes.
-        let steps = link.steps();
-        let spans = solo::pace(&steps, &MappedFlags(&shared), deadline);
+        // Whatever was enqueued finishes before its memory is freed.
         synchronize(&xla)?;
         issued?;
-        let spans = spans?;
         let words = clock.read(16)?;
         let time = |i: usize| words.get(8 * i..8 * i + 8).and_then(|w| w.try_into().ok()).map_or(0, u64::from_le_bytes);
         seconds.push(time(1).saturating_sub(time(0)) as f64 / 1e9);
-        report = LinkReport::of(&steps, &spans, call.pace);
+        report = LinkReport::of(&link.steps(), call.pace);
     }
     drop(pace_kernels);
     Ok(SoloResult { out: outd.read(out_bytes)?, seconds, link: report })
-}
-
-/// The pacing flags in mapped host memory.
-struct MappedFlags<'a>(&'a MappedWords);
-
-impl solo::Flags for MappedFlags<'_> {
-    fn load(&self, flag: usize) -> Result<u32> {
-        self.0.load(flag)
-    }
-    fn store(&self, flag: usize, value: u32) -> Result<()> {
-        self.0.store(flag, value)
-    }
 }
 
 /// One benchmark case: a call's shapes (as `commfuse_prepare` takes them),

@@ -50,5 +50,9 @@ def test_the_library_answers_a_one_rank_request_without_a_gpu_with_the_reason():
     message = str(e.value)
     # Either the CUDA backend is absent from this build, or the driver is.
     assert "cuda" in message.lower(), message
-    with pytest.raises(ValueError, match="machine"):
-        bench_gpu.measure("all_gather_matmul", (64, 32), (32, 16), 2, "ring", "no_such_machine", 1)
+    from commfuse import _native
+
+    if _native.cuda_built():
+        # The request is read before any device is touched.
+        with pytest.raises(ValueError, match="machine"):
+            bench_gpu.measure("all_gather_matmul", (64, 32), (32, 16), 2, "ring", "no_such_machine", 1)

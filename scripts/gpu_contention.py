@@ -1,8 +1,9 @@
 """GEMM facts the cost model needs, measured on one GPU with PyTorch (which
 the GPU hosts have; commfuse is not involved): how much of a GEMM survives
 beside copy-engine copies, and how a ring's per-peer GEMM pieces compare
-with one GEMM, with the tile/wave model's prediction beside each
-(`src/cost/gemm_waves.rs` holds the same model; GPU.md records the tables).
+with one GEMM, with a one-tile (128 x 256) wave model's ratio beside each (the cost
+model's fitted one, with several tiles, is `src/sim/gemm_waves.rs`; GPU.md
+records the tables).
 
 Run by scripts/gpu_device_check.py; prints JSON lines, one per figure.
 Timing: CUDA events around back-to-back launches, after a warm-up, medians of
@@ -134,7 +135,10 @@ def beside_copies(m: int, k: int, n: int, rates_gbps: list, cycles_per_s: float)
     """A GEMM's throughput while another stream copies device to device with
     copy engines (cudaMemcpyAsync), paced by sleeps to a link's rate (None:
     unpaced), against the same GEMM loop alone in alternate rounds; and the
-    copy rate achieved meanwhile."""
+    copy rate achieved over the copies' own window. The sleeps are kernels:
+    they wait for a free SM while the GEMM holds them, so paced copies run
+    less beside the GEMM than their rate says; the unpaced row is the
+    measure of contention."""
     x, w, out = operands(m, k, n)
     chunk = 8 << 20
     src = torch.randn(chunk // 2, device="cuda", dtype=torch.bfloat16)
@@ -256,15 +260,30 @@ def beside_nccl(nccl: str) -> None:
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_MULTI_RANK_GPU_ENABLE="1",
                LD_PRELOAD=nccl)
-    procs = [subprocess.Popen([sys.executable, __file__, "--nccl-rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outs = []
+    # Each rank in a session of its own, writing to a file: one deadline for
+    # both, and on it the whole process group is killed (no rank left behind
+    # holding the GPU, no pipe left undrained).
+    logs = [open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"nccl_rank{r}.log"), "w+") for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--nccl-rank", str(r)], env=env, stdout=log,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r, log in zip((0, 1), logs)]
+    deadline = time.monotonic() + 120
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=120)[0])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0] + "\n(timed out after 120 s)")
+            for q in procs:
+                try:
+                    os.killpg(q.pid, 9)
+                except ProcessLookupError:
+                    pass
+            break
+    outs = []
+    for p, log in zip(procs, logs):
+        p.wait()
+        log.seek(0)
+        outs.append(log.read() + ("" if p.returncode == 0 else f"\n(exit {p.returncode})"))
+        log.close()
     figures = [line for line in outs[0].splitlines() if line.startswith("{")]
     if figures:
         print(figures[-1], flush=True)

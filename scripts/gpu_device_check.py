@@ -34,7 +34,8 @@ def run(cmd, timeout, env=None, log=None):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         code, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        code, out = 124, f"timed out after {timeout} s: {(e.stdout or b'')[-2000:]!r}"
+        partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        code, out = 124, f"{partial}\ntimed out after {timeout} s"
     if log:
         with open(os.path.join(LOGS, log), "w") as f:
             f.write(out)
@@ -304,6 +305,8 @@ def check_gemm_facts(repo: str) -> None:
             f = json.loads(line)
         except ValueError:
             continue
+        if not isinstance(f, dict) or "kind" not in f:
+            continue
         shape = f"{f.get('m')}x{f.get('k')}x{f.get('n')}"
         if f["kind"] == "gemm":
             row(f"GEMM bf16 {shape}", "PASS", f"{f['ms']:.3f} ms, {f['tflops']:.0f} TFLOP/s")
@@ -338,7 +341,7 @@ def main() -> int:
     LOGS = args.logs
     os.makedirs(LOGS, exist_ok=True)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # The Rust device tests first: no JAX process holds the GPU while they run.
+    # The Rust device tests first, while this process's JAX client (check_host's) is idle.
     checks = {
         "host": check_host,
         "rust": lambda: check_rust(args.rust_tests),

@@ -138,9 +138,10 @@ impl Machine {
     ///   of ideal-but-usable P2P over copy engines.
     /// - Latency ~8 us per message (NCCL P2P launch plus hop; an estimate),
     ///   and 2 us per kernel (launch and tail: the fit of the per-peer pieces).
-    /// - Copy-engine transfers leave a GEMM its throughput (0.97-1.08 of it
-    ///   beside copies paced to 40-300 GB/s, H200 2026-11-26), so transfers
-    ///   take nothing from the GEMMs here; NCCL's kernels took 5-18% (GPU.md).
+    /// - Copy-engine transfers leave a GEMM its throughput (1.07-1.09 of it,
+    ///   noise, beside unpaced copies at 1.5 TB/s on an H200 on 2026-11-26;
+    ///   an H100 kept 0.83 unpaced, 1.0 at link rates), so transfers take
+    ///   nothing from the GEMMs here; NCCL's kernels took 5-18% (GPU.md).
     pub fn h100_nvlink() -> Machine {
         Machine {
             name: "h100_nvlink".into(),

@@ -414,7 +414,10 @@ pub type HostWork = Box<dyn FnOnce() + Send>;
 /// Enqueues `work` on `stream` (`cuLaunchHostFunc`): run on the driver's
 /// thread once the stream's earlier work is done, holding the stream's later
 /// work until it returns, without an SM. `work` must not call CUDA (the
-/// driver forbids it there) and must return in bounded time.
+/// driver forbids it there) and must return in bounded time: that thread
+/// serves every host function of the process (XLA's too) in turn. The
+/// driver skips host functions of a context in an error state (the box then
+/// leaks; such a context is lost anyway).
 pub(super) fn launch_host(stream: &impl Queue, work: HostWork) -> Result<()> {
     let data = Box::into_raw(Box::new(work));
     // SAFETY: `run_host_work` takes back the box it is given exactly once;

@@ -838,7 +838,7 @@ fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: 
     }
     let pace = Pace::of_machine("h100_nvlink").unwrap();
     let sink = base(mem.buffers.len());
-    mem.buffers.push(vec![0; pace.chunk()]);
+    mem.buffers.push(vec![0; super::solo::MIN_CHUNK]);
     let region = |i: usize, bytes| Region { addr: base(i), bytes, dtype: DType::F32 };
     let buffers = DeviceBuffers {
         x: region(0, sizes.x * 4),
@@ -848,7 +848,7 @@ fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: 
         scales: None,
     };
     let bases = site.bind(&buffers).unwrap();
-    let link = SoloLink::new(Inbox::Messages(messages), (sink, pace.chunk()), pace);
+    let link = SoloLink::new(Inbox::Messages(messages), (sink, super::solo::MIN_CHUNK), pace);
     link.begin_call();
     let records = Records::default();
     let streams = vec![Vec::new(); site.streams.lanes.len() + 1];

@@ -51,16 +51,23 @@ impl Pace {
     /// Nanoseconds after a step's start by which `bytes` have arrived.
     pub fn due_ns(&self, bytes: usize) -> u64 {
         let transfer = if self.bytes_per_s.is_finite() { (bytes as f64 * 1e9 / self.bytes_per_s).ceil() } else { 0.0 };
-        (self.latency_s * 1e9).round() as u64 + transfer as u64
+        ((self.latency_s * 1e9).round() as u64).saturating_add(transfer as u64)
     }
 
     /// Bytes of one paced copy: what the link moves in 100 us, at least 4
     /// MiB, so that a hold's own cost (tens of microseconds) is small beside it.
     pub fn chunk(&self) -> usize {
-        let per_100us = if self.bytes_per_s.is_finite() { self.bytes_per_s * 100e-6 } else { f64::MAX };
-        (per_100us.min(1e12) as usize).max(MIN_CHUNK)
+        let per_100us = if self.bytes_per_s.is_finite() { self.bytes_per_s * 100e-6 } else { MAX_CHUNK as f64 };
+        (per_100us as usize).clamp(MIN_CHUNK, MAX_CHUNK)
     }
 }
+
+/// The largest paced copy (an unlimited link copies in pieces of this).
+pub const MAX_CHUNK: usize = 256 << 20;
+
+/// The longest a step may be held: a pace slower than this for a step's
+/// bytes is refused (a hold blocks the driver's host thread).
+pub const MAX_HOLD_NS: u64 = 10_000_000_000;
 
 /// The smallest paced copy.
 pub const MIN_CHUNK: usize = 4 << 20;
@@ -198,6 +205,15 @@ impl SoloLink {
             }
         }
         chunks.sort_by_key(|c| c.0);
+        if let Some(&(due, ..)) = chunks.last().filter(|c| c.0 > MAX_HOLD_NS) {
+            return Err(Error::InvalidArgument(format!(
+                "one-rank mode: a link of {} B/s and {} s of latency would hold an exchange step {} s (at most {} s)",
+                self.pace.bytes_per_s,
+                self.pace.latency_s,
+                due as f64 / 1e9,
+                MAX_HOLD_NS / 1_000_000_000
+            )));
+        }
         let clock = Arc::new(StepClock::default());
         queue.start(&clock)?;
         for (i, &(due, dst, src, bytes)) in chunks.iter().enumerate() {
@@ -339,6 +355,13 @@ mod tests {
         assert!(link.steps().is_empty());
         let e = link.exchange(&[], &[P2p { addr: 3, bytes: 65, peer: 0 }], &mut Log::default()).unwrap_err();
         assert!(e.message().contains("larger than the inbox"), "{e}");
+        // A link too slow to deliver a step in bounded time is refused.
+        let slow = SoloLink::new(Inbox::Any { addr: 1, bytes: 64 }, (2, 64), Pace { bytes_per_s: 1.0, latency_s: 0.0 });
+        slow.begin_call();
+        let e = slow.exchange(&[], &recv, &mut Log::default()).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("would hold an exchange step 64 s")), "{e}");
+        // An unlimited link copies in bounded pieces.
+        assert_eq!(Pace { bytes_per_s: f64::INFINITY, latency_s: 0.0 }.chunk(), MAX_CHUNK);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::enqueue::{CallOps, Exchanges};
 use super::kernels::{self, ImageCache, Target};
 use super::site_ops::SiteOps;
 use super::solo::{Inbox, LinkReport, Pace, SoloLink};
-use super::stream_issue::issue;
+use super::stream_issue::{self, issue};
 use crate::abi::{self, CallShapes};
 use crate::error::{Error, Result};
 use crate::plan::{plan, Schedule};
@@ -130,7 +130,8 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
             inbox
         }
     };
-    let sink = zeroed(call.pace.chunk())?;
+    // Sends are cut to the sink's size (`SoloLink::exchange`).
+    let sink = zeroed(call.pace.chunk().min(64 << 20))?;
     // The call's start and end on the device's global timer.
     let clock = zeroed(16)?;
     let link = SoloLink::new(inbox, (sink.addr(), sink.bytes()), call.pace);
@@ -154,7 +155,6 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
     let (mut seconds, mut report) = (Vec::new(), LinkReport { bytes: 0, seconds: 0.0, bytes_per_s: 0.0 });
     for _ in 0..call.reps.max(1) {
         link.begin_call();
-        pace_kernels.stamp(&xla, clock.addr(), &memory)?;
         let mut ops = CallOps {
             device: &d,
             xla: &xla,
@@ -169,9 +169,14 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
             fp8_workspace: None,
             watch: None,
         };
-        let issued = issue(&p, &site.streams, &mut ops, 0, None);
-        pace_kernels.stamp(&xla, clock.addr() + 8, &memory)?;
-        // Whatever was enqueued finishes before its memory is freed.
+        let issued = pace_kernels.stamp(&xla, clock.addr(), &memory).and_then(|()| {
+            // A failed issue leaves work on the lanes: joined back into XLA's
+            // stream all the same, so the synchronisation below covers it
+            // before any memory is freed.
+            issue(&p, &site.streams, &mut ops, 0, None)
+                .inspect_err(|_| drop(stream_issue::join_lanes(&site.streams, &mut ops)))
+                .and_then(|()| pace_kernels.stamp(&xla, clock.addr() + 8, &memory))
+        });
         synchronize(&xla)?;
         issued?;
         let words = clock.read(16)?;
@@ -305,7 +310,11 @@ fn total_work(call: &CallShapes, kind: OpKind, n: usize) -> Option<CallShapes> {
 
 fn median_of(mut seconds: Vec<f64>) -> f64 {
     seconds.sort_by(f64::total_cmp);
-    seconds.get(seconds.len() / 2).copied().unwrap_or(f64::NAN)
+    match seconds.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => seconds[n / 2],
+        n => (seconds[n / 2 - 1] + seconds[n / 2]) / 2.0,
+    }
 }
 
 #[cfg(test)]

@@ -585,6 +585,13 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
 /// One problem per op kind over `n` ranks: (kind, x dims, w dims, out dims).
 pub type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>);
 
+/// `case`'s problem over `n` ranks as `schedule` cuts it (f32 operands).
+pub fn problem_of(case: &Case, n: usize, schedule: Schedule) -> Problem {
+    let (kind, x, w, out) = case;
+    let op = |dims| Operand { dims, dtype: DType::F32 };
+    Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap()
+}
+
 /// Small shapes of every op kind for `n` ranks (dimension 0 for row kinds).
 pub fn cases(n: i64) -> Vec<Case> {
     use OpKind::*;
@@ -605,11 +612,7 @@ pub fn cases(n: i64) -> Vec<Case> {
 /// The outputs of `case` on every rank through the CPU backend, for the
 /// inputs `fill` gives (used by the GPU test of `device` too).
 pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Vec<u8>> {
-    let (kind, x, w, out) = case;
-    let op = |dims| Operand { dims, dtype: DType::F32 };
-    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
-    let problem = problem.for_schedule(schedule).unwrap();
-    on_cpu(&problem, *kind, schedule, n, site)
+    on_cpu(&problem_of(case, n, schedule), case.0, schedule, n, site)
 }
 
 /// The schedules to emulate for `kind` (cut into blocks of 3 rows where the kind takes that).
@@ -627,11 +630,9 @@ fn compare(ns: &[usize], setup: Setup, site: &mut i64) -> Vec<String> {
     let mut differed = Vec::new();
     for &n in ns {
         for case in cases(n as i64) {
-            let (kind, x, w, out) = &case;
-            let op = |dims| Operand { dims, dtype: DType::F32 };
-            let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
+            let kind = &case.0;
             for schedule in schedules(*kind) {
-                let problem = problem.for_schedule(schedule).unwrap();
+                let problem = problem_of(&case, n, schedule);
                 *site += 1;
                 let want = reference(&case, schedule, n, *site);
                 for (order, got) in ORDERS.iter().zip(emulated(&problem, *kind, schedule, n, setup)) {
@@ -676,9 +677,8 @@ fn the_model_catches_a_missing_dependency_of_the_copy_transport() {
 /// DEADLINE_EXCEEDED naming it; nothing is left waiting on a device.
 #[test]
 fn a_rank_that_never_arrives_ends_the_copy_transport_with_a_deadline_naming_it() {
-    let (kind, x, w, out) = &cases(4)[0];
-    let op = |dims| Operand { dims, dtype: DType::F32 };
-    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, 4).unwrap();
+    let case = &cases(4)[0];
+    let (kind, problem) = (&case.0, problem_of(case, 4, Schedule::Ring));
     let setup = Setup { absent: Some(2), deadline: Duration::from_millis(300), ..Setup::COPIES };
     let started = Instant::now();
     let (_, issued) = issue_all(&problem, *kind, Schedule::Ring, 4, setup);
@@ -697,9 +697,8 @@ fn a_rank_that_never_arrives_ends_the_copy_transport_with_a_deadline_naming_it()
 /// its error's code, naming it and saying why.
 #[test]
 fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
-    let (kind, x, w, out) = &cases(4)[0];
-    let op = |dims| Operand { dims, dtype: DType::F32 };
-    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, 4).unwrap();
+    let case = &cases(4)[0];
+    let (kind, problem) = (&case.0, problem_of(case, 4, Schedule::Ring));
     let setup = Setup { failing: Some(1), deadline: Duration::from_secs(20), ..Setup::COPIES };
     let started = Instant::now();
     let (_, issued) = issue_all(&problem, *kind, Schedule::Ring, 4, setup);
@@ -798,10 +797,7 @@ fn the_copy_transport_serves_calls_in_turn_over_one_mailbox() {
 /// to reproduce the group's result (the model of the whole group over NCCL,
 /// run forwards).
 pub fn solo_inbox(case: &Case, schedule: Schedule, n: usize, rank: usize) -> Vec<Vec<Vec<u8>>> {
-    let (kind, x, w, out) = case;
-    let op = |dims| Operand { dims, dtype: DType::F32 };
-    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap();
-    let (mem, issued) = issue_all(&problem, *kind, schedule, n, Setup::NCCL);
+    let (mem, issued) = issue_all(&problem_of(case, n, schedule), case.0, schedule, n, Setup::NCCL);
     let ranks: Vec<_> = issued.into_iter().map(Result::unwrap).collect();
     let mem = run_streams(mem, &ranks, Order::Forward).unwrap();
     let mut inbox = vec![Vec::new(); n];
@@ -816,9 +812,8 @@ pub fn solo_inbox(case: &Case, schedule: Schedule, n: usize, rank: usize) -> Vec
 /// Rank `rank` of `n` alone in the model, its peers' messages copied from
 /// `inbox` at the pace of an H100's NVLink: its output in each order.
 fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>> {
-    let (kind, x, w, out) = case;
-    let op = |dims| Operand { dims, dtype: DType::F32 };
-    let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap();
+    let kind = &case.0;
+    let problem = problem_of(case, n, schedule);
     let sizes = problem.sizes();
     let p = plan(kind.pattern(), schedule, n, rank);
     let site = SiteOps::new(&problem, &p).unwrap();

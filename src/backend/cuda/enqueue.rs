@@ -205,13 +205,12 @@ mod tests {
     use crate::backend::cuda::addresses::{DeviceBuffers, Region};
     use crate::backend::cuda::communicators::CommKey;
     use crate::backend::cuda::driver::{synchronize, Context, DeviceMemory};
-    use crate::backend::cuda::emulate::{cases, fill, reference, schedules};
+    use crate::backend::cuda::emulate::{cases, fill, problem_of, reference, schedules};
     use crate::backend::cuda::libs::Lib;
     use crate::backend::cuda::stream_issue::issue;
     use crate::backend::cuda::{device, nccl_group};
     use crate::dtype::DType;
     use crate::plan::{plan, Schedule};
-    use crate::problem::{Operand, Problem};
     use std::time::Duration;
 
     /// One rank's part of a device test: its CUDA device, its slot there
@@ -245,10 +244,8 @@ mod tests {
         // Plays XLA's stream.
         let xla_stream = Stream::new().unwrap();
         let xla = CallStream::playing_xla(&xla_stream).unwrap();
-        let (kind, x, w, out) = case;
-        let op = |dims| Operand { dims, dtype: DType::F32 };
-        let problem = Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap();
-        let problem = problem.for_schedule(schedule).unwrap();
+        let kind = case.0;
+        let problem = problem_of(case, n, schedule);
         let sizes = problem.sizes();
         let p = plan(kind.pattern(), schedule, n, rank);
         let site = SiteOps::new(&problem, &p).unwrap();
@@ -309,6 +306,28 @@ mod tests {
         issued.map(|()| outd.read(sizes.result * 4).unwrap())
     }
 
+    /// Every rank of `n` on a thread of its own (as XLA runs the devices),
+    /// `rank(r)` saying where and how rank r runs; checks each rank's output
+    /// against the CPU backend's, naming `place` when one differs.
+    fn every_rank_as_the_cpu_backend(
+        n: usize,
+        case: &super::super::emulate::Case,
+        schedule: Schedule,
+        site: i64,
+        place: &str,
+        rank: impl Fn(usize) -> Rank + Sync,
+    ) {
+        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let rank = &rank;
+            let handles: Vec<_> = (0..n).map(|r| s.spawn(move || run_on(&rank(r), case, schedule))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = reference(case, schedule, n, site);
+        for r in 0..n {
+            assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs {place}", case.0);
+        }
+    }
+
     /// The CUDA devices of this process; fails (these tests run only when
     /// asked for, on a GPU host) when the libraries or a GPU are missing.
     fn usable_devices() -> i32 {
@@ -344,21 +363,7 @@ mod tests {
         for case in cases(n as i64) {
             for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {
                 site += 1;
-                let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..n)
-                        .map(|r| {
-                            s.spawn({
-                                let case = &case;
-                                move || run_on(&Rank::nccl(r as i32, r, n), case, schedule)
-                            })
-                        })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().unwrap()).collect()
-                });
-                let want = reference(&case, schedule, n, site);
-                for r in 0..n {
-                    assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on the GPUs", case.0);
-                }
+                every_rank_as_the_cpu_backend(n, &case, schedule, site, "on the GPUs", |r| Rank::nccl(r as i32, r, n));
             }
         }
     }
@@ -375,20 +380,11 @@ mod tests {
             for case in cases(n as i64) {
                 for schedule in schedules(case.0) {
                     site += 1;
-                    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-                        let handles: Vec<_> = (0..n)
-                            .map(|r| {
-                                let me = Rank { slot: 1 + r, copies: Some(key.clone()), ..Rank::nccl(0, r, n) };
-                                let case = &case;
-                                s.spawn(move || run_on(&me, case, schedule))
-                            })
-                            .collect();
-                        handles.into_iter().map(|h| h.join().unwrap()).collect()
+                    every_rank_as_the_cpu_backend(n, &case, schedule, site, "on GPU 0", |r| Rank {
+                        slot: 1 + r,
+                        copies: Some(key.clone()),
+                        ..Rank::nccl(0, r, n)
                     });
-                    let want = reference(&case, schedule, n, site);
-                    for r in 0..n {
-                        assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on GPU 0", case.0);
-                    }
                 }
             }
         }
@@ -409,20 +405,10 @@ mod tests {
         for case in cases(n as i64) {
             for schedule in schedules(case.0) {
                 site += 1;
-                let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..n)
-                        .map(|r| {
-                            let me = Rank { slot: 1 + r, ..Rank::nccl(0, r, n) };
-                            let case = &case;
-                            s.spawn(move || run_on(&me, case, schedule))
-                        })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                every_rank_as_the_cpu_backend(n, &case, schedule, site, "on GPU 0 over NCCL", |r| Rank {
+                    slot: 1 + r,
+                    ..Rank::nccl(0, r, n)
                 });
-                let want = reference(&case, schedule, n, site);
-                for r in 0..n {
-                    assert!(got[r] == want[r], "{:?} {schedule:?}: rank {r} of {n} differs on GPU 0 over NCCL", case.0);
-                }
             }
         }
     }

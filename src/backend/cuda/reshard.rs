@@ -476,14 +476,55 @@ fn copy_on(copy: &Copy2d, stream: &impl Queue, memory: &CallMemory<'_>) -> Resul
 mod tests {
     use super::*;
     use crate::backend::cuda::driver::{synchronize, Context, DeviceMemory, Stream};
-    use crate::reshard::device::Buffer;
+    use crate::reshard::device::{Buffer, Round};
     use crate::reshard::tests::filled;
     use crate::reshard::{plan, Method, Region};
     use std::time::Duration;
 
-    /// Rank `rank`'s part of `layout` on CUDA device `rank`, as the handlers
-    /// enqueue it (without XLA: the test's own stream and memory); returns
-    /// its destination tile, if it has one.
+    /// Rank `rank`'s part of `layout` on `xla`, as the handlers enqueue it
+    /// (without XLA: the test's own stream and memory): packs its source
+    /// tile and hands the pieces to `send`; for its destination tile, hands
+    /// each round to `receive`, then unpacks. Waits for the stream; returns
+    /// the destination tile, if it has one, and every allocation, which the
+    /// caller keeps as long as a peer may still read them.
+    fn run_sides(
+        layout: &Layout,
+        plan: &Plan,
+        rank: usize,
+        xla: &CallStream<'_>,
+        send: impl FnOnce(&CallMemory<'_>, &[Transfer]),
+        mut receive: impl FnMut(&CallMemory<'_>, &Round),
+    ) -> (Option<Vec<u8>>, Vec<DeviceMemory>) {
+        let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
+        let buffer = |m: &DeviceMemory| Buffer { addr: m.addr(), bytes: m.bytes() };
+        let mut kept = vec![];
+        if let Some(tile) = &layout.src[rank] {
+            let (x, staging) = (memory(&filled(layout, tile)), memory(&vec![0xee; layout.bytes(tile)]));
+            let side = send_side(layout, plan, rank, buffer(&x), buffer(&staging)).unwrap();
+            let owned = CallMemory::of_owned(&[&x, &staging]);
+            side.pack.iter().for_each(|c| copy_on(c, xla, &owned).unwrap());
+            send(&owned, &side.sends);
+            drop(owned);
+            kept.extend([x, staging]);
+        }
+        let out = layout.dst[rank].as_ref().map(|tile| {
+            let (out, staging) = (memory(&vec![0xee; layout.bytes(tile)]), memory(&vec![0xee; layout.bytes(tile)]));
+            let side = receive_side(layout, plan, rank, buffer(&out), buffer(&staging)).unwrap();
+            let owned = CallMemory::of_owned(&[&out, &staging]);
+            side.rounds.iter().for_each(|round| receive(&owned, round));
+            side.unpack.iter().for_each(|c| copy_on(c, xla, &owned).unwrap());
+            drop(owned);
+            kept.push(staging);
+            out
+        });
+        // The test (not the hot path) waits for its stream.
+        synchronize(xla).unwrap();
+        let tile = out.as_ref().map(|o| o.read(o.bytes()).unwrap());
+        kept.extend(out);
+        (tile, kept)
+    }
+
+    /// Rank `rank`'s part of `layout` on CUDA device `rank` over NCCL.
     fn run_rank(layout: &Layout, plan: &Plan, rank: usize) -> Option<Vec<u8>> {
         let context = Context::primary(rank as i32).unwrap();
         context.make_current().unwrap();
@@ -495,9 +536,6 @@ mod tests {
         let key = CommKey::reshard((0..layout.ranks() as i64).collect());
         let comms = nccl_group::group_comms(&key, &members, None, &crate::sync::lock(&dev), deadline).unwrap();
         comms.connect(rank, &mut crate::sync::lock(&dev), &xla, deadline).unwrap();
-        let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
-        let buffer = |m: &DeviceMemory| Buffer { addr: m.addr(), bytes: m.bytes() };
-        let comms = &comms;
         fn union<'m>(
             comms: &'m Arc<GroupComms>,
             rank: usize,
@@ -506,39 +544,22 @@ mod tests {
         ) -> UnionComm<'m> {
             UnionComm { comms, comm: comms.rank(rank).unwrap(), memory, failed: Cell::new(false), deadline }
         }
-        let mut kept = vec![];
-        if let Some(tile) = &layout.src[rank] {
-            let (x, staging) = (memory(&filled(layout, tile)), memory(&vec![0xee; layout.bytes(tile)]));
-            let side = send_side(layout, plan, rank, buffer(&x), buffer(&staging)).unwrap();
-            let owned = CallMemory::of_owned(&[&x, &staging]);
-            side.pack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
-            union(comms, rank, &owned, deadline).exchange(&xla, &side.sends, &[]).unwrap();
-            drop(owned);
-            kept.extend([x, staging]);
-        }
-        let out = layout.dst[rank].as_ref().map(|tile| {
-            let (out, staging) = (memory(&vec![0xee; layout.bytes(tile)]), memory(&vec![0xee; layout.bytes(tile)]));
-            let side = receive_side(layout, plan, rank, buffer(&out), buffer(&staging)).unwrap();
-            let owned = CallMemory::of_owned(&[&out, &staging]);
-            side.rounds
-                .iter()
-                .for_each(|r| union(comms, rank, &owned, deadline).exchange(&xla, &r.sends, &r.recvs).unwrap());
-            side.unpack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
-            drop(owned);
-            kept.push(staging);
-            out
-        });
-        // The test (not the hot path) waits for its stream.
-        synchronize(&xla).unwrap();
-        out.map(|o| o.read(o.bytes()).unwrap())
+        let (tile, _kept) = run_sides(
+            layout,
+            plan,
+            rank,
+            &xla,
+            |owned, sends| union(&comms, rank, owned, deadline).exchange(&xla, sends, &[]).unwrap(),
+            |owned, round| union(&comms, rank, owned, deadline).exchange(&xla, &round.sends, &round.recvs).unwrap(),
+        );
+        tile
     }
 
     /// Rank `rank`'s part of `layout` over the copy transport, every rank
-    /// on GPU 0 (as the handlers enqueue it, without XLA): the source packs
-    /// and offers, the destination pulls and unpacks. Each rank keeps its
-    /// memory until every rank is done (`done`): an offer is read by its
+    /// on GPU 0: the source offers, the destination pulls. Each rank keeps
+    /// its memory until every rank is done (`done`): an offer is read by its
     /// receiver after the sender's call returned, as `commfuse.reshard`'s
-    /// staging outlives its send program. Returns the destination tile.
+    /// staging outlives its send program.
     fn run_rank_over_copies(layout: &Layout, plan: &Plan, rank: usize, done: &std::sync::Barrier) -> Option<Vec<u8>> {
         use crate::backend::cuda::copies::{self, Deadline};
         let context = Context::primary(0).unwrap();
@@ -550,40 +571,27 @@ mod tests {
         let key = CommKey::reshard((8000..8000 + layout.ranks() as i64).collect());
         let mailbox = copy_links::mailbox(&key);
         let call = CallId { site: 0x5e50, run: 0 };
-        let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
-        let buffer = |m: &DeviceMemory| Buffer { addr: m.addr(), bytes: m.bytes() };
-        let p2p = |t: &Transfer| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer };
-        let mut kept = vec![];
-        if let Some(tile) = &layout.src[rank] {
-            let (x, staging) = (memory(&filled(layout, tile)), memory(&vec![0xee; layout.bytes(tile)]));
-            let side = send_side(layout, plan, rank, buffer(&x), buffer(&staging)).unwrap();
-            let owned = CallMemory::of_owned(&[&x, &staging]);
-            side.pack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
-            let sends: Vec<P2p> = side.sends.iter().map(p2p).collect();
-            let mut lane = CopyLane { key: &key, rank, ordinal: 0, stream: &xla, memory: &owned };
-            copies::offer(&mailbox, call, rank, &sends, &mut lane).unwrap();
-            drop(owned);
-            kept.extend([x, staging]);
-        }
-        let out = layout.dst[rank].as_ref().map(|tile| {
-            let (out, staging) = (memory(&vec![0xee; layout.bytes(tile)]), memory(&vec![0xee; layout.bytes(tile)]));
-            let side = receive_side(layout, plan, rank, buffer(&out), buffer(&staging)).unwrap();
-            let owned = CallMemory::of_owned(&[&out, &staging]);
-            for round in &side.rounds {
+        let p2p = |list: &[Transfer]| {
+            list.iter().map(|t| P2p { addr: t.addr, bytes: t.bytes, peer: t.peer }).collect::<Vec<_>>()
+        };
+        let (tile, kept) = run_sides(
+            layout,
+            plan,
+            rank,
+            &xla,
+            |owned, sends| {
+                let mut lane = CopyLane { key: &key, rank, ordinal: 0, stream: &xla, memory: owned };
+                copies::offer(&mailbox, call, rank, &p2p(sends), &mut lane).unwrap();
+            },
+            |owned, round| {
                 assert!(round.sends.is_empty(), "a direct plan forwards");
-                let recvs: Vec<P2p> = round.recvs.iter().map(p2p).collect();
-                let mut lane = CopyLane { key: &key, rank, ordinal: 0, stream: &xla, memory: &owned };
-                copies::pull(&mailbox, call, rank, &recvs, &mut lane, deadline).unwrap();
-            }
-            side.unpack.iter().for_each(|c| copy_on(c, &xla, &owned).unwrap());
-            drop(owned);
-            kept.push(staging);
-            out
-        });
-        synchronize(&xla).unwrap();
-        let out = out.map(|o| o.read(o.bytes()).unwrap());
+                let mut lane = CopyLane { key: &key, rank, ordinal: 0, stream: &xla, memory: owned };
+                copies::pull(&mailbox, call, rank, &p2p(&round.recvs), &mut lane, deadline).unwrap();
+            },
+        );
         done.wait();
-        out
+        drop(kept);
+        tile
     }
 
     /// Layouts between ranks that all live on GPU 0, over the copy

@@ -320,10 +320,8 @@ fn median_of(mut seconds: Vec<f64>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cuda::emulate::{cases, fill, reference, schedules, solo_inbox};
+    use crate::backend::cuda::emulate::{cases, fill, problem_of, reference, schedules, solo_inbox};
     use crate::backend::cuda::libs::Lib;
-    use crate::dtype::DType;
-    use crate::problem::Operand;
 
     /// Rank 0 and rank N-1 of N = 2, 4 and 8, alone on GPU 0 with their
     /// peers' messages paced to an H100's NVLink: every op kind and
@@ -336,13 +334,11 @@ mod tests {
         let mut site = 0x7400;
         for n in [2usize, 4, 8] {
             for case in cases(n as i64) {
-                let (kind, x, w, out) = &case;
-                let op = |dims| Operand { dims, dtype: DType::F32 };
-                for schedule in schedules(*kind) {
+                let kind = case.0;
+                for schedule in schedules(kind) {
                     site += 1;
                     let want = reference(&case, schedule, n, site);
-                    let problem =
-                        Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap();
+                    let problem = problem_of(&case, n, schedule);
                     let sizes = problem.sizes();
                     for rank in [0, n - 1] {
                         let (xs, ws) = (fill(sizes.x, rank), fill(sizes.w, 100 + rank));

@@ -1,9 +1,8 @@
 """GEMM facts the cost model needs, measured on one GPU with PyTorch (which
 the GPU hosts have; commfuse is not involved): how much of a GEMM survives
 beside copy-engine copies, and how a ring's per-peer GEMM pieces compare
-with one GEMM, with a one-tile (128 x 256) wave model's ratio beside each (the cost
-model's fitted one, with several tiles, is `src/sim/gemm_waves.rs`; GPU.md
-records the tables).
+with one GEMM, the data the cost model's tile/wave model (`src/sim/gemm_waves.rs`) is
+fitted to (GPU.md records the tables).
 
 Run by scripts/gpu_device_check.py; prints JSON lines, one per figure.
 Timing: CUDA events around back-to-back launches, after a warm-up, medians of
@@ -13,7 +12,6 @@ rounds that alternate what they compare (`interleaved`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -27,7 +25,6 @@ SHAPES = [  # m x k x n, bf16: Llama-3 70B/405B MLP projections at TP 8 (ffn 286
     (8192, 16384, 6656),
     (8192, 8192, 8192),
 ]
-TILE = (128, 256)  # cuBLAS's usual Hopper bf16 tile for these shapes (rows, columns)
 
 
 def emit(**figure) -> None:
@@ -66,20 +63,13 @@ def interleaved(fns: dict, reps: int, rounds: int = 7) -> dict:
     return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
-def wave_efficiency(rows: int, cols: int, sms: int) -> float:
-    """The tile/wave model: the fraction of the SMs' time a GEMM of this output
-    keeps busy when its tiles run in waves of `sms`."""
-    tiles = math.ceil(rows / TILE[0]) * math.ceil(cols / TILE[1])
-    return tiles / (math.ceil(tiles / sms) * sms)
-
-
 def operands(m: int, k: int, n: int):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     return x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
 
-def pieces(m: int, k: int, n: int, sms: int) -> None:
+def pieces(m: int, k: int, n: int) -> None:
     """A ring's per-peer GEMMs (rows cut in `parts`) against one GEMM, three ways."""
     x, w, out = operands(m, k, n)
     reps = max(3, int(2e12 / (2 * m * k * n)))
@@ -111,8 +101,7 @@ def pieces(m: int, k: int, n: int, sms: int) -> None:
         if parts == 2:
             emit(kind="gemm", m=m, k=k, n=n, ms=t["one"] * 1e3, tflops=2 * m * k * n / t["one"] / 1e12)
         for name in ("sequential", "two_streams", "pairs"):
-            emit(kind="pieces", m=m, k=k, n=n, parts=parts, how=name, efficiency=t["one"] / t[name],
-                 model=wave_efficiency(rows * (2 if name == "pairs" else 1), n, sms) / wave_efficiency(m, n, sms))
+            emit(kind="pieces", m=m, k=k, n=n, parts=parts, how=name, efficiency=t["one"] / t[name])
 
 
 def rows_curve(k: int, n: int) -> None:
@@ -306,7 +295,7 @@ def main() -> int:
         beside_copies(m, k, n, [450.0, 200.0, 64.0, None], cycles_per_s)
     rows_curve(8192, 3584)
     for m, k, n in SHAPES:
-        pieces(m, k, n, sms)
+        pieces(m, k, n)
     nccl = os.environ.get("COMMFUSE_MULTI_RANK_NCCL")
     if nccl and os.path.exists(nccl):
         beside_nccl(nccl)

@@ -673,16 +673,21 @@ fn the_model_catches_a_missing_dependency_of_the_copy_transport() {
     }
 }
 
+/// The first case of 4 ranks on a ring issued with `setup`: how long the
+/// hosts took, and what each rank's issuing ended in.
+fn ring_of_four(setup: Setup) -> (Duration, Issued) {
+    let case = &cases(4)[0];
+    let started = Instant::now();
+    let (_, issued) = issue_all(&problem_of(case, 4, Schedule::Ring), case.0, Schedule::Ring, 4, setup);
+    (started.elapsed(), issued)
+}
+
 /// A rank that never arrives ends every other rank's host wait with
 /// DEADLINE_EXCEEDED naming it; nothing is left waiting on a device.
 #[test]
 fn a_rank_that_never_arrives_ends_the_copy_transport_with_a_deadline_naming_it() {
-    let case = &cases(4)[0];
-    let (kind, problem) = (&case.0, problem_of(case, 4, Schedule::Ring));
-    let setup = Setup { absent: Some(2), deadline: Duration::from_millis(300), ..Setup::COPIES };
-    let started = Instant::now();
-    let (_, issued) = issue_all(&problem, *kind, Schedule::Ring, 4, setup);
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let (took, issued) = ring_of_four(Setup { absent: Some(2), deadline: Duration::from_millis(300), ..Setup::COPIES });
+    assert!(took < Duration::from_secs(10));
     assert_eq!(issued.len(), 3);
     for result in issued {
         let e = result.expect_err("no rank can finish without rank 2");
@@ -697,12 +702,8 @@ fn a_rank_that_never_arrives_ends_the_copy_transport_with_a_deadline_naming_it()
 /// its error's code, naming it and saying why.
 #[test]
 fn a_rank_that_fails_ends_the_copy_transport_at_once_naming_it() {
-    let case = &cases(4)[0];
-    let (kind, problem) = (&case.0, problem_of(case, 4, Schedule::Ring));
-    let setup = Setup { failing: Some(1), deadline: Duration::from_secs(20), ..Setup::COPIES };
-    let started = Instant::now();
-    let (_, issued) = issue_all(&problem, *kind, Schedule::Ring, 4, setup);
-    assert!(started.elapsed() < Duration::from_secs(5), "the peers waited for their deadline");
+    let (took, issued) = ring_of_four(Setup { failing: Some(1), deadline: Duration::from_secs(20), ..Setup::COPIES });
+    assert!(took < Duration::from_secs(5), "the peers waited for their deadline");
     for (rank, result) in issued.into_iter().enumerate() {
         let e = result.expect_err("no rank can finish when rank 1 fails");
         let m = e.message();

@@ -12,9 +12,11 @@ from commfuse import bench_gpu
 
 
 def test_without_a_gpu_the_table_is_the_cost_models_and_says_so(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "commfuse.bench_gpu", "--quick", "--predict", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    traces = tmp_path / "traces"
+    out = subprocess.run([sys.executable, "-m", "commfuse.bench_gpu", "--quick", "--predict", "--out", str(tmp_path),
+                          "--trace", str(traces)], capture_output=True, text=True, timeout=300, check=True).stdout
     assert "the cost model's predictions for h100_nvlink, not measurements" in out
+    assert f"wrote 40 predicted traces to {traces}" in out
     rows = list(csv.DictReader(open(tmp_path / "bench_gpu.csv")))
     # 4 projections x 2 ops x (N=2 ring, N=4 and 8 ring and bidirectional), 8k tokens.
     assert len(rows) == 4 * 2 * 5
@@ -56,3 +58,22 @@ def test_the_library_answers_a_one_rank_request_without_a_gpu_with_the_reason():
         # The request is read before any device is touched.
         with pytest.raises(ValueError, match="machine"):
             bench_gpu.measure("all_gather_matmul", (64, 32), (32, 16), 2, "ring", "no_such_machine", 1)
+
+
+def test_a_predicted_trace_per_case_shows_every_rank_s_pieces_copies_and_waits(tmp_path):
+    import json
+
+    case = next(c for c in bench_gpu.cases(quick=True) if c[2:6] == ("all_gather_matmul", 8192, 8, "ring"))
+    path = tmp_path / bench_gpu.trace_name(case)
+    _, _, op, _, n, schedule, x, w = case
+    figures = bench_gpu.predicted(op, x, w, n, schedule, "h100_nvlink", str(path))
+    slices = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    assert {e["pid"] for e in slices} == set(range(n))
+    for device in range(n):
+        mine = [e for e in slices if e["pid"] == device]
+        # A ring's all-gather-matmul: n GEMM pieces on the compute lane, n - 1 exchanges on the comm lane.
+        assert sum(e["name"] == "matmul" and e["tid"] == 0 for e in mine) == n
+        assert sum(e["name"] == "exchange" and e["tid"] == 1 for e in mine) == n - 1
+        # The call's slice on the compute lane lasts the predicted fused time (the ranks are alike).
+        (call,) = [e for e in mine if e["name"] == op and e["tid"] == 0]
+        assert call["dur"] == pytest.approx(figures["fused_s"] * 1e6, rel=1e-3)

@@ -203,3 +203,29 @@ def test_explain_says_how_the_blocks_move(monkeypatch, capsys):
         assert "NCCL send/receive" in capsys.readouterr().out
     finally:
         commfuse.configure(transport=None)
+
+
+def test_a_predicted_trace_shows_each_device_s_steps_at_the_predicted_times(tmp_path, capsys):
+    path = tmp_path / "predicted.json"
+    r = commfuse.explain("all_gather_matmul", (512, 4096), (4096, 256), 8, dtype="bfloat16",
+                         machine="h100_pcie:topology=ring", trace=path)
+    import json
+
+    slices = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    assert {e["pid"] for e in slices} == set(range(8)), "a process per device"
+    plan = r["plan"]
+    for lane, tid in (("compute", 0), ("comm", 1)):
+        # Device 0's steps of this lane, in order, at the times explain gives
+        # (the trace's clock starts at the first slice; microseconds).
+        mine = [e for e in slices if e["pid"] == 0 and e["tid"] == tid and e["name"] not in ("wait", "all_gather_matmul")]
+        assert [e["args"]["step"] for e in mine] == [s["id"] for s in plan[lane]]
+        for e, s in zip(mine, plan[lane]):
+            assert e["ts"] == pytest.approx(s["start"] * 1e6, abs=1e-2)
+            assert e["dur"] == pytest.approx((s["end"] - s["start"]) * 1e6, abs=1e-2)
+    # Comm-bound: some matmul waits for its block, shown as a wait on the compute lane.
+    assert any(e["name"] == "wait" and e["tid"] == 0 for e in slices)
+    # Without ".json": a Perfetto protobuf, not JSON.
+    commfuse.explain("all_gather_matmul", (512, 4096), (4096, 256), 8, dtype="bfloat16", machine="h100_pcie",
+                     trace=tmp_path / "predicted.pftrace")
+    data = (tmp_path / "predicted.pftrace").read_bytes()
+    assert data and not data.lstrip().startswith(b"{")

@@ -274,13 +274,15 @@ def check_one_rank(tests: str | None, repo: str) -> None:
     else:
         row(label, "N/A", "no test binary given (--rust-tests)")
     out_dir = os.path.join(LOGS, "bench_gpu")
-    code, out = run([sys.executable, "-m", "commfuse.bench_gpu", "--quick", "--out", out_dir], 400,
+    traces = os.path.join(out_dir, "traces")
+    code, out = run([sys.executable, "-m", "commfuse.bench_gpu", "--quick", "--out", out_dir, "--trace", traces], 400,
                     log="bench_gpu.log")
     if code != 0 or not os.path.exists(os.path.join(out_dir, "bench_gpu.csv")):
         row("one-rank benchmark (python -m commfuse.bench_gpu --quick)", "FAIL", tail(out))
         return
     import csv
 
+    check_traces(traces)
     with open(os.path.join(out_dir, "bench_gpu.csv")) as f:
         for r in csv.DictReader(f):
             if r["source"] != "measured":
@@ -292,6 +294,33 @@ def check_one_rank(tests: str | None, repo: str) -> None:
                 f"{float(r['transfers_ms']):.3f}, pieces {float(r['pieces_ms']):.3f}; fused/max "
                 f"{float(r['fused_over_max']):.3f}, fused/sum {float(r['fused_over_sum']):.3f}, pieces' efficiency "
                 f"{float(r['pieces_efficiency']):.3f}; link {float(r['link_gbps']):.0f} of {float(r['pace_gbps']):.0f} GB/s")
+
+
+def check_traces(traces: str) -> None:
+    """The benchmark's device timelines: one per case, each with the GEMM
+    pieces on the compute lane and the paced copies on the comm lane, every
+    slice inside its call's."""
+    import json
+
+    label = "one-rank device timelines (bench_gpu --trace): pieces on the compute lane, copies on the comm lane"
+    names = sorted(os.listdir(traces)) if os.path.isdir(traces) else []
+    faults = []
+    for name in names:
+        slices = [e for e in json.load(open(os.path.join(traces, name)))["traceEvents"] if e.get("ph") == "X"]
+        calls = {(e["pid"], e["tid"]): e for e in slices if e["cat"] == "call"}
+
+        def outside(e):
+            call = calls.get((e["pid"], e["tid"]))
+            return call is None or e["ts"] < call["ts"] - 1 or e["ts"] + e["dur"] > call["ts"] + call["dur"] + 1
+
+        if not any(e["name"] == "matmul" and e["tid"] == 0 for e in slices) or \
+                not any(e["name"] == "exchange" and e["tid"] == 1 for e in slices):
+            faults.append(f"{name}: a lane without its steps")
+        elif any(outside(e) for e in slices):
+            faults.append(f"{name}: a slice outside its call")
+    if not names:
+        faults.append("no traces written")
+    row(label, "FAIL" if faults else "PASS", "; ".join(faults[:3]) or f"{len(names)} traces in {traces}")
 
 
 def check_gemm_facts(repo: str) -> None:

@@ -159,7 +159,7 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
 
     let shapes =
         CallShapes { kind: i64::from(kind), schedule, ranks: ri, dimension, x: x.clone(), w: w.clone(), input, output };
-    let request = prepare::Request { call: shapes, machine: None, gemm_gflops: None, explain: false };
+    let request = prepare::Request { call: shapes, machine: None, gemm_gflops: None, explain: false, trace: None };
     // As Python lowers it: the CPU's workspace from the trace-time answer.
     let workspace = prepare::prepare(&request).map_or(0, |p| p.workspace.cpu) as i64;
     let call = Call {
@@ -637,7 +637,8 @@ pub fn planner_case(u: &mut Unstructured) -> Result<PlannerCase> {
 pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, String> {
     let PlannerCase { shapes, out, .. } = case;
     let CallShapes { kind, schedule, ranks, dimension, x, w, input, output } = shapes;
-    let request = prepare::Request { call: shapes.clone(), machine: None, gemm_gflops: None, explain: false };
+    let request =
+        prepare::Request { call: shapes.clone(), machine: None, gemm_gflops: None, explain: false, trace: None };
     let planned = std::panic::catch_unwind(|| {
         let prepared = prepare::prepare(&request);
         let (Some(input), Some(output), Ok(ranks)) = (abi::dtype(*input), abi::dtype(*output), usize::try_from(*ranks))

@@ -30,6 +30,11 @@ pub struct Request {
     /// Add the cost model's predictions of every schedule (needs `machine`).
     #[serde(default)]
     pub explain: bool,
+    /// Write the cost model's timeline of the call as it would run (every
+    /// rank, under the schedule the answer names) to this path as a Perfetto
+    /// trace, JSON where it ends in `.json` (needs `machine`).
+    #[serde(default)]
+    pub trace: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -80,6 +85,9 @@ pub struct AutoModel {
 pub fn prepare(request: &Request) -> Result<Prepared> {
     let (kind, n, out, problem) = request.call.problem()?;
     if request.call.schedule == abi::UNFUSED && !request.explain {
+        if request.trace.is_some() {
+            return Err(Error::InvalidArgument("an unfused call runs no plan: there is no timeline to trace".into()));
+        }
         let workspace = Workspaces { cpu: 0, cuda: 0 };
         let name = "unfused".to_string();
         return Ok(Prepared {
@@ -120,6 +128,12 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         AutoModel { pick: pick.to_string(), pick_s: choice.time(pick), sequential_s: choice.time(Schedule::Sequential) }
     });
     plan::check_size(kind.name(), schedule, n)?;
+    if let Some(path) = &request.trace {
+        let machine =
+            machine.as_ref().ok_or_else(|| Error::InvalidArgument("a predicted trace needs a machine".into()))?;
+        let events = sim::explain::predicted_timeline(&problem, schedule, n, machine)?;
+        crate::trace::write_events(std::path::Path::new(path), &events)?;
+    }
     let problem = problem.for_schedule(schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
     let plan = plan::plan(kind.pattern(), schedule, n, 0);

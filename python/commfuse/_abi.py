@@ -15,6 +15,7 @@ import ctypes
 import enum
 import functools
 import json
+import os
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -126,7 +127,8 @@ def _ask(function, *args) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def prepare(call: CallShapes, machine: str | None = None, gemm_gflops: float | None = None, explain: bool = False) -> dict:
+def prepare(call: CallShapes, machine: str | None = None, gemm_gflops: float | None = None, explain: bool = False,
+            trace: str | None = None) -> dict:
     """The library's answer for `call` (``src/prepare.rs``): ``out`` (the
     result's shape), ``schedule`` (the code to run: the one asked for, or
     ``auto``'s pick on `machine`), ``schedule_name``, ``workspace``
@@ -134,8 +136,13 @@ def prepare(call: CallShapes, machine: str | None = None, gemm_gflops: float | N
     schedule, steps, exchanges, slots), ``model`` (``auto`` on a machine:
     its pick, ``pick_s`` and ``sequential_s`` predicted seconds) and, with
     `explain`, ``explain`` (the cost model's view, see ``commfuse.explain``).
+    With `trace` (a path; needs `machine`) it also writes the cost model's
+    timeline of the call under the schedule it answers, every rank, as a
+    Perfetto trace (JSON where the path ends in ``.json``).
     ValueError with the library's reason for a call it refuses."""
     request = {"call": call._asdict(), "explain": explain}
+    if trace is not None:
+        request["trace"] = os.fspath(trace)
     if machine is not None:
         request["machine"] = machine
     if gemm_gflops is not None:

@@ -41,18 +41,18 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
 
 
 def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
-            gemm_gflops: float | None = None) -> dict:
+            gemm_gflops: float | None = None, trace=None) -> dict:
     """Prints the plan the cost model picks for ``op`` over ``n`` devices and
     the predicted time of every schedule, and returns the numbers (see
     ``predict``, which gives them without printing)."""
     result = predict(op, x_shape, w_shape, n, dimension=dimension, dtype=dtype, machine=machine,
-                     gemm_gflops=gemm_gflops)
+                     gemm_gflops=gemm_gflops, trace=trace)
     _print(result, tuple(int(d) for d in x_shape), tuple(int(d) for d in w_shape))
     return result
 
 
 def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
-            gemm_gflops: float | None = None) -> dict:
+            gemm_gflops: float | None = None, trace=None) -> dict:
     """What the cost model predicts for ``op`` over ``n`` devices: the plan
     it picks and the time of every schedule.
 
@@ -80,6 +80,12 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     copy engines, unless ``commfuse.configure(transport="nccl")`` or
     ``COMMFUSE_TRANSPORT=nccl`` asks for NCCL, which groups spanning processes
     always take).
+
+    ``trace``, a path, also gets the predicted timeline of ``choice`` as a
+    Perfetto trace (JSON where it ends in ``.json``; open it at
+    ui.perfetto.dev): a process per device, a thread per lane, each step a
+    slice at its predicted start and end, and a wait where a step waits for
+    the other lane, as ``commfuse.trace`` records real runs.
     """
     x, w = tuple(int(d) for d in x_shape), tuple(int(d) for d in w_shape)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -100,7 +106,7 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     kind, dim, first, second = _layout(op, x, w, n, int(dimension))
     shapes = _abi.call_shapes(kind, _abi.AUTO, n, dim, first, second, jnp.dtype(dtype), jnp.dtype(dtype))
     try:
-        prepared = _abi.prepare(shapes, spec, rate, explain=True)
+        prepared = _abi.prepare(shapes, spec, rate, explain=True, trace=trace)
     except ValueError as e:
         raise ValueError(f"commfuse.explain: {e}") from None
     result = dict(prepared["explain"])

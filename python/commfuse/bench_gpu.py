@@ -20,6 +20,14 @@ model (``commfuse.explain``), marked as predicted.
     python -m commfuse.bench_gpu                 # the full table (GPU: about a minute)
     python -m commfuse.bench_gpu --quick         # 8k tokens only
     python -m commfuse.bench_gpu --out DIR       # also DIR/bench_gpu.csv and, with matplotlib, DIR/bench_gpu.png
+    python -m commfuse.bench_gpu --trace DIR     # also a Perfetto trace of one call per case in DIR
+
+A trace (JSON; ui.perfetto.dev opens it, ``python -m commfuse._timeline``
+draws it) shows the call's lanes: the GEMM pieces on the compute lane, the
+paced copies on the comm lane, and the waits between them. Measured, it is
+one fused call after the timed ones, each step bracketed by CUDA timing
+events on its stream (device times; the timed calls carry none); predicted,
+it is the cost model's timeline of every rank.
 """
 
 from __future__ import annotations
@@ -67,31 +75,48 @@ def gpu_available() -> bool:
         return False
 
 
-def measure(op, x, w, n, schedule, machine, reps) -> dict:
-    """One case through the library's one-rank mode on GPU 0."""
+def call_of(op, x, w, n, schedule):
+    """The library's shapes of one rank's bfloat16 call."""
     import jax.numpy as jnp
 
     from . import _abi
-    from ._native import lib
 
     kind = _abi.Kind.ALL_GATHER_MATMUL if op == OPS[0] else _abi.Kind.MATMUL_REDUCE_SCATTER
-    call = _abi.call_shapes(kind, _abi.schedule_code(schedule), n, 0, x, w, jnp.bfloat16, jnp.bfloat16)
-    request = {"call": call._asdict(), "rank": 0, "machine": machine, "reps": reps}
+    return _abi.call_shapes(kind, _abi.schedule_code(schedule), n, 0, x, w, jnp.bfloat16, jnp.bfloat16)
+
+
+def measure(op, x, w, n, schedule, machine, reps, trace=None) -> dict:
+    """One case through the library's one-rank mode on GPU 0 (and, given a
+    path, its device timeline there)."""
+    from . import _abi
+    from ._native import lib
+
+    request = {"call": call_of(op, x, w, n, schedule)._asdict(), "rank": 0, "machine": machine, "reps": reps}
+    if trace is not None:
+        request["trace"] = trace
     lib.commfuse_one_rank_bench.restype = ctypes.c_int64
     lib.commfuse_one_rank_bench.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     return json.loads(_abi._ask(lib.commfuse_one_rank_bench, json.dumps(request).encode()))
 
 
-def predicted(op, x, w, n, schedule, machine) -> dict:
-    """The same figures from the cost model."""
+def predicted(op, x, w, n, schedule, machine, trace=None) -> dict:
+    """The same figures from the cost model (and, given a path, its timeline there)."""
+    from . import _abi
     from ._explain import predict
 
+    if trace is not None:
+        _abi.prepare(call_of(op, x, w, n, schedule), machine, trace=trace)
     r = predict(op, x, w, n, dtype="bfloat16", machine=machine)
     whole = ((x[0] * n, x[1]), w) if op == OPS[0] else (x, w)
     gemm = predict(OPS[0], whole[0], whole[1], 1, dtype="bfloat16", machine=machine)["schedules"]["sequential"]
     return {"fused_s": r["schedules"][schedule], "gemm_s": gemm, "transfers_s": r["parts"][schedule]["comm"],
             "pieces_s": r["parts"][schedule]["compute"], "link_bytes_per_s": float("nan"),
             "pace_bytes_per_s": r["machine"]["link_bytes_per_s"]}
+
+
+def trace_name(case) -> str:
+    model, projection, op, tokens, n, schedule, _, _ = case
+    return f"{model}_{projection}_{op}_{tokens // 1024}k_n{n}_{schedule}.json"
 
 
 def row(source, case, figures) -> dict:
@@ -147,19 +172,25 @@ def main(argv=None) -> int:
     parser.add_argument("--machine", default="h100_nvlink", help="the link the transfers are paced to (a preset)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", help="a directory for bench_gpu.csv and bench_gpu.png")
+    parser.add_argument("--trace", help="a directory for one Perfetto trace (JSON) per case")
     args = parser.parse_args(argv)
     on_gpu = not args.predict and gpu_available()
     source = "measured" if on_gpu else "predicted"
     if not on_gpu:
         print(f"no GPU{' asked for' if args.predict else ' visible to JAX'}: the cost model's predictions "
               f"for {args.machine}, not measurements", flush=True)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     rows = []
     for case in cases(args.quick):
         _, _, op, _, n, schedule, x, w = case
-        figures = measure(op, x, w, n, schedule, args.machine, args.reps) if on_gpu else \
-            predicted(op, x, w, n, schedule, args.machine)
+        trace = os.path.join(args.trace, trace_name(case)) if args.trace else None
+        figures = measure(op, x, w, n, schedule, args.machine, args.reps, trace) if on_gpu else \
+            predicted(op, x, w, n, schedule, args.machine, trace)
         rows.append(row(source, case, figures))
     print_rows(rows)
+    if args.trace:
+        print(f"wrote {len(rows)} {source} traces to {args.trace}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_gpu.csv"), "w", newline="") as f:

@@ -2,9 +2,10 @@
 
 use super::model::{auto_pick, predict, Choice, Mode};
 use super::{Machine, Topology};
-use crate::error::Result;
-use crate::plan::{self, Action, Lane};
+use crate::error::{Error, Result};
+use crate::plan::{self, Action, Lane, Schedule};
 use crate::problem::Problem;
+use crate::trace::{self, CallLabel};
 use serde_json::{json, Value};
 
 fn action_brief(action: &Action) -> String {
@@ -91,4 +92,39 @@ pub fn explain(problem: &Problem, n: usize, machine: &Machine, choice: &Choice) 
         "floor": number(choice.floor()),
         "plan": {"rank": 0, "compute": lane(Lane::Compute), "comm": lane(Lane::Comm)},
     }))
+}
+
+/// The cost model's timeline of `problem` (not cut) over `n` ranks under
+/// `schedule` on `machine`, as trace events: a device per rank, its steps
+/// at their predicted times (`trace::call_events`).
+pub fn predicted_timeline(
+    problem: &Problem,
+    schedule: Schedule,
+    n: usize,
+    machine: &Machine,
+) -> Result<Vec<trace::Event>> {
+    let timeline = predict(problem, schedule, n, machine, Mode::Full)?;
+    let cut = problem.for_schedule(schedule)?;
+    // Perfetto reads a timestamp of 0 as unset: the call starts 1 µs in.
+    const START_NS: u64 = 1_000;
+    let ns = |s: f64| START_NS + (s.max(0.0) * 1e9) as u64;
+    let mut events = Vec::new();
+    for rank in 0..n {
+        let plan = plan::plan(problem.kind.pattern(), schedule, n, rank);
+        let spans = timeline
+            .steps
+            .get(rank)
+            .ok_or_else(|| Error::Internal(format!("the simulation has no rank {rank}")))?
+            .iter()
+            .map(|&(start, end)| (start.is_finite() && end.is_finite()).then(|| (ns(start), ns(end))))
+            .collect::<Vec<_>>();
+        let x_bytes = cut.sizes().x * cut.input.size();
+        let label = CallLabel {
+            transport: "predicted",
+            ..CallLabel::new(rank as i64, 0, problem.kind.name(), &plan, &cut, x_bytes)
+        };
+        let args = [("clock", trace::Value::S(format!("the cost model on {}", machine.name)))];
+        events.extend(trace::call_events(&plan, &spans, &label, 0, START_NS, &args));
+    }
+    Ok(events)
 }

@@ -363,3 +363,32 @@ fn tiles_leave_one_tile_of_compute_exposed() {
         }
     }
 }
+
+/// The predicted trace (`explain::predicted_timeline`) is the simulation's
+/// timeline: a device per rank, each step a slice at its predicted start
+/// and end, each lane's call as long as its last step. A comm-bound ring's
+/// matmuls wait for their blocks, and the trace says so.
+#[test]
+fn the_predicted_trace_is_the_simulated_timeline() {
+    use crate::trace::Kind;
+    let m = synthetic(1e12, 1e9, 1e-6, Topology::Switch);
+    let problem = ag(4, 64, 256, 128);
+    let timeline = model::predict(&problem, Schedule::Ring, 4, &m, model::Mode::Full).unwrap();
+    let events = explain::predicted_timeline(&problem, Schedule::Ring, 4, &m).unwrap();
+    let ns = |s: f64| 1_000 + (s * 1e9) as u64;
+    for rank in 0..4 {
+        let mine: Vec<_> = events.iter().filter(|e| e.device == rank as i64).collect();
+        let plan = crate::plan::plan(Pattern::Gather { accumulate: false }, Schedule::Ring, 4, rank);
+        for step in &plan.steps {
+            let (start, end) = timeline.span(rank, step.id);
+            let slice = mine.iter().find(|e| e.step == Some(step.id) && e.kind != Kind::Wait).unwrap();
+            assert_eq!((slice.start_ns, slice.end_ns), (ns(start), ns(end)), "rank {rank} step {}", step.id);
+            assert_eq!(slice.lane, step.lane);
+        }
+        let calls: Vec<_> = mine.iter().filter(|e| e.kind == Kind::Call).collect();
+        assert_eq!(calls.len(), 2, "a call slice per lane");
+        let last = mine.iter().map(|e| e.end_ns).max().unwrap();
+        assert!(calls.iter().any(|c| c.end_ns == last));
+        assert!(mine.iter().any(|e| e.kind == Kind::Wait && e.lane == Lane::Compute), "rank {rank}: no wait");
+    }
+}

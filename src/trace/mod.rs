@@ -27,8 +27,10 @@ mod encode;
 pub mod proto;
 #[cfg(test)]
 mod tests;
+mod timed;
 
 pub use encode::{encode, encode_json};
+pub use timed::call_events;
 
 use crate::error::{Error, Result};
 use crate::exec::{Copies, Direction, LaneObserver, Observer};
@@ -102,9 +104,13 @@ pub fn drain() -> Vec<Event> {
 /// trace, or as a Chrome trace (JSON) where `path` ends in `.json`; returns
 /// the bytes written.
 pub fn write(path: &std::path::Path) -> Result<usize> {
-    let events = drain();
+    write_events(path, &drain())
+}
+
+/// Writes `events` to `path` as [`write`] does.
+pub fn write_events(path: &std::path::Path, events: &[Event]) -> Result<usize> {
     let json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
-    let bytes = if json { encode_json(&events) } else { encode(&events) };
+    let bytes = if json { encode_json(events) } else { encode(events) };
     std::fs::write(path, &bytes)
         .map_err(|e| Error::InvalidArgument(format!("writing the trace to {}: {e}", path.display())))?;
     Ok(bytes.len())
@@ -226,6 +232,63 @@ impl CallLabel {
             x_block_bytes,
         }
     }
+
+    /// The bytes of `buf` in this call (none for the output's).
+    pub fn bytes(&self, buf: Buf) -> Option<usize> {
+        match buf {
+            Buf::Slot(i) => self.slot_bytes.get(i).copied(),
+            Buf::X => Some(self.x_bytes),
+            Buf::XBlock(j) => self.x_block_bytes.get(j).copied(),
+            Buf::Out | Buf::OutBlock(_) => None,
+        }
+    }
+
+    /// The arguments of this call's call slice on each lane.
+    fn call_args(&self, n: usize, schedule: String) -> Vec<(&'static str, Value)> {
+        vec![
+            ("site", Value::I(self.site)),
+            ("n", Value::U(n as u64)),
+            ("schedule", Value::S(schedule)),
+            ("transport", Value::S(self.transport.to_string())),
+        ]
+    }
+}
+
+/// What a step's slice is, and its arguments (`label` sizes its buffers).
+fn step_slice(step: &Step, label: &CallLabel) -> (Kind, Vec<(&'static str, Value)>) {
+    let deps = ("deps", Value::S(list(&step.deps)));
+    match &step.action {
+        Action::Matmul { block, src, dst, accumulate } => (
+            Kind::Matmul,
+            vec![
+                deps,
+                ("block", Value::U(*block as u64)),
+                ("src", Value::S(src.to_string())),
+                ("dst", Value::S(dst.to_string())),
+                ("accumulate", Value::B(*accumulate)),
+            ],
+        ),
+        Action::Sum { terms, dst } => (
+            Kind::Add,
+            vec![
+                deps,
+                ("terms", Value::S(list(terms.iter().map(|t| t.to_string())))),
+                ("dst", Value::S(dst.to_string())),
+            ],
+        ),
+        Action::Exchange { sends, recvs } => {
+            let total: usize = sends.iter().chain(recvs).filter_map(|t| label.bytes(t.buf)).sum();
+            (
+                Kind::Exchange,
+                vec![
+                    deps,
+                    ("to", Value::S(list(sends.iter().map(|t| t.peer)))),
+                    ("from", Value::S(list(recvs.iter().map(|t| t.peer)))),
+                    ("bytes", Value::U(total as u64)),
+                ],
+            )
+        }
+    }
 }
 
 /// The number of a new recorded call, counted in flight until its events
@@ -273,12 +336,7 @@ impl Recording {
     }
 
     fn bytes(&self, buf: Buf) -> Option<usize> {
-        match buf {
-            Buf::Slot(i) => self.label.slot_bytes.get(i).copied(),
-            Buf::X => Some(self.label.x_bytes),
-            Buf::XBlock(j) => self.label.x_block_bytes.get(j).copied(),
-            Buf::Out | Buf::OutBlock(_) => None,
-        }
+        self.label.bytes(buf)
     }
 }
 
@@ -362,39 +420,7 @@ impl LaneObserver for LaneLog<'_> {
     }
 
     fn step_done(&self, step: &Step, started: Instant, ended: Instant) {
-        let deps = ("deps", Value::S(list(&step.deps)));
-        let (kind, args) = match &step.action {
-            Action::Matmul { block, src, dst, accumulate } => (
-                Kind::Matmul,
-                vec![
-                    deps,
-                    ("block", Value::U(*block as u64)),
-                    ("src", Value::S(src.to_string())),
-                    ("dst", Value::S(dst.to_string())),
-                    ("accumulate", Value::B(*accumulate)),
-                ],
-            ),
-            Action::Sum { terms, dst } => (
-                Kind::Add,
-                vec![
-                    deps,
-                    ("terms", Value::S(list(terms.iter().map(|t| t.to_string())))),
-                    ("dst", Value::S(dst.to_string())),
-                ],
-            ),
-            Action::Exchange { sends, recvs } => {
-                let total: usize = sends.iter().chain(recvs).filter_map(|t| self.recording.bytes(t.buf)).sum();
-                (
-                    Kind::Exchange,
-                    vec![
-                        deps,
-                        ("to", Value::S(list(sends.iter().map(|t| t.peer)))),
-                        ("from", Value::S(list(recvs.iter().map(|t| t.peer)))),
-                        ("bytes", Value::U(total as u64)),
-                    ],
-                )
-            }
-        };
+        let (kind, args) = step_slice(step, &self.recording.label);
         self.push(kind, step, started, ended, args);
     }
 }
@@ -413,12 +439,7 @@ impl Drop for LaneLog<'_> {
             step: None,
             start_ns: self.start_ns,
             end_ns: now_ns().max(lane_events.iter().map(|e| e.end_ns).max().unwrap_or(0)),
-            args: vec![
-                ("site", Value::I(r.label.site)),
-                ("n", Value::U(r.n as u64)),
-                ("schedule", Value::S(r.schedule.clone())),
-                ("transport", Value::S(r.label.transport.to_string())),
-            ],
+            args: r.label.call_args(r.n, r.schedule.clone()),
         };
         let mut events = crate::sync::lock(&EVENTS);
         events.push(call);

@@ -62,6 +62,7 @@ functions! {
         event_destroy = "cuEventDestroy_v2": fn(cu::CUevent) -> cu::CUresult;
         event_record = "cuEventRecord": fn(cu::CUevent, cu::CUstream) -> cu::CUresult;
         event_query = "cuEventQuery": fn(cu::CUevent) -> cu::CUresult;
+        event_elapsed_time = "cuEventElapsedTime": fn(*mut f32, cu::CUevent, cu::CUevent) -> cu::CUresult;
         module_load_data = "cuModuleLoadData": fn(*mut cu::CUmodule, *const c_void) -> cu::CUresult;
         module_get_function = "cuModuleGetFunction": fn(*mut cu::CUfunction, cu::CUmodule, *const c_char) -> cu::CUresult;
         module_unload = "cuModuleUnload": fn(cu::CUmodule) -> cu::CUresult;

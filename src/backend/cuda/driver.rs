@@ -38,6 +38,8 @@ use std::ptr;
 const STREAM_NON_BLOCKING: c_uint = 1;
 /// `CU_EVENT_DISABLE_TIMING`: the cheapest events (ordering only).
 const EVENT_DISABLE_TIMING: c_uint = 2;
+/// `CU_EVENT_DEFAULT`: an event that keeps the time it was reached.
+const EVENT_TIMED: c_uint = 0;
 
 /// A device's primary context, retained while this value lives.
 pub struct Context {
@@ -204,6 +206,37 @@ impl Drop for Event {
             // completes first (the driver defers the release).
             let _ = unsafe { (d.event_destroy)(self.0) };
         }
+    }
+}
+
+/// An event that times where its stream reached it (the one-rank mode's
+/// device timeline): costlier to record than an [`Event`], so no call of
+/// XLA's records one.
+pub struct TimingEvent(Event);
+
+impl TimingEvent {
+    pub fn new(what: &str) -> Result<TimingEvent> {
+        let mut e: cu::CUevent = ptr::null_mut();
+        // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
+        check_cu(unsafe { (api::driver()?.event_create)(&mut e, EVENT_TIMED) }, what)?;
+        Ok(TimingEvent(Event(e)))
+    }
+
+    pub fn record(&self, stream: &impl Queue, what: &str) -> Result<()> {
+        self.0.record(stream, what)
+    }
+
+    /// Milliseconds from `earlier`'s last record to this one's (both done;
+    /// the driver's resolution is about half a microsecond).
+    pub fn ms_since(&self, earlier: &TimingEvent) -> Result<f32> {
+        let mut ms = 0f32;
+        // SAFETY: a valid out-pointer and two live events; an event not yet
+        // recorded or done is an error code, not undefined behaviour.
+        check_cu(
+            unsafe { (api::driver()?.event_elapsed_time)(&mut ms, earlier.0 .0, (self.0).0) },
+            "cuEventElapsedTime",
+        )?;
+        Ok(ms)
     }
 }
 

@@ -25,11 +25,11 @@ use super::fp8_gemm::LtType;
 use super::gemm::ColMajor;
 use super::site_ops::SiteOps;
 use super::solo::{Inbox, Pace, PacedQueue, SoloLink, StepClock};
-use super::stream_issue::{issue, StreamOps};
+use super::stream_issue::{issue, Stamped, Stamps, StreamOps};
 use crate::backend::cpu::{self, transport};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::plan::{plan, Schedule, Step};
+use crate::plan::{plan, Plan, Schedule, Step};
 use crate::problem::{OpKind, Operand, Problem};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -77,6 +77,8 @@ enum Cmd {
     },
     /// `cuMemcpy2DAsync` (a reshard's packing and unpacking).
     Copy2d(crate::reshard::device::Copy2d),
+    /// A timing event (`Stamps`): notes the model's clock when reached.
+    Stamp(usize),
 }
 
 /// How exchanges go between ranks.
@@ -103,12 +105,23 @@ struct Recorder<'a> {
     records: &'a Records,
     transport: Transport<'a>,
     streams: Vec<Vec<Cmd>>,
+    /// Stamps issued so far.
+    stamps: usize,
 }
 
 impl Recorder<'_> {
     fn stream(&mut self, stream: Option<usize>) -> &mut Vec<Cmd> {
         let xla = self.streams.len() - 1;
         &mut self.streams[stream.unwrap_or(xla)]
+    }
+}
+
+impl Stamps for Recorder<'_> {
+    fn stamp(&mut self, stream: Option<usize>) -> Result<usize> {
+        let index = self.stamps;
+        self.stream(stream).push(Cmd::Stamp(index));
+        self.stamps += 1;
+        Ok(index)
     }
 }
 
@@ -220,6 +233,8 @@ impl PacedQueue for PacedLane<'_> {
 struct Memory {
     buffers: Vec<Vec<u8>>,
     delivered: Vec<(usize, usize, Vec<u8>)>,
+    /// When each stamp was reached: stamp index -> commands run before it.
+    stamps: HashMap<usize, u64>,
 }
 
 const SPAN: u64 = 1 << 32;
@@ -448,7 +463,7 @@ fn issue_all(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setu
                 scope.spawn(move || {
                     let streams = vec![Vec::new(); site.streams.lanes.len() + 1];
                     let call = CallId { site: 0x0e0, run: 0 };
-                    let mut rec = Recorder { rank, call, site, bases: *bases, records, transport, streams };
+                    let mut rec = Recorder { rank, call, site, bases: *bases, records, transport, streams, stamps: 0 };
                     for run in 0..setup.calls {
                         rec.call.run = run as i64;
                         issue(p, &site.streams, &mut rec, 0, None)?;
@@ -469,6 +484,8 @@ fn run_streams(mut mem: Memory, ranks: &[(usize, Vec<Vec<Cmd>>)], order: Order) 
     let mut pc: Vec<Vec<usize>> = ranks.iter().map(|(_, s)| vec![0; s.len()]).collect();
     let mut posted: Vec<Vec<bool>> = ranks.iter().map(|(_, s)| vec![false; s.len()]).collect();
     let mut ran: HashMap<EventId, u64> = HashMap::new();
+    // The model's clock: commands run so far, over every stream.
+    let mut clock = 0u64;
     let mut visits: Vec<(usize, usize)> =
         ranks.iter().enumerate().flat_map(|(r, (_, st))| (0..st.len()).map(move |s| (r, s))).collect();
     match order {
@@ -495,6 +512,10 @@ fn run_streams(mut mem: Memory, ranks: &[(usize, Vec<Vec<Cmd>>)], order: Order) 
                         mem.write(*dst, &data);
                         true
                     }
+                    Cmd::Stamp(index) => {
+                        mem.stamps.insert(*index, clock);
+                        true
+                    }
                     Cmd::Copy2d(c) => {
                         let (src, dst) = c.spans().expect("a copy too large to address");
                         mem.locate(c.src, src);
@@ -510,6 +531,7 @@ fn run_streams(mut mem: Memory, ranks: &[(usize, Vec<Vec<Cmd>>)], order: Order) 
                     break;
                 }
                 pc[r][s] += 1;
+                clock += 1;
                 moved = true;
                 if order == Order::Backward {
                     break;
@@ -810,13 +832,28 @@ pub fn solo_inbox(case: &Case, schedule: Schedule, n: usize, rank: usize) -> Vec
     inbox
 }
 
-/// Rank `rank` of `n` alone in the model, its peers' messages copied from
-/// `inbox` at the pace of an H100's NVLink: its output in each order.
-fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>> {
-    let kind = &case.0;
+/// Rank `rank` of `n` issued alone in the model, its peers' messages copied
+/// from `inbox` at the pace of an H100's NVLink, with a stamp before and
+/// after each step where `timeline` asks (as `solo_device` times them).
+struct SoloIssued {
+    plan: Plan,
+    mem: Memory,
+    ranks: [(usize, Vec<Vec<Cmd>>); 1],
+    /// Per step, its stamps (none without `timeline`).
+    stamped: Vec<Option<(usize, usize)>>,
+}
+
+fn solo_issue(
+    case: &Case,
+    schedule: Schedule,
+    n: usize,
+    rank: usize,
+    inbox: &[Vec<Vec<u8>>],
+    timeline: bool,
+) -> SoloIssued {
     let problem = problem_of(case, n, schedule);
     let sizes = problem.sizes();
-    let p = plan(kind.pattern(), schedule, n, rank);
+    let p = plan(case.0.pattern(), schedule, n, rank);
     let site = SiteOps::new(&problem, &p).unwrap();
     let mut mem = Memory::default();
     mem.buffers.push(fill(sizes.x, rank));
@@ -849,16 +886,29 @@ fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: 
     let records = Records::default();
     let streams = vec![Vec::new(); site.streams.lanes.len() + 1];
     let call = CallId { site: 0x0e1, run: 0 };
-    let mut rec =
-        Recorder { rank, call, site: &site, bases, records: &records, transport: Transport::Solo(&link), streams };
-    issue(&p, &site.streams, &mut rec, 0, None).unwrap();
-    let ranks = [(0, rec.streams)];
+    let transport = Transport::Solo(&link);
+    let mut rec = Recorder { rank, call, site: &site, bases, records: &records, transport, streams, stamps: 0 };
+    let stamped = if timeline {
+        rec.stamp(None).unwrap();
+        let mut stamped = Stamped::new(&mut rec, &p);
+        issue(&p, &site.streams, &mut stamped, 0, None).unwrap();
+        stamped.steps
+    } else {
+        issue(&p, &site.streams, &mut rec, 0, None).unwrap();
+        Vec::new()
+    };
+    SoloIssued { plan: p, mem, ranks: [(0, rec.streams)], stamped }
+}
+
+/// Rank `rank` of `n` alone in the model (`solo_issue`): its output in each order.
+fn solo_emulated(case: &Case, schedule: Schedule, n: usize, rank: usize, inbox: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>> {
+    let SoloIssued { mem, ranks, .. } = solo_issue(case, schedule, n, rank, inbox, false);
     ORDERS
         .iter()
         .map(|&order| {
             let mem = Memory { buffers: mem.buffers.clone(), ..Memory::default() };
             let mem =
-                run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{kind:?} {schedule:?} {order:?}: {e}"));
+                run_streams(mem, &ranks, order).unwrap_or_else(|e| panic!("{:?} {schedule:?} {order:?}: {e}", case.0));
             mem.buffers[2].clone()
         })
         .collect()
@@ -904,4 +954,82 @@ fn one_rank_alone_with_other_messages_differs() {
     }
     let got = solo_emulated(case, Schedule::Ring, 4, 0, &inbox);
     assert!(got.iter().all(|g| *g != want[0]));
+}
+
+/// What is wrong with a one-rank call's timeline `events` of `plan` (none:
+/// fine): each step is one slice; a lane's slices are in its order and apart;
+/// each step begins after the steps it depends on end. `slack_ns` forgives
+/// a clock's resolution.
+pub fn timeline_faults(plan: &Plan, events: &[crate::trace::Event], slack_ns: u64) -> Vec<String> {
+    use crate::plan::Lane;
+    use crate::trace::Kind;
+    let mut faults = Vec::new();
+    let mut spans = vec![None; plan.steps.len()];
+    for e in events.iter().filter(|e| !matches!(e.kind, Kind::Call | Kind::Wait)) {
+        match e.step.and_then(|id| spans.get_mut(id)) {
+            Some(span @ None) => *span = Some((e.start_ns, e.end_ns)),
+            _ => faults.push(format!("a stray or second slice: {e:?}")),
+        }
+    }
+    let Some(spans) = spans.into_iter().collect::<Option<Vec<(u64, u64)>>>() else {
+        faults.push("a step without a slice".into());
+        return faults;
+    };
+    for lane in [Lane::Compute, Lane::Comm] {
+        let ids: Vec<usize> = plan.lane_steps(lane).map(|s| s.id).collect();
+        for pair in ids.windows(2) {
+            if spans[pair[0]].1 > spans[pair[1]].0 + slack_ns {
+                faults.push(format!("steps {pair:?} overlap on their lane: {:?}", (spans[pair[0]], spans[pair[1]])));
+            }
+        }
+    }
+    for step in &plan.steps {
+        for &dep in &step.deps {
+            if spans[dep].1 > spans[step.id].0 + slack_ns {
+                faults.push(format!("step {} began before its dependency {dep} ended", step.id));
+            }
+        }
+    }
+    faults
+}
+
+/// The one-rank mode's device timeline (`solo_device::timeline`) in the
+/// model, every op kind and schedule at N = 4, each stream order: a stamp
+/// before and after each step on its lane makes one slice per step, the
+/// slices of a lane in its order and apart, and every step after the steps
+/// of the other lane it depends on — which holds only if each first stamp
+/// comes after the step's waits. The stamps leave the output as it was.
+#[test]
+fn one_rank_alones_device_timeline_has_each_step_after_its_dependencies() {
+    use crate::trace::{self, CallLabel, Kind};
+    let (n, rank) = (4, 0);
+    let mut waits = 0;
+    for case in cases(n as i64) {
+        for schedule in schedules(case.0) {
+            let want = reference(&case, schedule, n, 0x0c13_a000);
+            let inbox = solo_inbox(&case, schedule, n, rank);
+            let SoloIssued { plan: p, mem, ranks, stamped } = solo_issue(&case, schedule, n, rank, &inbox, true);
+            let problem = problem_of(&case, n, schedule);
+            let label = CallLabel::new(0, 1, case.0.name(), &p, &problem, problem.sizes().x * 4);
+            for order in ORDERS {
+                let what = format!("{:?} {schedule:?} {order:?}", case.0);
+                let fresh = Memory { buffers: mem.buffers.clone(), ..Memory::default() };
+                let ran = run_streams(fresh, &ranks, order).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(ran.buffers[2] == want[rank], "{what}: the stamps changed the output");
+                let at = |stamp: usize| ran.stamps[&stamp];
+                let spans: Vec<Option<(u64, u64)>> =
+                    stamped.iter().map(|pair| pair.map(|(a, b)| (at(a), at(b)))).collect();
+                let events = trace::call_events(&p, &spans, &label, 0, at(0), &[]);
+                let faults = timeline_faults(&p, &events, 0);
+                assert!(faults.is_empty(), "{what}: {faults:?}");
+                waits += events.iter().filter(|e| e.kind == Kind::Wait).count();
+                let json: serde_json::Value = serde_json::from_slice(&trace::encode_json(&events)).unwrap();
+                assert_eq!(
+                    json["traceEvents"].as_array().map(|a| a.iter().filter(|e| e["ph"] == "X").count()),
+                    Some(events.len())
+                );
+            }
+        }
+    }
+    assert!(waits > 0, "some step waited for the other lane");
 }

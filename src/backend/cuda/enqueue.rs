@@ -76,7 +76,7 @@ impl<'a> CallOps<'a> {
         self.site.lane_streams.get(l).copied().ok_or_else(|| Error::Internal(format!("no lane {l}")))
     }
 
-    fn lane(&self, l: usize) -> Result<&'a Stream> {
+    pub(super) fn lane(&self, l: usize) -> Result<&'a Stream> {
         let index = self.lane_index(l)?;
         self.device.lane_stream(index).ok_or_else(|| Error::Internal(format!("no lane {l}")))
     }

@@ -2,21 +2,23 @@
 //! group alone, timed on the device's global timer, and the benchmark a
 //! GPU user runs over it (`bench`, behind `commfuse_one_rank_bench` and
 //! `python -m commfuse.bench_gpu`): the fused call against one GEMM of the
-//! same work, the paced transfers alone and the per-peer GEMMs alone.
+//! same work, the paced transfers alone and the per-peer GEMMs alone; and,
+//! asked for, the call's device timeline as a Perfetto trace (`timeline`).
 #![forbid(unsafe_code)]
 
 use super::addresses::{DeviceBuffers, DeviceOp, Region};
 use super::device;
-use super::driver::{synchronize, CallMemory, CallStream, Context, DeviceMemory, PaceKernels, Stream};
+use super::driver::{synchronize, CallMemory, CallStream, Context, DeviceMemory, PaceKernels, Stream, TimingEvent};
 use super::enqueue::{CallOps, Exchanges};
 use super::kernels::{self, ImageCache, Target};
 use super::site_ops::SiteOps;
 use super::solo::{Inbox, LinkReport, Pace, SoloLink};
-use super::stream_issue::{self, issue};
+use super::stream_issue::{self, issue, Stamped, Stamps, StreamOps};
 use crate::abi::{self, CallShapes};
 use crate::error::{Error, Result};
-use crate::plan::{plan, Schedule};
+use crate::plan::{plan, Plan, Schedule, Step};
 use crate::problem::{OpKind, Problem};
+use crate::trace::{self, CallLabel, Value};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
@@ -53,6 +55,8 @@ pub struct SoloCall<'a> {
     /// float32 GEMMs may use TF32.
     pub tf32: bool,
     pub reps: usize,
+    /// Time each step of the last repetition on the device (`timeline`).
+    pub timeline: bool,
 }
 
 pub struct SoloResult {
@@ -61,6 +65,8 @@ pub struct SoloResult {
     pub seconds: Vec<f64>,
     /// The link rate the last repetition achieved.
     pub link: LinkReport,
+    /// The last repetition's trace events on the device's clock, where asked for.
+    pub timeline: Option<Vec<trace::Event>>,
 }
 
 /// A device slot of GPU 0 that no call of XLA's uses (`device::bind_as`).
@@ -152,7 +158,16 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
     static IMAGES: std::sync::OnceLock<ImageCache> = std::sync::OnceLock::new();
     let pace_kernels = PaceKernels::load(&IMAGES.get_or_init(ImageCache::default).get(&target, kernels::PACE)?)?;
     CallOps::prepare(&mut d, site.events)?;
-    let (mut seconds, mut report) = (Vec::new(), LinkReport { bytes: 0, seconds: 0.0, bytes_per_s: 0.0 });
+    // One timing event at the call's start and two per step (`timeline`).
+    let timing = if call.timeline {
+        (0..1 + 2 * p.steps.len())
+            .map(|_| TimingEvent::new("cuEventCreate (device timeline)"))
+            .collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    let (mut seconds, mut report, mut stamps) =
+        (Vec::new(), LinkReport { bytes: 0, seconds: 0.0, bytes_per_s: 0.0 }, Vec::new());
     for _ in 0..call.reps.max(1) {
         link.begin_call();
         let mut ops = CallOps {
@@ -173,9 +188,12 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
             // A failed issue leaves work on the lanes: joined back into XLA's
             // stream all the same, so the synchronisation below covers it
             // before any memory is freed.
-            issue(&p, &site.streams, &mut ops, 0, None)
+            issue_timed(&p, &site.streams, &mut ops, &timing)
                 .inspect_err(|_| drop(stream_issue::join_lanes(&site.streams, &mut ops)))
-                .and_then(|()| pace_kernels.stamp(&xla, clock.addr() + 8, &memory))
+                .and_then(|steps| {
+                    stamps = steps;
+                    pace_kernels.stamp(&xla, clock.addr() + 8, &memory)
+                })
         });
         synchronize(&xla)?;
         issued?;
@@ -185,7 +203,101 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
         report = LinkReport::of(&link.steps(), call.pace);
     }
     drop(pace_kernels);
-    Ok(SoloResult { out: outd.read(out_bytes)?, seconds, link: report })
+    let timeline = match timing.first() {
+        Some(start) => Some(timeline(call, &p, &stamps, &timing, start, report)?),
+        None => None,
+    };
+    Ok(SoloResult { out: outd.read(out_bytes)?, seconds, link: report, timeline })
+}
+
+/// Issues a call on its streams, with a timing event on XLA's stream first
+/// and one before and after each step on its lane where `timing` holds
+/// them; returns each step's pair of indices into `timing` (none without).
+fn issue_timed(
+    p: &Plan,
+    schedule: &crate::exec::stream::StreamSchedule,
+    ops: &mut CallOps,
+    timing: &[TimingEvent],
+) -> Result<Vec<Option<(usize, usize)>>> {
+    if timing.is_empty() {
+        return issue(p, schedule, ops, 0, None).map(|()| Vec::new());
+    }
+    let mut timed = TimedOps { ops, timing, used: 0 };
+    timed.stamp(None)?;
+    let mut stamped = Stamped::new(&mut timed, p);
+    issue(p, schedule, &mut stamped, 0, None)?;
+    Ok(stamped.steps)
+}
+
+/// A call's operations, stamped with the next of `timing`'s events.
+struct TimedOps<'o, 'a> {
+    ops: &'o mut CallOps<'a>,
+    timing: &'o [TimingEvent],
+    used: usize,
+}
+
+impl StreamOps for TimedOps<'_, '_> {
+    fn record(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
+        self.ops.record(stream, event)
+    }
+    fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
+        self.ops.wait(stream, event)
+    }
+    fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
+        self.ops.run(lane, step)
+    }
+    fn mark(&mut self, lane: usize, mark: usize) -> Result<()> {
+        self.ops.mark(lane, mark)
+    }
+}
+
+impl Stamps for TimedOps<'_, '_> {
+    fn stamp(&mut self, stream: Option<usize>) -> Result<usize> {
+        let event = self
+            .timing
+            .get(self.used)
+            .ok_or_else(|| Error::Internal("the device timeline ran out of timing events".into()))?;
+        match stream {
+            None => event.record(self.ops.xla, "cuEventRecord (device timeline)")?,
+            Some(lane) => event.record(self.ops.lane(lane)?, "cuEventRecord (device timeline)")?,
+        }
+        self.used += 1;
+        Ok(self.used - 1)
+    }
+}
+
+/// The trace events of a call whose steps `stamps` timed (indices into
+/// `timing`, all done), on the device's clock from `start`.
+fn timeline(
+    call: &SoloCall,
+    p: &Plan,
+    stamps: &[Option<(usize, usize)>],
+    timing: &[TimingEvent],
+    start: &TimingEvent,
+    link: LinkReport,
+) -> Result<Vec<trace::Event>> {
+    // Perfetto reads a timestamp of 0 as unset: the call starts 1 µs in.
+    const START_NS: u64 = 1_000;
+    let ns = |index: usize| -> Result<u64> {
+        let event = timing.get(index).ok_or_else(|| Error::Internal(format!("no timing event {index}")))?;
+        Ok(START_NS + (f64::from(event.ms_since(start)?.max(0.0)) * 1e6) as u64)
+    };
+    let spans = stamps
+        .iter()
+        .map(|pair| pair.map(|(a, b)| Ok::<_, Error>((ns(a)?, ns(b)?))).transpose())
+        .collect::<Result<Vec<_>>>()?;
+    let sizes = call.problem.sizes();
+    let label = CallLabel {
+        transport: "one-rank mode",
+        ..CallLabel::new(0, 0, call.problem.kind.name(), p, call.problem, sizes.x * sizes.input.size())
+    };
+    let mb_per_s = |bytes_per_s: f64| Value::U((bytes_per_s / 1e6).max(0.0) as u64);
+    let args = [
+        ("clock", Value::S("device (CUDA timing events)".into())),
+        ("pace_mb_per_s", mb_per_s(call.pace.bytes_per_s)),
+        ("link_mb_per_s", mb_per_s(link.bytes_per_s)),
+    ];
+    Ok(trace::call_events(p, &spans, &label, 0, START_NS, &args))
 }
 
 /// One benchmark case: a call's shapes (as `commfuse_prepare` takes them),
@@ -200,6 +312,10 @@ pub struct BenchRequest {
     pub machine: String,
     #[serde(default = "default_reps")]
     pub reps: usize,
+    /// Where to write one fused call's device timeline as a Perfetto trace
+    /// (JSON where the path ends in `.json`), from a run apart from the timed ones.
+    #[serde(default)]
+    pub trace: Option<String>,
 }
 
 fn default_reps() -> usize {
@@ -221,6 +337,8 @@ pub struct BenchRow {
     /// The link rate the fused call achieved, and the one asked for.
     pub link_bytes_per_s: f64,
     pub pace_bytes_per_s: f64,
+    /// The trace written, if one was asked for.
+    pub trace: Option<String>,
 }
 
 /// Runs one case (see [`BenchRequest`]).
@@ -232,21 +350,22 @@ pub fn bench(request: &BenchRequest) -> Result<BenchRow> {
     let sizes = problem.sizes();
     let operands = |elements: usize| vec![0x3eu8; elements * sizes.input.size()];
     let (x, w) = (operands(sizes.x), operands(sizes.w));
+    let call_of = |part: Part, reps: usize, timeline: bool| SoloCall {
+        problem: &problem,
+        schedule,
+        n,
+        rank: request.rank,
+        x: &x,
+        w: &w,
+        messages: Messages::Any,
+        pace,
+        part,
+        tf32: true,
+        reps,
+        timeline,
+    };
     let median = |part: Part| -> Result<(f64, LinkReport)> {
-        let call = SoloCall {
-            problem: &problem,
-            schedule,
-            n,
-            rank: request.rank,
-            x: &x,
-            w: &w,
-            messages: Messages::Any,
-            pace,
-            part,
-            tf32: true,
-            reps: request.reps,
-        };
-        let result = run(&call)?;
+        let result = run(&call_of(part, request.reps, false))?;
         Ok((median_of(result.seconds), result.link))
     };
     let (fused_s, link) = median(Part::All)?;
@@ -269,11 +388,17 @@ pub fn bench(request: &BenchRequest) -> Result<BenchRow> {
                 part: Part::All,
                 tf32: true,
                 reps: request.reps,
+                timeline: false,
             };
             Some(median_of(run(&call)?.seconds))
         }
         None => None,
     };
+    if let Some(path) = &request.trace {
+        // Two repetitions, the first a warm-up: the timed runs above carry no timing events.
+        let events = run(&call_of(Part::All, 2, true))?.timeline.unwrap_or_default();
+        trace::write_events(std::path::Path::new(path), &events)?;
+    }
     Ok(BenchRow {
         schedule: schedule.to_string(),
         fused_s,
@@ -282,6 +407,7 @@ pub fn bench(request: &BenchRequest) -> Result<BenchRow> {
         pieces_s,
         link_bytes_per_s: link.bytes_per_s,
         pace_bytes_per_s: pace.bytes_per_s,
+        trace: request.trace.clone(),
     })
 }
 
@@ -320,12 +446,13 @@ fn median_of(mut seconds: Vec<f64>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cuda::emulate::{cases, fill, problem_of, reference, schedules, solo_inbox};
+    use crate::backend::cuda::emulate::{cases, fill, problem_of, reference, schedules, solo_inbox, timeline_faults};
     use crate::backend::cuda::libs::Lib;
 
     /// Rank 0 and rank N-1 of N = 2, 4 and 8, alone on GPU 0 with their
     /// peers' messages paced to an H100's NVLink: every op kind and
-    /// schedule, bit for bit as the CPU backend computes for that rank.
+    /// schedule, bit for bit as the CPU backend computes for that rank, its
+    /// device timeline in order.
     #[test]
     #[ignore = "needs a CUDA GPU: scripts/gpu_device_check.sh runs it"]
     fn one_rank_of_n_on_one_gpu_runs_every_op_as_the_cpu_backend_does() {
@@ -354,10 +481,16 @@ mod tests {
                             part: Part::All,
                             tf32: false,
                             reps: 2,
+                            timeline: true,
                         };
                         let got = run(&call).unwrap();
                         assert!(got.out == want[rank], "{kind:?} {schedule:?}: rank {rank} of {n} differs on GPU 0");
                         assert!(got.seconds.iter().all(|&s| s > 0.0), "{:?}", got.seconds);
+                        // The device timeline: each step a slice, in lane order, after its
+                        // dependencies (timing events resolve about half a microsecond).
+                        let p = plan(kind.pattern(), schedule, n, rank);
+                        let faults = timeline_faults(&p, &got.timeline.unwrap(), 1_000);
+                        assert!(faults.is_empty(), "{kind:?} {schedule:?} rank {rank} of {n}: {faults:?}");
                     }
                 }
             }

@@ -33,6 +33,49 @@ pub trait StreamOps {
     fn mark(&mut self, lane: usize, mark: usize) -> Result<()>;
 }
 
+/// Marks points of a stream that are timed once the streams have run (the
+/// one-rank mode's device timeline: timing events).
+pub trait Stamps {
+    /// Stamps `stream` (`None`: the caller's) here; returns the stamp's index.
+    fn stamp(&mut self, stream: Option<usize>) -> Result<usize>;
+}
+
+/// [`StreamOps`] that stamps each step's lane right before and right after
+/// the step, so a stamp pair spans the step as its stream ran it: the first
+/// is reached once the lane's waits for the step's dependencies are over.
+pub struct Stamped<'o, O> {
+    ops: &'o mut O,
+    /// Per step id, the stamps around it (none for a step not issued).
+    pub steps: Vec<Option<(usize, usize)>>,
+}
+
+impl<'o, O: StreamOps + Stamps> Stamped<'o, O> {
+    pub fn new(ops: &'o mut O, plan: &Plan) -> Self {
+        Stamped { ops, steps: vec![None; plan.steps.len()] }
+    }
+}
+
+impl<O: StreamOps + Stamps> StreamOps for Stamped<'_, O> {
+    fn record(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
+        self.ops.record(stream, event)
+    }
+    fn wait(&mut self, stream: Option<usize>, event: usize) -> Result<()> {
+        self.ops.wait(stream, event)
+    }
+    fn run(&mut self, lane: usize, step: &Step) -> Result<()> {
+        let before = self.ops.stamp(Some(lane))?;
+        self.ops.run(lane, step)?;
+        let after = self.ops.stamp(Some(lane))?;
+        if let Some(slot) = self.steps.get_mut(step.id) {
+            *slot = Some((before, after));
+        }
+        Ok(())
+    }
+    fn mark(&mut self, lane: usize, mark: usize) -> Result<()> {
+        self.ops.mark(lane, mark)
+    }
+}
+
 /// Events a call needs: the schedule's, one fork event, one join event per lane.
 pub fn events_needed(schedule: &StreamSchedule) -> usize {
     schedule.events + 1 + schedule.lanes.len()
@@ -129,6 +172,36 @@ mod tests {
         fn mark(&mut self, lane: usize, mark: usize) -> Result<()> {
             self.ops.push((Some(lane), format!("mark {mark}")));
             Ok(())
+        }
+    }
+
+    impl Stamps for Log {
+        fn stamp(&mut self, stream: Option<usize>) -> Result<usize> {
+            let index = self.ops.iter().filter(|(_, o)| o.starts_with("stamp")).count();
+            self.ops.push((stream, format!("stamp {index}")));
+            Ok(index)
+        }
+    }
+
+    #[test]
+    fn stamps_bracket_each_step_on_its_lane_after_its_waits() {
+        for pattern in [Pattern::Gather { accumulate: false }, Pattern::Scatter] {
+            let p = plan(pattern, Schedule::Ring, 4, 2);
+            let s = StreamSchedule::new(&p);
+            let mut log = Log::default();
+            let mut stamped = Stamped::new(&mut log, &p);
+            issue(&p, &s, &mut stamped, 0, None).unwrap();
+            let steps = stamped.steps;
+            for step in &p.steps {
+                let (before, after) = steps[step.id].expect("every step is stamped");
+                let at = |what: String| log.ops.iter().position(|(_, o)| *o == what).unwrap();
+                let run = at(format!("run {}", step.id));
+                // On the step's lane: the stamp, the step, the stamp, with nothing between.
+                assert_eq!(at(format!("stamp {before}")) + 1, run);
+                assert_eq!(at(format!("stamp {after}")), run + 1);
+                assert_eq!(log.ops[run - 1].0, log.ops[run].0);
+                assert_eq!(log.ops[run + 1].0, log.ops[run].0);
+            }
         }
     }
 

@@ -357,6 +357,43 @@ def check_gemm_facts(repo: str) -> None:
             row("GEMM facts: device", "PASS", f"{f['name']}, {f['sms']} SMs, torch {f['torch']}")
     if code != 0:
         row("scripts/gpu_contention.py", "FAIL", tail(out))
+    check_gemm_algorithms(repo)
+
+
+def check_gemm_algorithms(repo: str) -> None:
+    """scripts/gemm_algos.py: per-peer pieces with each of cuBLASLt's
+    algorithms against the fastest whole GEMM (figures, not pass/fail): the
+    default's efficiency, the best one's and what it is."""
+    import json
+
+    code, out = run([sys.executable, os.path.join(repo, "scripts", "gemm_algos.py")], 300, log="gemm_algos.log")
+    best = {}
+    for line in out.splitlines():
+        try:
+            f = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(f, dict) or "kind" not in f:
+            continue
+        if f["kind"] == "algos_whole":
+            row(f"cuBLASLt, whole GEMM bf16 {f['m']}x{f['k']}x{f['n']}", "PASS",
+                f"fastest of {f['algorithms']} algorithms {f['ms']:.3f} ms (heuristic's first {f['default_ms']:.3f}); "
+                f"max |error| vs torch {f['check_max_abs_error']:.3g}")
+        elif f["kind"] == "algos_pieces":
+            key = (f["m"], f["k"], f["n"], f["parts"])
+            if f["index"] == 0:
+                best[key] = {"default": f, "best": f}
+            elif key in best and f["efficiency"] > best[key]["best"]["efficiency"]:
+                best[key]["best"] = f
+        elif f["kind"] == "error":
+            row("cuBLASLt algorithms", "N/A" if "not measured" in f["error"] else "FAIL", f["error"])
+    describe = lambda f: (f"{f['efficiency']:.3f} (tile {f['tile']}, split-K {f['splitk']}, stages {f['stages']}, "
+                          f"cluster {f['cluster']}, {f['waves']:.2f} waves)")
+    for (m, k, n, parts), b in best.items():
+        row(f"cuBLASLt, {parts} per-peer pieces of {m}x{k}x{n}", "PASS",
+            f"heuristic's first {describe(b['default'])}; best {describe(b['best'])}")
+    if code != 0:
+        row("scripts/gemm_algos.py", "FAIL", tail(out))
 
 
 def main() -> int:

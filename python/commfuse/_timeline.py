@@ -2,7 +2,7 @@
 a timeline image: a row per device and lane (compute, comm), a bar per
 slice, colored by kind. Needs matplotlib (the ``bench`` extra). The demo
 draws one with ``--timeline``; ``python -m commfuse._timeline trace.json
-out.png`` draws any other."""
+out.png [title]`` draws any other."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def draw(trace_json: str, png: str, title: str = "") -> None:
     for e in sorted(slices, key=lambda e: e["cat"] in ("send", "recv")):
         inner = e["cat"] in ("send", "recv")
         y = rows[(e["pid"], e["tid"])]
+        # A white edge tells back-to-back slices apart (a ring's GEMM pieces).
         ax.barh(y, max(e["dur"], 0.5) / 1e3, left=e["ts"] / 1e3, height=0.35 if inner else 0.75,
-                color=_COLORS[e["cat"]], edgecolor="none")
+                color=_COLORS[e["cat"]], edgecolor="white", linewidth=0.6)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"device {d} {_LANES[lane]}" for (d, lane) in rows])
     ax.invert_yaxis()
@@ -45,6 +46,6 @@ def draw(trace_json: str, png: str, title: str = "") -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m commfuse._timeline TRACE.json OUT.png")
-    draw(sys.argv[1], sys.argv[2])
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m commfuse._timeline TRACE.json OUT.png [TITLE]")
+    draw(*sys.argv[1:])

@@ -224,6 +224,11 @@ def test_a_predicted_trace_shows_each_device_s_steps_at_the_predicted_times(tmp_
             assert e["dur"] == pytest.approx((s["end"] - s["start"]) * 1e6, abs=1e-2)
     # Comm-bound: some matmul waits for its block, shown as a wait on the compute lane.
     assert any(e["name"] == "wait" and e["tid"] == 0 for e in slices)
+    # Asked again, it is written again (the answers without a trace are cached, not this).
+    path.unlink()
+    commfuse.explain("all_gather_matmul", (512, 4096), (4096, 256), 8, dtype="bfloat16",
+                     machine="h100_pcie:topology=ring", trace=path)
+    assert path.exists()
     # Without ".json": a Perfetto protobuf, not JSON.
     commfuse.explain("all_gather_matmul", (512, 4096), (4096, 256), 8, dtype="bfloat16", machine="h100_pcie",
                      trace=tmp_path / "predicted.pftrace")

@@ -104,6 +104,13 @@ class Lt:
                                                                  ctypes.c_size_t(8)), "PreferenceSetAttribute")
         return desc, layouts, pref
 
+    def release(self, problem) -> None:
+        desc, layouts, pref = problem
+        for layout in layouts:
+            self.lib.cublasLtMatrixLayoutDestroy(layout)
+        self.lib.cublasLtMatmulDescDestroy(desc)
+        self.lib.cublasLtMatmulPreferenceDestroy(pref)
+
     def algorithms(self, rows: int, k: int, n: int):
         desc, (a, b, d), pref = problem = self.problem(rows, k, n)
         results = (Heuristic * REQUESTED)()
@@ -115,10 +122,14 @@ class Lt:
     def config(self, algo: Algo) -> dict:
         out = {}
         for name, attr in CONFIG.items():
-            value, written = ctypes.c_uint32(), ctypes.c_size_t()
-            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value),
-                                                                   ctypes.c_size_t(4), ctypes.byref(written))
-            out[name] = value.value if status == 0 else None
+            # The attributes are integers of 2 to 8 bytes: ask the size first (a null buffer of size 0).
+            needed, value = ctypes.c_size_t(), ctypes.c_uint64()
+            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, None, ctypes.c_size_t(0),
+                                                                   ctypes.byref(needed))
+            if status == 0 and 0 < needed.value <= 8:
+                status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+                    ctypes.byref(algo), attr, ctypes.byref(value), needed, ctypes.byref(ctypes.c_size_t()))
+            out[name] = value.value if status == 0 and 0 < needed.value <= 8 else None
         out["tile"] = self.tiles.get(out["tile"], out["tile"])
         return out
 
@@ -142,8 +153,9 @@ def case(lt: Lt, m: int, k: int, n: int, parts: int) -> None:
         return
     # The first whole-GEMM algorithm is checked against PyTorch's product, so the layouts are right.
     lt.matmul(whole, whole_algos[0].algo, w, x, out)
-    error = (out.float() - (x @ w).float()).abs().max().item()
-    fns = {f"whole {i}": (lambda h=h: lt.matmul(whole, h.algo, w, x, out)) for i, h in enumerate(whole_algos[:8])}
+    reference = (x @ w).float()
+    error = (out.float() - reference).abs().max().item()
+    fns = {f"whole {i}": (lambda h=h: lt.matmul(whole, h.algo, w, x, out)) for i, h in enumerate(whole_algos)}
 
     def pieces(h):
         for p in range(parts):
@@ -153,10 +165,12 @@ def case(lt: Lt, m: int, k: int, n: int, parts: int) -> None:
     seconds = interleaved(fns, reps=5, rounds=5)
     best_whole = min(v for name, v in seconds.items() if name.startswith("whole"))
     emit(kind="algos_whole", m=m, k=k, n=n, ms=best_whole * 1e3, default_ms=seconds["whole 0"] * 1e3,
-         check_max_abs_error=error, algorithms=len(whole_algos))
+         check_max_abs_error=error, reference_max_abs=reference.abs().max().item(), algorithms=len(whole_algos))
     for i, h in enumerate(piece_algos):
         emit(kind="algos_pieces", m=m, k=k, n=n, parts=parts, index=i, waves=h.waves, **lt.config(h.algo),
              efficiency=best_whole / seconds[f"pieces {i}"])
+    lt.release(whole)
+    lt.release(piece)
 
 
 def main() -> int:

@@ -128,12 +128,16 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         AutoModel { pick: pick.to_string(), pick_s: choice.time(pick), sequential_s: choice.time(Schedule::Sequential) }
     });
     plan::check_size(kind.name(), schedule, n)?;
-    if let Some(path) = &request.trace {
-        let machine =
-            machine.as_ref().ok_or_else(|| Error::InvalidArgument("a predicted trace needs a machine".into()))?;
-        let events = sim::explain::predicted_timeline(&problem, schedule, n, machine)?;
-        crate::trace::write_events(std::path::Path::new(path), &events)?;
-    }
+    // The predicted timeline needs the problem before the schedule cuts it;
+    // it is written once everything else has succeeded.
+    let predicted = match &request.trace {
+        Some(path) => {
+            let machine =
+                machine.as_ref().ok_or_else(|| Error::InvalidArgument("a predicted trace needs a machine".into()))?;
+            Some((path, sim::explain::predicted_timeline(&problem, schedule, n, machine)?))
+        }
+        None => None,
+    };
     let problem = problem.for_schedule(schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
     let plan = plan::plan(kind.pattern(), schedule, n, 0);
@@ -146,7 +150,7 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         slots: plan.slots.len(),
         blocks_in_flight: blocks_in_flight(&problem, &plan)?,
     };
-    Ok(Prepared {
+    let prepared = Prepared {
         out,
         schedule: abi::schedule_code(schedule),
         schedule_name: schedule.to_string(),
@@ -154,7 +158,11 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         plan: Some(summary),
         model,
         explain,
-    })
+    };
+    if let Some((path, events)) = predicted {
+        crate::trace::write_events(std::path::Path::new(path), &events)?;
+    }
+    Ok(prepared)
 }
 
 /// See `PlanSummary::blocks_in_flight`.

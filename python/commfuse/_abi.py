@@ -126,9 +126,8 @@ def _ask(function, *args) -> str:
         size = length + 1
 
 
-@functools.lru_cache(maxsize=4096)
 def prepare(call: CallShapes, machine: str | None = None, gemm_gflops: float | None = None, explain: bool = False,
-            trace: str | None = None) -> dict:
+            trace=None) -> dict:
     """The library's answer for `call` (``src/prepare.rs``): ``out`` (the
     result's shape), ``schedule`` (the code to run: the one asked for, or
     ``auto``'s pick on `machine`), ``schedule_name``, ``workspace``
@@ -138,16 +137,27 @@ def prepare(call: CallShapes, machine: str | None = None, gemm_gflops: float | N
     `explain`, ``explain`` (the cost model's view, see ``commfuse.explain``).
     With `trace` (a path; needs `machine`) it also writes the cost model's
     timeline of the call under the schedule it answers, every rank, as a
-    Perfetto trace (JSON where the path ends in ``.json``).
+    Perfetto trace (JSON where the path ends in ``.json``), every time it
+    is asked (answers without a trace are cached).
     ValueError with the library's reason for a call it refuses."""
+    if trace is not None:
+        return _prepare(call, machine, gemm_gflops, explain, os.fspath(trace))
+    return _prepare_cached(call, machine, gemm_gflops, explain)
+
+
+def _prepare(call: CallShapes, machine: str | None, gemm_gflops: float | None, explain: bool,
+             trace: str | None = None) -> dict:
     request = {"call": call._asdict(), "explain": explain}
     if trace is not None:
-        request["trace"] = os.fspath(trace)
+        request["trace"] = trace
     if machine is not None:
         request["machine"] = machine
     if gemm_gflops is not None:
         request["gemm_gflops"] = float(gemm_gflops)
     return json.loads(_ask(lib.commfuse_prepare, json.dumps(request).encode()))
+
+
+_prepare_cached = functools.lru_cache(maxsize=4096)(_prepare)
 
 
 def tables() -> dict:

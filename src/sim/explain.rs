@@ -105,8 +105,7 @@ pub fn predicted_timeline(
 ) -> Result<Vec<trace::Event>> {
     let timeline = predict(problem, schedule, n, machine, Mode::Full)?;
     let cut = problem.for_schedule(schedule)?;
-    // Perfetto reads a timestamp of 0 as unset: the call starts 1 µs in.
-    const START_NS: u64 = 1_000;
+    const START_NS: u64 = trace::CALL_START_NS;
     let ns = |s: f64| START_NS + (s.max(0.0) * 1e9) as u64;
     let mut events = Vec::new();
     for rank in 0..n {

@@ -30,7 +30,7 @@ mod tests;
 mod timed;
 
 pub use encode::{encode, encode_json};
-pub use timed::call_events;
+pub use timed::{call_events, CALL_START_NS};
 
 use crate::error::{Error, Result};
 use crate::exec::{Copies, Direction, LaneObserver, Observer};
@@ -205,7 +205,9 @@ pub struct CallLabel {
     pub rank: usize,
     pub op: &'static str,
     pub site: i64,
-    /// How its transfers go: `host` (the CPU backend), `nccl` or `copies`.
+    /// How its transfers go: `host` (the CPU backend), `nccl` or `copies`;
+    /// `one-rank mode` (paced copies, `backend::cuda::solo`) or `predicted`
+    /// (the cost model's) for a timeline of known times (`call_events`).
     pub transport: &'static str,
     /// Bytes of each workspace slot, and of the whole local `x`.
     pub slot_bytes: Vec<usize>,

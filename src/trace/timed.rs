@@ -1,14 +1,19 @@
 //! The slices of one call whose steps' start and end are known on one clock
 //! rather than observed as they run: the one-rank mode's device timeline
 //! (`backend::cuda::solo_device`, timing events around each step on its
-//! stream). Per lane: the call's slice, a slice per step, and a "wait" slice
-//! where a step that depends on the other lane began after its lane's
-//! previous step (or the call's start) ended; a gap before a step without
-//! such dependencies is the host not having enqueued it yet, left empty.
+//! stream) and the cost model's predicted one (`sim::explain`). Per lane:
+//! the call's slice, a slice per step, and a "wait" slice where a step that
+//! depends on the other lane began after its lane's previous step (or the
+//! call's start) ended. A gap before a step without such dependencies is
+//! left empty (on a device: the host had not enqueued the step yet).
 #![forbid(unsafe_code)]
 
 use super::{list, step_slice, CallLabel, Event, Kind, Value};
 use crate::plan::{Lane, Plan};
+
+/// Where such a call starts on its trace's clock: Perfetto reads a
+/// timestamp of 0 as unset, so 1 µs in.
+pub const CALL_START_NS: u64 = 1_000;
 
 /// The events of `label`'s call number `call` of `plan`: `spans[step id]`
 /// holds a step's (start, end) in nanoseconds on the clock `start_ns`, the

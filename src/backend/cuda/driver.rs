@@ -180,9 +180,13 @@ unsafe impl Sync for Event {}
 impl Event {
     /// `what` names the event in the error if the driver refuses it.
     pub fn new(what: &str) -> Result<Event> {
+        Event::with_flags(EVENT_DISABLE_TIMING, what)
+    }
+
+    fn with_flags(flags: c_uint, what: &str) -> Result<Event> {
         let mut e: cu::CUevent = ptr::null_mut();
         // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
-        check_cu(unsafe { (api::driver()?.event_create)(&mut e, EVENT_DISABLE_TIMING) }, what)?;
+        check_cu(unsafe { (api::driver()?.event_create)(&mut e, flags) }, what)?;
         Ok(Event(e))
     }
 
@@ -216,10 +220,7 @@ pub struct TimingEvent(Event);
 
 impl TimingEvent {
     pub fn new(what: &str) -> Result<TimingEvent> {
-        let mut e: cu::CUevent = ptr::null_mut();
-        // SAFETY: a valid out-pointer; needs a current context, else the driver says so.
-        check_cu(unsafe { (api::driver()?.event_create)(&mut e, EVENT_TIMED) }, what)?;
-        Ok(TimingEvent(Event(e)))
+        Event::with_flags(EVENT_TIMED, what).map(TimingEvent)
     }
 
     pub fn record(&self, stream: &impl Queue, what: &str) -> Result<()> {

@@ -1000,7 +1000,7 @@ pub fn timeline_faults(plan: &Plan, events: &[crate::trace::Event], slack_ns: u6
 /// of the other lane it depends on — which holds only if each first stamp
 /// comes after the step's waits. The stamps leave the output as it was.
 #[test]
-fn one_rank_alones_device_timeline_has_each_step_after_its_dependencies() {
+fn one_rank_alone_has_a_device_timeline_with_each_step_after_its_dependencies() {
     use crate::trace::{self, CallLabel, Kind};
     let (n, rank) = (4, 0);
     let mut waits = 0;

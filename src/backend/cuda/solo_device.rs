@@ -168,7 +168,8 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
     };
     let (mut seconds, mut report, mut stamps) =
         (Vec::new(), LinkReport { bytes: 0, seconds: 0.0, bytes_per_s: 0.0 }, Vec::new());
-    for _ in 0..call.reps.max(1) {
+    let reps = call.reps.max(1);
+    for rep in 0..reps {
         link.begin_call();
         let mut ops = CallOps {
             device: &d,
@@ -188,7 +189,9 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
             // A failed issue leaves work on the lanes: joined back into XLA's
             // stream all the same, so the synchronisation below covers it
             // before any memory is freed.
-            issue_timed(&p, &site.streams, &mut ops, &timing)
+            // Only the last repetition carries the timing events.
+            let timing = if rep + 1 == reps { &timing[..] } else { &[] };
+            issue_timed(&p, &site.streams, &mut ops, timing)
                 .inspect_err(|_| drop(stream_issue::join_lanes(&site.streams, &mut ops)))
                 .and_then(|steps| {
                     stamps = steps;
@@ -276,8 +279,7 @@ fn timeline(
     start: &TimingEvent,
     link: LinkReport,
 ) -> Result<Vec<trace::Event>> {
-    // Perfetto reads a timestamp of 0 as unset: the call starts 1 µs in.
-    const START_NS: u64 = 1_000;
+    const START_NS: u64 = trace::CALL_START_NS;
     let ns = |index: usize| -> Result<u64> {
         let event = timing.get(index).ok_or_else(|| Error::Internal(format!("no timing event {index}")))?;
         Ok(START_NS + (f64::from(event.ms_since(start)?.max(0.0)) * 1e6) as u64)

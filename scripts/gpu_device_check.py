@@ -325,19 +325,24 @@ def check_traces(traces: str, cases: int) -> None:
     row(label, "FAIL" if faults else "PASS", "; ".join(faults[:3]) or f"{len(names)} traces in {traces}")
 
 
-def check_gemm_facts(repo: str) -> None:
-    """scripts/gpu_contention.py: a GEMM beside copy-engine copies, and a ring's
-    per-peer GEMM pieces against one GEMM (figures, not pass/fail)."""
+def figures(out: str):
+    """The figures a measuring script printed: its JSON lines with a "kind"."""
     import json
 
-    code, out = run([sys.executable, os.path.join(repo, "scripts", "gpu_contention.py")], 300, log="gemm_facts.log")
     for line in out.splitlines():
         try:
             f = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(f, dict) or "kind" not in f:
-            continue
+        if isinstance(f, dict) and "kind" in f:
+            yield f
+
+
+def check_gemm_facts(repo: str) -> None:
+    """scripts/gpu_contention.py: a GEMM beside copy-engine copies, and a ring's
+    per-peer GEMM pieces against one GEMM (figures, not pass/fail)."""
+    code, out = run([sys.executable, os.path.join(repo, "scripts", "gpu_contention.py")], 300, log="gemm_facts.log")
+    for f in figures(out):
         shape = f"{f.get('m')}x{f.get('k')}x{f.get('n')}"
         if f["kind"] == "gemm":
             row(f"GEMM bf16 {shape}", "PASS", f"{f['ms']:.3f} ms, {f['tflops']:.0f} TFLOP/s")
@@ -366,17 +371,9 @@ def check_gemm_algorithms(repo: str) -> None:
     """scripts/gemm_algos.py: per-peer pieces with each of cuBLASLt's
     algorithms against the fastest whole GEMM (figures, not pass/fail): the
     default's efficiency, the best one's and what it is."""
-    import json
-
     code, out = run([sys.executable, os.path.join(repo, "scripts", "gemm_algos.py")], 300, log="gemm_algos.log")
     best = {}
-    for line in out.splitlines():
-        try:
-            f = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(f, dict) or "kind" not in f:
-            continue
+    for f in figures(out):
         if f["kind"] == "algos_whole":
             # bf16 results of k-long sums: a wrong layout is off by the size of the values themselves.
             right = f["check_max_abs_error"] <= 2e-2 * f["reference_max_abs"]

@@ -13,6 +13,7 @@ from .. import _compat
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
 from .jaxpr import subjaxprs, vma
 from .jitdots import eval_dot
+from . import variance
 from .rewrite import Rewriter
 from .state import State
 
@@ -121,6 +122,7 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
         state.lines.append(f"overlap[{here}]: no collective in this body; nothing to fuse")
         return bind_eqn(eqn, invals)
     mark = len(state.lines)
+    variance.fill(body, [variance.spec_axes(s) for s in eqn.params.get("in_specs", ())], state.axes)
 
     def body_fn(*args):
         return tuple(interpret(body, consts, args, state, here, True))

@@ -38,7 +38,7 @@ import numpy as np
 from .. import _both_sides as both_sides
 from .. import _fused
 from .._dot_form import BatchedDot, DotForm, Unsupported
-from . import rowwise
+from . import rowwise, variance
 from .jaxpr import (
     ALL_GATHER_REDUCED,
     ALL_TO_ALL,
@@ -175,7 +175,8 @@ class Rewriter:
             if not_dots and name in GATHERS:
                 # Row-wise work (a norm) between the gather and its dot moves before the gather.
                 found_rows, rows_why = rowwise.find(eqns, out, eqns[c].params["all_gather_dimension"], self.users,
-                                                    self.outputs, self.producer, c + 1)
+                                                    self.outputs, self.producer, c + 1,
+                                                    lambda v: self._varies(v, collective_axes(eqns[c])))
                 if found_rows is not None:
                     local, rows, d, k = found_rows
                     found.append(Fusion("in", c, d, k, chain, local, rows, out, eqns[d].invars[k]))
@@ -218,6 +219,14 @@ class Rewriter:
             return True
         self.reasons[c].append(why)
         return False
+
+    def _varies(self, v, axes) -> bool:
+        """Whether `v` may differ between the devices of `axes`, by what it is
+        computed from (`variance`). Not by its type: with check_vma an
+        all_gather's result is typed as varying and a replicated scale
+        multiplied with it is cast (``pvary``) to vary too, though their values
+        are the same on every device."""
+        return variance.varies(self.state.axes, v, axes)
 
     # -- evaluation ---------------------------------------------------------------
     def read(self, v):

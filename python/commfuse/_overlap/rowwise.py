@@ -30,9 +30,12 @@ _ELEMENTWISE = frozenset((
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod"))
 
 
-def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int):
+def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, varies):
     """The row-wise equations from variable `start` (the gathered value, whose
     rows run along `gathered_dim`) to the one dot_general they lead to.
+    `varies(v)` says whether a value may differ between the devices of the
+    gather's axes: one that does cannot move before the gather (each block
+    would meet its owner's value rather than this device's).
 
     Returns ``((equations, row_dims, dot, operand), None)``: the equations in
     order, each value's row dim, the dot's equation and which of its operands
@@ -54,9 +57,14 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int):
             return None, f"it is used by {name}, which is not row-wise over the gathered dim"
         if name in _ELEMENTWISE:
             for v in eqn.invars:
-                shape = getattr(v.aval, "shape", ()) if not is_literal(v) else ()
+                if is_literal(v) or v in rows:
+                    continue
+                if varies(v):
+                    return None, (f"{name} reads a value that may differ between the devices of the gather's "
+                                  f"axes, so it cannot move before the gather")
+                shape = getattr(v.aval, "shape", ())
                 # Scalars and values of size 1 along the rows broadcast over any rows.
-                if is_literal(v) or v in rows or len(shape) <= dim or shape[dim] == 1:
+                if len(shape) <= dim or shape[dim] == 1:
                     continue
                 b = producer.get(v)
                 if b is None or eqns[b].primitive.name != "broadcast_in_dim" \

@@ -22,6 +22,8 @@ class State:
         # partitioning is reported once the program is compiled).
         self.matmul_sites: set = set()
         self.jit_dots = 0  # dot_generals seen outside shard_map bodies (fused or kept)
+        # The mesh axes each value of the shard_map bodies may vary over (`variance.fill`).
+        self.axes: dict = {}
         self._memo: dict = {}
 
     def needs_work(self, jaxpr, manual: bool) -> bool:

@@ -190,6 +190,9 @@ def test_choose_falls_back_where_no_one_fused_op_fits(x_spec, w_spec, out_spec, 
 def test_choose_falls_back_on_dims_that_do_not_divide():
     choice = _choose((("dp",), ("tp",), ()), ((), ("tp",)), (("dp",), (), ("tp",)), x_shape=(2, 66, 32))
     assert choice.op == "fallback" and "does not divide" in choice.why
+    # The result's rows scattered over tp, 10 of them over 4 devices (x's are whole): XLA pads, a fused op cannot.
+    choice = _choose(((), (), ("tp",)), (("tp",), ()), ((), ("tp",), ()), x_shape=(2, 10, 32))
+    assert choice.op == "fallback" and "the result's dim 1 (10) does not divide over ('tp',)" in choice.why
 
 
 def test_partial_auto_shard_map_is_rewritten_with_the_same_numbers():

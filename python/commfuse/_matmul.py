@@ -388,7 +388,8 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
     def fallback(why):
         return Choice("fallback", None, (), 0, outr + ((),), ((), outn), out_spec, why)
 
-    for what, shape, spec in (("x", x_shape, x_spec), ("w", w_shape, w_spec)):
+    out_shape = (*x_shape[:nr], w_shape[-1])
+    for what, shape, spec in (("x", x_shape, x_spec), ("w", w_shape, w_spec), ("the result", out_shape, out_spec)):
         for d, (n, axes) in enumerate(zip(shape, spec)):
             if axes and n % size(axes):
                 return fallback(f"{what}'s dim {d} ({n}) does not divide over {axes}")

@@ -20,6 +20,7 @@ from . import _interrupt, reference
 from ._all_gather_matmul import all_gather_matmul
 from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._explain import explain
+from ._fused import checkpoint_policy
 from ._matmul import matmul
 from ._matmul_all_gather import matmul_all_gather
 from ._matmul_all_reduce import matmul_all_reduce
@@ -46,6 +47,7 @@ __all__ = [
     "PendingReshard",
     "trace",
     "explain",
+    "checkpoint_policy",
     "configure",
     "cuda_libraries",
     "reference",

@@ -346,3 +346,36 @@ def _lowering_mesh(kind, ctx):
             f"commfuse ({kind.name.lower()}) must be lowered inside a jax.shard_map over a concrete mesh "
             f"(found axis context {type(ctx.module_context.axis_context).__name__})")
     return mesh
+
+
+def checkpoint_policy(policy):
+    """``commfuse.checkpoint_policy(policy)``: a ``jax.checkpoint`` policy
+    that saves a fused op's result wherever `policy` would save the dot it
+    replaces. JAX's dot policies (``checkpoint_dots``,
+    ``dots_with_no_batch_dims_saveable``, ...) know ``dot_general`` only,
+    so under them a fused op would run again in the backward pass, its
+    collective included. ``commfuse.overlap`` applies it to the
+    ``jax.checkpoint``s it rewrites; wrap the policy yourself where fused ops
+    are called by name inside ``jax.checkpoint``. ``None`` stays ``None``."""
+    if policy is None:
+        return None
+
+    def saveable(prim, *args, **params):
+        if _is_fused(prim, params):
+            return policy(jax.lax.dot_general_p, *args[:2], dimension_numbers=(((1,), (0,)), ((), ())),
+                          precision=None, preferred_element_type=None)
+        return policy(prim, *args, **params)
+
+    return saveable
+
+
+def _is_fused(prim, params) -> bool:
+    """Whether a policy's equation is a fused op: the primitive, or the
+    ``custom_vjp_call`` around one (the differentiable form `differentiable` makes)."""
+    if prim is _PRIMITIVE:
+        return True
+    if not prim.name.startswith("custom_vjp"):
+        return False
+    body = params.get("call_jaxpr", params.get("fun_jaxpr"))
+    body = getattr(body, "jaxpr", body)
+    return body is not None and any(e.primitive is _PRIMITIVE for e in body.eqns)

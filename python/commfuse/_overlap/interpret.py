@@ -9,7 +9,7 @@ from functools import partial
 import jax
 from jax.extend import core as jcore
 
-from .. import _compat
+from .. import _compat, _fused
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
 from .jaxpr import subjaxprs, vma
 from .jitdots import eval_dot
@@ -138,7 +138,7 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
 def _eval_remat(params, invals, state, where, manual):
     jaxpr, consts = closed(params["jaxpr"])
     fn = jax.checkpoint(lambda *a: interpret(jaxpr, consts, a, state, where, manual),
-                        prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
+                        prevent_cse=params.get("prevent_cse", True), policy=_fused.checkpoint_policy(params.get("policy")))
     return list(fn(*invals))
 
 

@@ -147,6 +147,8 @@ class Rewriter:
             eqn = self.jaxpr.eqns[c]
             name = eqn.primitive.name
             reason = static_reason(eqn)
+            if reason and self._untiled_gather_merged(c) is not None:
+                reason = None  # all_gather(tiled=False) then a reshape that merges its blocks: a tiled gather
             if reason:
                 self.reasons[c].append(reason)
                 continue
@@ -155,6 +157,26 @@ class Rewriter:
             if name in REDUCE_SCATTER or name in PSUM or name == ALL_TO_ALL:
                 self._find_output(c, found)
         return found
+
+    def _untiled_gather_merged(self, c):
+        """The reshape that merges an ``all_gather(tiled=False)``'s new axis
+        into the dim after it (``all_gather(x, axis=a).reshape(...)``, as
+        code from ``pmap`` writes a gather): together, the tiled gather along
+        x's dim a. None for anything else."""
+        eqn = self.jaxpr.eqns[c]
+        p = eqn.params
+        if eqn.primitive.name not in GATHERS or p.get("tiled", True) or p.get("axis_index_groups") is not None:
+            return None
+        out = eqn.outvars[0]
+        if not self._single_use(out):
+            return None
+        r = self.users[out][0]
+        reshape = self.jaxpr.eqns[r]
+        shape, a = tuple(out.aval.shape), p["all_gather_dimension"]
+        if reshape.primitive.name != "reshape" or reshape.params.get("dimensions") is not None or len(shape) < a + 2:
+            return None
+        merged = (*shape[:a], shape[a] * shape[a + 1], *shape[a + 2:])
+        return r if tuple(reshape.outvars[0].aval.shape) == merged else None
 
     def _bytes(self, f: Fusion) -> int:
         aval = self.jaxpr.eqns[f.coll].outvars[0].aval
@@ -165,6 +187,10 @@ class Rewriter:
         eqns = self.jaxpr.eqns
         name = eqns[c].primitive.name
         out, chain = eqns[c].outvars[0], []
+        merge = self._untiled_gather_merged(c)
+        if merge is not None:
+            chain.append(merge)
+            out = eqns[merge].outvars[0]
         while self._single_use(out) and eqns[self.users[out][0]].primitive.name in CASTS:
             chain.append(self.users[out][0])
             out = eqns[chain[-1]].outvars[0]

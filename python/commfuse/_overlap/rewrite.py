@@ -147,8 +147,8 @@ class Rewriter:
             eqn = self.jaxpr.eqns[c]
             name = eqn.primitive.name
             reason = static_reason(eqn)
-            if reason and self._untiled_gather_merged(c) is not None:
-                reason = None  # all_gather(tiled=False) then a reshape that merges its blocks: a tiled gather
+            if reason and (self._untiled_gather_merged(c) is not None or self._untiled_scatter_split(c) is not None):
+                reason = None  # an untiled gather or scatter with the reshape that makes it a tiled one
             if reason:
                 self.reasons[c].append(reason)
                 continue
@@ -177,6 +177,27 @@ class Rewriter:
             return None
         merged = (*shape[:a], shape[a] * shape[a + 1], *shape[a + 2:])
         return r if tuple(reshape.outvars[0].aval.shape) == merged else None
+
+    def _untiled_scatter_split(self, c):
+        """The reshape that splits dim a of a product into the ranks' axis and
+        its rows right before a ``psum_scatter(tiled=False)`` over that axis
+        (what ``pmap`` code writes, and JAX's transpose of an untiled
+        gather): together, the tiled scatter of dim a. None for anything else."""
+        eqn = self.jaxpr.eqns[c]
+        p = eqn.params
+        if eqn.primitive.name not in REDUCE_SCATTER or p.get("tiled", True) or p.get("axis_index_groups") is not None:
+            return None
+        src = eqn.invars[0]
+        r = None if is_literal(src) else self.producer.get(src)
+        if r is None or not self._single_use(src):
+            return None
+        reshape = self.jaxpr.eqns[r]
+        if reshape.primitive.name != "reshape" or reshape.params.get("dimensions") is not None:
+            return None
+        before, after, a = tuple(reshape.invars[0].aval.shape), tuple(src.aval.shape), p["scatter_dimension"]
+        split = len(after) == len(before) + 1 and a < len(before) and after[:a] == before[:a] \
+            and after[a + 2:] == before[a + 1:] and after[a] * after[a + 1] == before[a]
+        return r if split else None
 
     def _bytes(self, f: Fusion) -> int:
         aval = self.jaxpr.eqns[f.coll].outvars[0].aval
@@ -225,6 +246,10 @@ class Rewriter:
         eqns = self.jaxpr.eqns
         name = eqns[c].primitive.name
         src, chain = eqns[c].invars[0], []
+        split = self._untiled_scatter_split(c)
+        if split is not None:
+            chain.append(split)
+            src = eqns[split].invars[0]
         while (not is_literal(src) and src in self.producer and self._single_use(src)
                and eqns[self.producer[src]].primitive.name in CASTS | _TRANSPOSES):
             chain.insert(0, self.producer[src])

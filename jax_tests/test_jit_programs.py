@@ -214,3 +214,20 @@ def test_partial_auto_shard_map_is_rewritten_with_the_same_numbers():
     loss = lambda g: lambda x, w: jnp.sum(g(x, w) ** 2)  # noqa: E731
     _close(jax.jit(jax.grad(loss(commfuse.overlap(f, schedule="ring")), argnums=(0, 1)))(x, w),
            jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w), "partial-auto gradients")
+
+
+def test_matmul_takes_a_bare_partition_spec_as_out_sharding_under_set_mesh():
+    """As ``jnp.matmul`` does on explicit axes: the spec names the mesh in context."""
+    mesh = make_mesh({"data": 2, "model": 4}, axis_type="Explicit")
+    rng = np.random.default_rng(9)
+    with jax.set_mesh(mesh):
+        h = jax.device_put(rng.standard_normal((8, 64)).astype(np.float32), P("data", "model"))
+        w = jax.device_put(rng.standard_normal((64, 32)).astype(np.float32), P("model", None))
+        want = jax.jit(lambda h, w: jnp.matmul(h, w, out_sharding=P("data", None)))(h, w)
+        fused = jax.jit(lambda h, w: commfuse.matmul(h, w, out_sharding=P("data", None), schedule="ring"))
+        got = fused(h, w)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert got.sharding.spec == want.sharding.spec
+        assert fused_in(fused.lower(h, w).compile().as_text()) == 1
+    with pytest.raises(ValueError, match="out_sharding=.*no"):
+        commfuse.matmul(jnp.ones((8, 4)), jnp.ones((4, 2)), out_sharding=P("data", None))

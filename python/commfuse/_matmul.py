@@ -99,6 +99,7 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     over every mesh axis it is ``jnp.matmul``.
     """
     code = _schedule_code(schedule)
+    out_sharding = _as_sharding(out_sharding)
     if not hasattr(x, "ndim") or not hasattr(w, "ndim"):
         x, w = jnp.asarray(x), jnp.asarray(w)
     _checks.check_matmul_operands(OP, x, w)
@@ -171,6 +172,18 @@ def _hashable_dims(dimension_numbers):
     (lc, rc), (lb, rb) = dimension_numbers
     return (tuple(int(d) for d in lc), tuple(int(d) for d in rc)), (tuple(int(d) for d in lb),
                                                                      tuple(int(d) for d in rb))
+
+
+def _as_sharding(out_sharding):
+    """`out_sharding` as a sharding: a bare ``PartitionSpec`` names axes of
+    the mesh in context (``jax.set_mesh``), as ``jnp.matmul`` reads it."""
+    if not isinstance(out_sharding, P):
+        return out_sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or not mesh.axis_names:
+        raise ValueError(f"commfuse.matmul: out_sharding={out_sharding} is a PartitionSpec, whose axes name the mesh "
+                         f"in context, and there is none: call under jax.set_mesh(mesh), or pass a NamedSharding")
+    return NamedSharding(mesh, out_sharding)
 
 
 def _named(sharding) -> bool:

@@ -56,6 +56,8 @@ def all_to_all_matmul(x, w, axis_name, *, split_dimension, concat_dimension, sch
     """
     x, w, dims, static = _check(A2A_MM, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
                                 preferred_element_type, split_may_be_last=False)
+    if _fused.forward_mode(A2A_MM, x, w):
+        return _a2a_matmul_impl(x, w, dims, static._replace(schedule=_fused.UNFUSED))
     return _a2a_matmul(x, w, dims, static)
 
 
@@ -68,6 +70,8 @@ def matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, sch
     """
     x, w, dims, static = _check(MM_A2A, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
                                 preferred_element_type, split_may_be_last=True)
+    if _fused.forward_mode(MM_A2A, x, w):
+        return _matmul_a2a_impl(x, w, dims, static._replace(schedule=_fused.UNFUSED))
     return _matmul_a2a(x, w, dims, static)
 
 

@@ -2,8 +2,9 @@
 
 Supported: jax 0.10.2 (what Python 3.11 gets) to 0.12.x (Python 3.12), both
 tested in CI. Where a name moved between those versions, both spellings are
-tried here and nowhere else. Public names only, but for the one handle JAX
-keeps private and commfuse needs (`distributed_client`).
+tried here and nowhere else. Public names only, but for what JAX keeps
+private and commfuse needs: its distributed client (`distributed_client`)
+and the classes of its forward-mode and batching tracers (`traced_by`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,26 @@ from jax.interpreters import batching
 
 # How batching rules mark an unbatched value.
 NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
+def traced_by(kind: str, *values) -> bool:
+    """Whether any of `values` is traced, at any depth of its tracers, by
+    forward-mode differentiation (``"jvp"``: ``jax.jvp``, ``jacfwd``,
+    ``hessian``) or by ``jax.vmap`` (``"vmap"``). Reverse mode (``grad``,
+    ``vjp``, ``linearize``) traces with other tracers. JAX has no public
+    test for this: the tracer classes are its own."""
+    from jax._src.interpreters import ad
+    from jax._src.interpreters import batching as batching_src
+
+    wanted = {"jvp": ad.JVPTracer, "vmap": batching_src.BatchTracer}[kind]
+    for value in values:
+        for _ in range(64):  # tracers wrap tracers: a handful deep at most
+            if not isinstance(value, jax.core.Tracer):
+                break
+            if isinstance(value, wanted):
+                return True
+            value = getattr(value, "primal", getattr(value, "val", None))
+    return False
 
 
 def check_vma() -> bool:

@@ -118,7 +118,23 @@ def differentiable(kind: "Kind", backward, *, dimension=None):
         return call_static(kind, x, w, static, dimension=dimension, forward=True)
 
     op.defvjp(lambda x, w, static: (op(x, w, static), (x, w)), backward)
-    return op
+
+    def forward_or_reverse(x, w, static: Static):
+        if forward_mode(kind.name.lower(), x, w):
+            return call_static(kind, x, w, static._replace(schedule=UNFUSED), dimension=dimension, forward=True)
+        return op(x, w, static)
+
+    return forward_or_reverse
+
+
+def forward_mode(op: str, x, w) -> bool:
+    """Whether `op` is differentiated forward (``jax.jvp``, ``jacfwd``,
+    ``hessian``), which a custom_vjp cannot take: then the caller runs
+    jax.lax's collective and dot, which can (recorded as unfused)."""
+    if not _compat.traced_by("jvp", x, w):
+        return False
+    record_decision(op, "unfused", "forward-mode differentiation (jax.jvp, jacfwd): jax.lax's collective and dot")
+    return True
 
 
 # What the ops issued on this thread ran as, (op name, schedule name, why),

@@ -108,6 +108,8 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     matmul_dims = (((x.ndim - 1,), (0,)), ((), ()))
     static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding, code, 0,
                        next(_sites), code == _abi.AUTO)
+    if _outside_partitioning(x, w) is not None:
+        return static.plain(x, w)
     if code == _abi.AUTO:
         fuse, _ = _decide_early(x, w, DotForm(x.shape, w.shape, matmul_dims, 0), out_dtype)
         if not fuse:  # judged before partitioning: XLA's own dot, as jnp.matmul would be
@@ -138,11 +140,26 @@ def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_elemen
     pet = None if preferred_element_type is None else np.dtype(preferred_element_type)
     static = DotStatic(_hashable_dims(dimension_numbers), _hashable_precision(precision), pet, out_sharding,
                        code, owner, next(_sites), decide_early)
+    outside = _outside_partitioning(lhs, rhs)
+    if outside is not None:
+        return static.plain(lhs, rhs), None, outside
     if code == _abi.AUTO and decide_early:
         fuse, why = _decide_early(lhs, rhs, form, preferred_element_type)
         if not fuse:
             return _kept_dot(lhs, rhs, static), None, f"auto: {why}"
     return _fused_dot(lhs, rhs, static), static.site, None
+
+
+def _outside_partitioning(lhs, rhs) -> str | None:
+    """Why a product must be jax.lax's dot, or None: the partitioned op is a
+    custom_vjp around a custom_partitioning, and JAX can neither batch a
+    custom_partitioning (``jax.vmap``) nor differentiate a custom_vjp
+    forward (``jax.jvp``, ``jacfwd``)."""
+    if _compat.traced_by("vmap", lhs, rhs):
+        return "under jax.vmap, which cannot batch a partitioned op: jax.lax's dot"
+    if _compat.traced_by("jvp", lhs, rhs):
+        return "under forward-mode differentiation (jax.jvp, jacfwd): jax.lax's dot"
+    return None
 
 
 def _decide_early(lhs, rhs, form: DotForm, preferred_element_type) -> tuple[bool, str]:

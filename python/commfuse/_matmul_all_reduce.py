@@ -59,6 +59,8 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     settings = settle(x.shape, w.shape, x.dtype, out_dtype, axes=axes, ranks=ranks, schedule=code, tiles=tiles,
                       fast_f32=fast, schedule_name=schedule)
     x, w = _varying.vary_together(x, w, axes)
+    if _fused.forward_mode(OP, x, w):
+        return forward(x, w, settings._replace(schedule=_abi.UNFUSED))
     return _all_reduce(x, w, settings)
 
 

@@ -93,7 +93,7 @@ class DotForm:
         if len(self.xc) == 1:
             return x
         nf = len(self.x_free)
-        return x.reshape(tuple(x.shape[:nf]) + (math.prod(x.shape[nf:]),))
+        return _merged(x, [1] * nf + [len(self.xc)])
 
     def prep_w(self, w):
         """w laid out as ``[k, n]`` (sizes read off `w`, as for `prep_x`)."""
@@ -103,7 +103,22 @@ class DotForm:
         if w.ndim == 2:
             return w
         nc = len(self.wc)
-        return w.reshape(math.prod(w.shape[:nc]), math.prod(w.shape[nc:]))
+        return _merged(w, [nc, w.ndim - nc])
+
+    def check_mergeable(self, lhs, rhs) -> None:
+        """Raises `Unsupported` where `prep_x` or `prep_w` would merge a
+        sharded dim of an operand on explicit axes into the one before it
+        (the 2-D product could not say how the merged dim is sharded)."""
+        x, w = (lhs, rhs) if self.x_side == 0 else (rhs, lhs)
+        for a, order, first in ((x, self.x_free + self.xc, len(self.x_free)), (w, self.wc + self.w_free, 0)):
+            explicit = _explicit_spec(a)
+            if explicit is None:
+                continue
+            runs = [order[first:]] if a is x else [order[:len(self.wc)], order[len(self.wc):]]
+            for run in runs:
+                if any(explicit[d] is not None for d in run[1:]):
+                    raise Unsupported(f"on explicit axes, a sharded dim of an operand sharded {explicit} would be "
+                                      f"merged into the one before it")
 
     def finish(self, y):
         nx = len(self.x_free)
@@ -132,6 +147,41 @@ class DotForm:
         if self.x_side == 1:
             parts.append("operands swapped, result transposed")
         return f" [{', '.join(parts)}]" if parts else ""
+
+
+def _explicit_spec(a):
+    """`a`'s sharding per dim where its type carries one (explicit mesh
+    axes), else None (automatic axes: the partitioner decides later)."""
+    from ._compat import typeof
+
+    spec = getattr(getattr(typeof(a), "sharding", None), "spec", None)
+    if spec is None or all(entry is None for entry in spec):
+        return None
+    return tuple(spec) + (None,) * (a.ndim - len(spec))
+
+
+def _merged(a, groups):
+    """`a` with each run of `groups[i]` consecutive dims merged into one. On
+    explicit axes the merged dim is sharded as its first dim (JAX asks for
+    the result's sharding there); a later dim of a run that is sharded
+    cannot be merged so: `Unsupported` (`DotForm.check_mergeable` says so
+    before anything is traced)."""
+    shape, spec, start = [], [], 0
+    explicit = _explicit_spec(a)
+    for count in groups:
+        dims = range(start, start + count)
+        shape.append(math.prod(a.shape[d] for d in dims))
+        if explicit is not None:
+            if any(explicit[d] is not None for d in dims[1:]):
+                raise Unsupported(f"a sharded dim of {explicit} would be merged into the one before it")
+            spec.append(explicit[start])
+        start += count
+    if explicit is None:
+        return a.reshape(tuple(shape))
+    from ._compat import typeof
+
+    mesh = typeof(a).sharding.mesh
+    return jax.lax.reshape(a, tuple(shape), out_sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
 
 
 class BatchedDot:

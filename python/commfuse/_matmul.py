@@ -136,6 +136,7 @@ def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_elemen
         raise Unsupported("an operand has no elements")
     if _named(out_sharding) and _mapped_out_sharding(out_sharding, form) is None:
         raise Unsupported(f"its explicit out_sharding cannot be given to the 2-D product{form.notes()}")
+    form.check_mergeable(lhs, rhs)
     code = _schedule_code(schedule)
     pet = None if preferred_element_type is None else np.dtype(preferred_element_type)
     static = DotStatic(_hashable_dims(dimension_numbers), _hashable_precision(precision), pet, out_sharding,

@@ -45,6 +45,15 @@ def test_axis_index_and_collectives():
     assert body_axes(body, (P("tp"), P())) == [{"tp"}, set(), set(), {"tp"}, {"tp"}, {"tp"}]
 
 
+def test_sums_over_groups_and_host_callbacks_may_differ_between_devices():
+    def body(a, b):
+        groups = jax.lax.psum(b, "tp", axis_index_groups=[[0], [1]])  # each device its own group
+        host = jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((4, 4), jnp.float32), b)
+        empty = jax.lax.scan(lambda c, x: (c * 0, None), a, None, length=0)[0]  # the carry as it came in
+        return groups, host, empty
+    assert body_axes(body, (P("tp"), P())) == [{"tp"}, {variance.EVERY}, {"tp"}]
+
+
 def test_a_per_rank_key_makes_its_random_values_vary():
     def body(a):
         key = jax.random.fold_in(jax.random.PRNGKey(0), jax.lax.axis_index("tp"))

@@ -75,3 +75,18 @@ def test_named_fused_ops_are_saved_under_the_wrapped_policy(policy):
     _close(jax.jit(grads[1])(*args), jax.jit(grads[0])(*args), 1e-6)
     assert _fused_calls(grads[1], args) < _fused_calls(grads[0], args)
     assert commfuse.checkpoint_policy(None) is None
+
+
+def test_a_policy_reading_the_dots_parameters_gets_them():
+    """A policy written against dot_general's parameters (saving only dots
+    without a result sharding, say) reads them off the fused op too."""
+    def unsharded_dots(prim, *_, **params):
+        return prim is jax.lax.dot_general_p and params["out_sharding"] is None \
+            and params["preferred_element_type"] is None
+
+    loss, args = _stack(commfuse.checkpoint_policy(unsharded_dots), named=True)
+    plain, _ = _stack(unsharded_dots, named=False)
+    grads = [jax.value_and_grad(f, argnums=(0, 1, 2)) for f in (loss, plain)]
+    _close(jax.jit(grads[0])(*args), jax.jit(grads[1])(*args), 2e-5)
+    nothing, _ = _stack(jax.checkpoint_policies.nothing_saveable, named=True)
+    assert _fused_calls(grads[0], args) < _fused_calls(jax.value_and_grad(nothing, argnums=(0, 1, 2)), args)

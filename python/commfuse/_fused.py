@@ -378,8 +378,9 @@ def checkpoint_policy(policy):
 
     def saveable(prim, *args, **params):
         if _is_fused(prim, params):
+            # The parameters a 2-D dot_general equation carries.
             return policy(jax.lax.dot_general_p, *args[:2], dimension_numbers=(((1,), (0,)), ((), ())),
-                          precision=None, preferred_element_type=None)
+                          precision=None, preferred_element_type=None, out_sharding=None)
         return policy(prim, *args, **params)
 
     return saveable
@@ -394,4 +395,9 @@ def _is_fused(prim, params) -> bool:
         return False
     body = params.get("call_jaxpr", params.get("fun_jaxpr"))
     body = getattr(body, "jaxpr", body)
-    return body is not None and any(e.primitive is _PRIMITIVE for e in body.eqns)
+    if body is None:
+        return False
+    # One fused op and its layout (`differentiable`'s form), not a user's function holding one among other work.
+    names = [e.primitive.name for e in body.eqns]
+    return sum(e.primitive is _PRIMITIVE for e in body.eqns) == 1 and "dot_general" not in names \
+        and not any(n.startswith("custom_") or n in ("pjit", "jit", "while", "scan", "cond") for n in names)

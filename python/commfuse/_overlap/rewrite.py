@@ -354,7 +354,7 @@ class Rewriter:
             return "a grouped matmul"
         k, g = f_in.operand, gather.params["all_gather_dimension"]
         local = gather.invars[0].aval.shape
-        ranks = gather.outvars[0].aval.shape[g] // local[g]
+        ranks = int(np.prod([jax.lax.axis_size(a) for a in collective_axes(gather)]))
         perm = self._chain_perm(f_out)
         lhs_shape, rhs_shape = (v.aval.shape for v in dot.invars)
         lhs_free = [d for d in range(len(lhs_shape)) if d not in lc]

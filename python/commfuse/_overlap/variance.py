@@ -34,7 +34,7 @@ _DIFFERENT_AFTER = frozenset(("ppermute", "psum_scatter", "reduce_scatter", "all
 def spec_axes(spec) -> frozenset:
     """The mesh axes a shard_map input spec (a PartitionSpec) shards over:
     the devices of those axes hold different blocks."""
-    names = set()
+    names = set(getattr(spec, "unreduced", None) or ())  # each device holds a partial sum
     for entry in spec or ():
         if isinstance(entry, (tuple, list)):
             names.update(e for e in entry if e is not None)
@@ -89,10 +89,15 @@ def _equation(eqn, ins: list, known: dict) -> list:
     outs = len(eqn.outvars)
     if name == "axis_index":
         return [frozenset(collective_axes(eqn))]
-    if name in _SAME_AFTER:
-        return [a - frozenset(collective_axes(eqn)) for a in ins][:outs] or [frozenset()] * outs
-    if name in _DIFFERENT_AFTER:
-        return [a | frozenset(collective_axes(eqn)) for a in ins][:outs] or [frozenset()] * outs
+    collective = name in _SAME_AFTER or name in _DIFFERENT_AFTER or "axis_name" in params
+    if collective:
+        axes = frozenset(collective_axes(eqn))
+        # Over groups of an axis (axis_index_groups) the groups' results differ.
+        same = name in _SAME_AFTER and params.get("axis_index_groups") is None
+        per_out = [a - axes if same else a | axes for a in ins][:outs]
+        return per_out + [_union(ins) | (frozenset() if same else axes)] * (outs - len(per_out))
+    if "callback" in name:
+        return [frozenset((EVERY,))] * outs  # a host function may return anything per device
     if name == "scan":
         return _scan(params, ins, known)
     if name == "while":
@@ -107,6 +112,11 @@ def _equation(eqn, ins: list, known: dict) -> list:
             jaxpr = closed(body)[0]
             if len(jaxpr.invars) == len(ins) and len(jaxpr.outvars) == outs:
                 return fill(jaxpr, ins, known)
+        if name.startswith("custom_"):
+            # A rule written in Python (custom_transpose, say): what it returns is not known here.
+            for sub in subjaxprs(params):
+                fill(sub, [frozenset((EVERY,))] * len(sub.invars), known)
+            return [frozenset((EVERY,))] * outs
     if any(True for _ in subjaxprs(params)):
         for sub in subjaxprs(params):
             fill(sub, [frozenset((EVERY,))] * len(sub.invars), known)
@@ -125,7 +135,8 @@ def _scan(params, ins, known):
         outs = fill(jaxpr, [*consts, *carry, *xs], known)
         grown = [c | o for c, o in zip(carry, outs[:n_carry])]
         if grown == carry:
-            return outs
+            # The final carry may be the initial one (a scan of length 0).
+            return [*carry, *outs[n_carry:]]
         carry = grown
 
 

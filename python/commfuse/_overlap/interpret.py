@@ -10,7 +10,8 @@ import jax
 from jax.extend import core as jcore
 
 from .. import _compat, _fused
-from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, describe_collective, is_literal, shard_map_call
+from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, collective_axes, describe_collective, is_literal
+from .jaxpr import shard_map_call
 from .jaxpr import subjaxprs, vma
 from .jitdots import eval_dot
 from . import variance
@@ -63,7 +64,7 @@ def eval_eqn(eqn, invals, *, state: State, where: str, manual: bool):
         key = "jaxpr" if "jaxpr" in params else "call_jaxpr"
         jaxpr, consts = closed(params[key])
         return interpret(jaxpr, consts, invals, state, here, manual)
-    divergent = manual and _divergent(eqn)
+    divergent = manual and _divergent(eqn, state)
     if divergent:
         for sub in subs:
             _report_untouched(sub, state, here, divergent)
@@ -88,22 +89,42 @@ def eval_eqn(eqn, invals, *, state: State, where: str, manual: bool):
     return bind_eqn(eqn, invals)
 
 
-def _divergent(eqn) -> str | None:
-    """Why ranks may take different paths through a cond/while (a fused op needs every rank of its axes)."""
+def _divergent(eqn, state: State) -> str | None:
+    """Why the ranks of a collective inside a cond/while may take different
+    paths through it (a fused op needs every rank of its axes): its
+    predicate may differ between devices of those axes, by its type or by
+    what it is computed from (`variance`). A predicate that differs only
+    over other axes (a pipeline stage's) keeps each group together."""
     name = eqn.primitive.name
     if name == "cond":
-        pred = eqn.invars[0].aval
+        pred_var = eqn.invars[0]
         what = "cond predicate"
+        pred_axes = variance.axes_of(state.axes, pred_var)
     elif name == "while":
-        pred = eqn.params["cond_jaxpr"].jaxpr.outvars[0].aval
+        cond = eqn.params["cond_jaxpr"].jaxpr
+        pred_var = cond.outvars[0]
         what = "while_loop condition"
+        pred_axes = variance.axes_of(state.axes, pred_var)
     else:
         return None
-    axes = vma(pred)
-    if not axes:
+    pred_axes = pred_axes | vma(pred_var.aval)
+    inside = frozenset(a for sub in subjaxprs(eqn.params) for a in _collective_axes_in(sub))
+    clash = inside & pred_axes if variance.EVERY not in pred_axes else inside
+    if not clash:
         return None
-    return (f"the {what} varies over mesh axes {tuple(sorted(axes))}, so ranks may take different paths "
-            f"and a fused op waits for every rank; not rewritten")
+    return (f"the {what} may differ between the devices of mesh axes {tuple(sorted(clash))} that collectives "
+            f"inside it span, so ranks may take different paths and a fused op waits for every rank; not rewritten")
+
+
+def _collective_axes_in(jaxpr) -> set:
+    """The mesh axes of the candidate collectives in `jaxpr` and the jaxprs inside it."""
+    axes = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name in CANDIDATES:
+            axes.update(collective_axes(e))
+        for sub in subjaxprs(e.params):
+            axes |= _collective_axes_in(sub)
+    return axes
 
 
 def _report_untouched(jaxpr, state: State, where: str, reason: str):

@@ -43,11 +43,14 @@ def spec_axes(spec) -> frozenset:
     return frozenset(names)
 
 
+def axes_of(known: dict, v) -> frozenset:
+    """The axes variable `v` (of a body `fill` saw) may vary over (`EVERY` if unknown)."""
+    return frozenset() if is_literal(v) else known.get(v, frozenset((EVERY,)))
+
+
 def varies(known: dict, v, axes) -> bool:
     """Whether variable `v` (of a body `fill` saw) may differ between the devices of `axes`."""
-    if is_literal(v):
-        return False
-    found = known.get(v, frozenset((EVERY,)))
+    found = axes_of(known, v)
     return EVERY in found or bool(found & frozenset(axes))
 
 

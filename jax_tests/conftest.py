@@ -294,3 +294,17 @@ def declining(monkeypatch, tmp_path):
     _calibration.path().write_text(__import__("json").dumps({"figures": figures}))
     yield
     _calibration.forget()
+
+
+def rewrites_as_written(fn, args, fused: int, why: str = ""):
+    """`overlap(fn)` (every candidate it can, "ring") gives `fn`'s numbers
+    with `fused` rewrites; with none, its report says `why`."""
+    import commfuse
+
+    rewritten = commfuse.overlap(fn, schedule="ring")
+    np.testing.assert_allclose(np.asarray(jax.jit(rewritten)(*args)), np.asarray(jax.jit(fn)(*args)),
+                               rtol=1e-5, atol=1e-5)
+    report = "\n".join(rewritten.last_report)
+    assert report.count("rewrote") == fused, report
+    if not fused:
+        assert why in report, report

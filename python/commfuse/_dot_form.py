@@ -11,6 +11,8 @@ import math
 
 import jax
 
+from ._compat import typeof
+
 
 class Unsupported(Exception):
     """This ``dot_general`` is not ``x @ w`` up to transposes and flattening."""
@@ -116,9 +118,7 @@ class DotForm:
                 continue
             runs = [order[first:]] if a is x else [order[:len(self.wc)], order[len(self.wc):]]
             for run in runs:
-                if any(explicit[d] is not None for d in run[1:]):
-                    raise Unsupported(f"on explicit axes, a sharded dim of an operand sharded {explicit} would be "
-                                      f"merged into the one before it")
+                _merged_entry(explicit, run)
 
     def finish(self, y):
         nx = len(self.x_free)
@@ -152,36 +152,37 @@ class DotForm:
 def _explicit_spec(a):
     """`a`'s sharding per dim where its type carries one (explicit mesh
     axes), else None (automatic axes: the partitioner decides later)."""
-    from ._compat import typeof
-
     spec = getattr(getattr(typeof(a), "sharding", None), "spec", None)
     if spec is None or all(entry is None for entry in spec):
         return None
     return tuple(spec) + (None,) * (a.ndim - len(spec))
 
 
-def _merged(a, groups):
-    """`a` with each run of `groups[i]` consecutive dims merged into one. On
-    explicit axes the merged dim is sharded as its first dim (JAX asks for
-    the result's sharding there); a later dim of a run that is sharded
-    cannot be merged so: `Unsupported` (`DotForm.check_mergeable` says so
-    before anything is traced)."""
-    shape, spec, start = [], [], 0
-    explicit = _explicit_spec(a)
-    for count in groups:
-        dims = range(start, start + count)
-        shape.append(math.prod(a.shape[d] for d in dims))
-        if explicit is not None:
-            if any(explicit[d] is not None for d in dims[1:]):
-                raise Unsupported(f"a sharded dim of {explicit} would be merged into the one before it")
-            spec.append(explicit[start])
-        start += count
-    if explicit is None:
-        return a.reshape(tuple(shape))
-    from ._compat import typeof
+def _merged_entry(explicit: tuple, run):
+    """The sharding of dims `run` of an operand sharded `explicit`, merged
+    into one: its first dim's (row-major: the later dims vary fastest). A
+    later dim that is sharded cannot be merged so: `Unsupported`."""
+    if any(explicit[d] is not None for d in run[1:]):
+        raise Unsupported(f"on explicit axes, a sharded dim of an operand sharded {explicit} would be merged into "
+                          f"the one before it")
+    return explicit[run[0]]
 
-    mesh = typeof(a).sharding.mesh
-    return jax.lax.reshape(a, tuple(shape), out_sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+def _merged(a, groups):
+    """`a` with each run of `groups[i]` consecutive dims merged into one; on
+    explicit axes with each merged dim's sharding said (`_merged_entry`: JAX
+    asks for it there; `DotForm.check_mergeable` refuses what it cannot
+    say before anything is traced)."""
+    runs, start = [], 0
+    for count in groups:
+        runs.append(range(start, start + count))
+        start += count
+    shape = tuple(math.prod(a.shape[d] for d in run) for run in runs)
+    explicit = _explicit_spec(a)
+    if explicit is None:
+        return a.reshape(shape)
+    spec = jax.sharding.PartitionSpec(*(_merged_entry(explicit, run) for run in runs))
+    return jax.lax.reshape(a, shape, out_sharding=jax.sharding.NamedSharding(typeof(a).sharding.mesh, spec))
 
 
 class BatchedDot:

@@ -11,8 +11,7 @@ from jax.extend import core as jcore
 
 from .. import _compat, _fused
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, collective_axes, describe_collective, is_literal
-from .jaxpr import shard_map_call
-from .jaxpr import subjaxprs, vma
+from .jaxpr import shard_map_call, subjaxprs, vma
 from .jitdots import eval_dot
 from . import variance
 from .rewrite import Rewriter
@@ -97,17 +96,12 @@ def _divergent(eqn, state: State) -> str | None:
     over other axes (a pipeline stage's) keeps each group together."""
     name = eqn.primitive.name
     if name == "cond":
-        pred_var = eqn.invars[0]
-        what = "cond predicate"
-        pred_axes = variance.axes_of(state.axes, pred_var)
+        pred, what = eqn.invars[0], "cond predicate"
     elif name == "while":
-        cond = eqn.params["cond_jaxpr"].jaxpr
-        pred_var = cond.outvars[0]
-        what = "while_loop condition"
-        pred_axes = variance.axes_of(state.axes, pred_var)
+        pred, what = eqn.params["cond_jaxpr"].jaxpr.outvars[0], "while_loop condition"
     else:
         return None
-    pred_axes = pred_axes | vma(pred_var.aval)
+    pred_axes = variance.axes_of(state.axes, pred) | vma(pred.aval)
     inside = frozenset(a for sub in subjaxprs(eqn.params) for a in _collective_axes_in(sub))
     clash = inside & pred_axes if variance.EVERY not in pred_axes else inside
     if not clash:
@@ -158,8 +152,9 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
 
 def _eval_remat(params, invals, state, where, manual):
     jaxpr, consts = closed(params["jaxpr"])
+    policy = _fused.checkpoint_policy(params.get("policy"))
     fn = jax.checkpoint(lambda *a: interpret(jaxpr, consts, a, state, where, manual),
-                        prevent_cse=params.get("prevent_cse", True), policy=_fused.checkpoint_policy(params.get("policy")))
+                        prevent_cse=params.get("prevent_cse", True), policy=policy)
     return list(fn(*invals))
 
 

@@ -147,15 +147,15 @@ class Rewriter:
             eqn = self.jaxpr.eqns[c]
             name = eqn.primitive.name
             reason = static_reason(eqn)
-            if reason and (self._untiled_gather_merged(c) is not None or self._untiled_scatter_split(c) is not None):
-                reason = None  # an untiled gather or scatter with the reshape that makes it a tiled one
-            if reason:
+            # An untiled gather or scatter with the reshape that makes it a tiled one.
+            merge, split = self._untiled_gather_merged(c), self._untiled_scatter_split(c)
+            if reason and merge is None and split is None:
                 self.reasons[c].append(reason)
                 continue
             if name in GATHERS or name == ALL_TO_ALL:
-                self._find_inputs(c, found)
+                self._find_inputs(c, found, merge)
             if name in REDUCE_SCATTER or name in PSUM or name == ALL_TO_ALL:
-                self._find_output(c, found)
+                self._find_output(c, found, split)
         return found
 
     def _untiled_gather_merged(self, c):
@@ -203,12 +203,12 @@ class Rewriter:
         aval = self.jaxpr.eqns[f.coll].outvars[0].aval
         return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
-    def _find_inputs(self, c, found: list) -> bool:
-        """``collective ~> dot`` for every dot reading the collective's result."""
+    def _find_inputs(self, c, found: list, merge=None) -> bool:
+        """``collective ~> dot`` for every dot reading the collective's result
+        (`merge`: an untiled gather's reshape, `_untiled_gather_merged`)."""
         eqns = self.jaxpr.eqns
         name = eqns[c].primitive.name
         out, chain = eqns[c].outvars[0], []
-        merge = self._untiled_gather_merged(c)
         if merge is not None:
             chain.append(merge)
             out = eqns[merge].outvars[0]
@@ -241,12 +241,12 @@ class Rewriter:
                     found.append(Fusion("in", c, d, k, chain))
         return True
 
-    def _find_output(self, c, found: list) -> bool:
-        """``dot ~> collective`` through single-use casts and transposes."""
+    def _find_output(self, c, found: list, split=None) -> bool:
+        """``dot ~> collective`` through single-use casts and transposes
+        (`split`: an untiled scatter's reshape, `_untiled_scatter_split`)."""
         eqns = self.jaxpr.eqns
         name = eqns[c].primitive.name
         src, chain = eqns[c].invars[0], []
-        split = self._untiled_scatter_split(c)
         if split is not None:
             chain.append(split)
             src = eqns[split].invars[0]

@@ -231,3 +231,66 @@ def test_matmul_takes_a_bare_partition_spec_as_out_sharding_under_set_mesh():
         assert fused_in(fused.lower(h, w).compile().as_text()) == 1
     with pytest.raises(ValueError, match="out_sharding=.*no"):
         commfuse.matmul(jnp.ones((8, 4)), jnp.ones((4, 2)), out_sharding=P("data", None))
+
+
+@pytest.mark.parametrize("schedule", ["auto", "ring"])
+def test_a_nested_jit_keeps_its_shardings(schedule):
+    """Inlined by the rewrite, a nested ``jax.jit``'s ``in_shardings`` and
+    ``out_shardings`` still lay out its operands and results (under `auto`
+    at this size nothing fuses, and the program is the plain one)."""
+    mesh = make_mesh({"fsdp": 2, "tp": 2})
+    rng = np.random.default_rng(10)
+    x = jax.device_put(rng.standard_normal((4, 8, 16)).astype(np.float32), NamedSharding(mesh, P("fsdp")))
+    w = jax.device_put(rng.standard_normal((16, 16)).astype(np.float32), NamedSharding(mesh, P()))
+    proj = jax.jit(lambda h, w: h @ w, in_shardings=(NamedSharding(mesh, P(None, "tp")), None),
+                   out_shardings=NamedSharding(mesh, P(None, "tp", None)))
+
+    def f(x, w):
+        return jnp.tanh(proj(x, w))
+
+    want = jax.jit(f)(x, w)
+    got = jax.jit(commfuse.overlap(f, schedule=schedule))(x, w)
+    assert got.sharding.spec == want.sharding.spec == P(None, "tp")
+    _close(got, want, "nested jit")
+
+
+def test_the_report_follows_the_layout_each_call_compiled():
+    """One overlapped function called on two layouts of the same shapes: each
+    call's report and `last_partitioned` say what that layout's product became."""
+    mesh = make_mesh({"fsdp": 2, "tp": 2})
+    fused = commfuse.overlap(lambda x, w: x @ w, schedule="ring")
+    rng = np.random.default_rng(12)
+    x, w = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 32)).astype(np.float32)
+    layouts = {"local": (P("fsdp", None), P(None, "tp")), "all_reduce": (P(None, "tp"), P("tp", None))}
+    for _ in range(2):
+        for name, (sx, sw) in layouts.items():
+            got = fused(jax.device_put(x, NamedSharding(mesh, sx)), jax.device_put(w, NamedSharding(mesh, sw)))
+            _close(got, x @ w, name)
+            ops = [p.choice.op for p in fused.last_partitioned]
+            assert ops == (["local"] if name == "local" else ["matmul_all_reduce"]), (name, ops, fused.last_report)
+            assert sum("overlap[partitioned]" in line for line in fused.last_report) == 1, fused.last_report
+
+
+def test_jax_export_of_fused_ops_as_docs_api_says():
+    """Named fused ops export once their custom-call target is allowed, and
+    run; a fused jit-level product (a custom_partitioning) does not export."""
+    from jax import export
+
+    from commfuse import _native
+
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(13)
+    x = jax.device_put(rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(mesh, P("tp")))
+    w = jax.device_put(rng.standard_normal((8, 8)).astype(np.float32), NamedSharding(mesh, P(None, "tp")))
+    named = jax.jit(jax.shard_map(lambda x, w: commfuse.all_gather_matmul(x, w, "tp", schedule="ring"), mesh=mesh,
+                                  in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
+    allowed = [export.DisabledSafetyCheck.custom_call(_native.CPU_TARGET)]
+    exported = export.export(named, disabled_checks=allowed)(x, w)
+    _close(exported.call(x, w), np.asarray(x) @ np.asarray(w), "exported named op")
+    with pytest.raises(ValueError, match="compatibility guarantees"):
+        export.export(named)(x, w)
+    product = jax.jit(commfuse.overlap(lambda x, w: x @ w, schedule="ring"))
+    w_rows = jax.device_put(np.asarray(w), NamedSharding(mesh, P("tp", None)))
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        export.export(product, disabled_checks=allowed)(jax.device_put(np.asarray(x), NamedSharding(mesh, P(None, "tp"))),
+                                                        w_rows)

@@ -233,22 +233,32 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             state, out_box = State(schedule, owner), [None, None, None]
             state.fresh = False
             fn = jax.jit(functools.partial(rewritten, treedef, static, ties, len(leaves), state, out_box))
-            entry = (fn, state, out_box)
+            entry = (fn, state, out_box, {})
             if key is not None:
                 if len(jitted_cache) >= 64:
                     jitted_cache.pop(next(iter(jitted_cache)))
                 jitted_cache[key] = entry
-        fn, state, out_box = entry
+        fn, state, out_box, by_layout = entry
         compiling.append(([], []))
         try:
             outs = fn(*dyn)
         finally:
             lines, partitioned = compiling.pop()
-        if state.fresh:  # traced (again) by this call
+        # One trace serves every layout of these shapes; jit compiles each
+        # layout on its own, and each has its own partitioned lines.
+        layout = tuple(getattr(leaf, "sharding", None) for leaf in dyn)
+        try:
+            hash(layout)
+        except TypeError:
+            layout = None
+        if state.fresh or lines or partitioned:  # traced or compiled (again) by this call
             state.fresh = False
+            by_layout[layout] = (lines, partitioned)
             emit(state.lines + lines, partitioned)
         else:
-            wrapper.last_report = list(state.lines)
+            lines, partitioned = by_layout.get(layout, ([], []))
+            wrapper.last_report = list(state.lines) + lines
+            wrapper.last_partitioned = list(partitioned)
         return finish(out_box, outs, (args, kwargs), treedef)
 
     wrapper.last_report = []

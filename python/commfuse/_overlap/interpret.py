@@ -62,7 +62,11 @@ def eval_eqn(eqn, invals, *, state: State, where: str, manual: bool):
     if name in CALLS:
         key = "jaxpr" if "jaxpr" in params else "call_jaxpr"
         jaxpr, consts = closed(params[key])
-        return interpret(jaxpr, consts, invals, state, here, manual)
+        # Inlined, a nested jit's in/out shardings stay as constraints: the
+        # program keeps its layouts whether or not anything inside is fused.
+        invals = _constrained(invals, params.get("in_shardings", ()))
+        outs = interpret(jaxpr, consts, invals, state, here, manual)
+        return _constrained(outs, params.get("out_shardings", ()))
     divergent = manual and _divergent(eqn, state)
     if divergent:
         for sub in subs:
@@ -86,6 +90,15 @@ def eval_eqn(eqn, invals, *, state: State, where: str, manual: bool):
         for sub in subs:
             _report_untouched(sub, state, here, f"inside {name}, which overlap does not rewrite")
     return bind_eqn(eqn, invals)
+
+
+def _constrained(values, shardings):
+    """`values`, each constrained to its entry of a jit's `shardings` where
+    that entry is a sharding (not left to the partitioner)."""
+    if not shardings:
+        return list(values)
+    return [jax.lax.with_sharding_constraint(v, s) if isinstance(s, jax.sharding.Sharding) else v
+            for v, s in zip(values, shardings)]
 
 
 def _divergent(eqn, state: State) -> str | None:

@@ -14,7 +14,12 @@ The patterns, with ``~>`` a chain of single-use value-preserving casts
   ~> operand of one or more ``dot_general``s (each dot becomes its own fused
   op; the collective is still evaluated if any other equation reads it);
 * output side: ``dot_general`` ~> ``reduce_scatter`` (``psum_scatter``),
-  ``all_to_all`` or ``psum``.
+  ``all_to_all`` or ``psum``; the chain may also hold one widening of a
+  16-bit product to f32 (mixed precision's cast before the sum).
+
+A reshape that only merges the dot's free dims after the collective (input
+side), or splits them before it (output side), is moved to the other side
+of the fused op (`regroup`): ``all_gather(x, axis=1).reshape(-1, d) @ w``.
 
 A dot_general is fused in its general form (``DotForm``): weights of rank
 > 2 and several contracting dims are flattened to the 2-D ops; a grouped
@@ -38,7 +43,7 @@ import numpy as np
 from .. import _both_sides as both_sides
 from .. import _fused
 from .._dot_form import BatchedDot, DotForm, Unsupported
-from . import rowwise, variance
+from . import regroup, rowwise, variance
 from .jaxpr import (
     ALL_GATHER_REDUCED,
     ALL_TO_ALL,
@@ -79,6 +84,9 @@ class Fusion:
     rows: dict = field(default_factory=dict)
     start: object = None
     end: object = None
+    # A reshape in the chain that only merges the dot's free dims ("in") or
+    # splits them ("out"): the dot is taken on the regrouped operand (`regroup`).
+    regroup: int | None = None
 
     @property
     def emit_at(self) -> int:
@@ -215,6 +223,10 @@ class Rewriter:
         while self._single_use(out) and eqns[self.users[out][0]].primitive.name in CASTS:
             chain.append(self.users[out][0])
             out = eqns[chain[-1]].outvars[0]
+        regrouped = None if merge is not None else self._merging_reshape(out)
+        if regrouped is not None:
+            more, out = regrouped
+            chain.extend(more)
         why = self._use_reason(out, name)
         users = sorted(set(self.users.get(out, ())))
         if why is None:
@@ -238,22 +250,54 @@ class Rewriter:
         for d in users:
             for k, v in enumerate(eqns[d].invars):
                 if v is out:
-                    found.append(Fusion("in", c, d, k, chain))
+                    found.append(Fusion("in", c, d, k, chain, regroup=None if regrouped is None else regrouped[0][0]))
         return True
+
+    def _merging_reshape(self, out):
+        """``out ~> reshape`` merging free dims, then single-use casts, read
+        only by dot_generals (`regroup`): (the reshape and the casts after it,
+        the value the dots read). None for anything else."""
+        eqns = self.jaxpr.eqns
+        if not self._single_use(out) or eqns[self.users[out][0]].primitive.name != "reshape":
+            return None
+        r = self.users[out][0]
+        if eqns[r].params.get("dimensions") is not None:
+            return None
+        if regroup.merged_groups(out.aval.shape, eqns[r].outvars[0].aval.shape) is None:
+            return None
+        chain, v = [r], eqns[r].outvars[0]
+        while self._single_use(v) and eqns[self.users[v][0]].primitive.name in CASTS:
+            chain.append(self.users[v][0])
+            v = eqns[chain[-1]].outvars[0]
+        users = self.users.get(v, ())
+        if self.outputs[v] or not users or any(eqns[u].primitive.name != "dot_general" for u in users):
+            return None
+        return chain, v
 
     def _find_output(self, c, found: list, split=None) -> bool:
         """``dot ~> collective`` through single-use casts and transposes
         (`split`: an untiled scatter's reshape, `_untiled_scatter_split`)."""
         eqns = self.jaxpr.eqns
         name = eqns[c].primitive.name
-        src, chain = eqns[c].invars[0], []
+        src, chain, regrouped = eqns[c].invars[0], [], None
         if split is not None:
             chain.append(split)
             src = eqns[split].invars[0]
-        while (not is_literal(src) and src in self.producer and self._single_use(src)
-               and eqns[self.producer[src]].primitive.name in CASTS | _TRANSPOSES):
-            chain.insert(0, self.producer[src])
-            src = eqns[self.producer[src]].invars[0]
+        # Casts and transposes; nearest the dot, casts and one reshape that only
+        # splits the dot's dims (`regroup`).
+        widened = False
+        while not is_literal(src) and src in self.producer and self._single_use(src):
+            q = self.producer[src]
+            kind = eqns[q].primitive.name
+            splits = (kind == "reshape" and split is None and eqns[q].params.get("dimensions") is None
+                      and regroup.merged_groups(src.aval.shape, eqns[q].invars[0].aval.shape) is not None)
+            widens = not widened and _widens_to_f32(eqns[q])
+            if not (kind in CASTS or widens or (regrouped is None and (kind in _TRANSPOSES or splits))):
+                break
+            regrouped = q if splits else regrouped
+            widened = widened or widens
+            chain.insert(0, q)
+            src = eqns[q].invars[0]
         p = None if is_literal(src) else self.producer.get(src)
         if p is None:
             why = f"{name} operand is not computed in this body"
@@ -266,7 +310,7 @@ class Rewriter:
         elif len(eqns[c].invars) != 1:
             why = f"{name} of {len(eqns[c].invars)} values at once"
         else:
-            found.append(Fusion("out", c, p, 0, chain))
+            found.append(Fusion("out", c, p, 0, chain, regroup=regrouped))
             return True
         self.reasons[c].append(why)
         return False
@@ -325,8 +369,9 @@ class Rewriter:
         the cost model (`both_sides`): the composition that hides both comes
         first when it is the fastest, else the side whose fusion saves more."""
         ins = [f for f in group if f.side == "in" and self.jaxpr.eqns[f.coll].primitive.name == GATHERS[0]
-               and not f.local]
-        outs = [f for f in group if f.side == "out" and self.jaxpr.eqns[f.coll].primitive.name in PSUM + REDUCE_SCATTER]
+               and not f.local and f.regroup is None]
+        outs = [f for f in group if f.side == "out" and self.jaxpr.eqns[f.coll].primitive.name in PSUM + REDUCE_SCATTER
+                and f.regroup is None]
         if len(ins) != 1 or len(outs) != 1:
             return group
         f_in, f_out = ins[0], outs[0]
@@ -541,13 +586,30 @@ class Rewriter:
                                  + (f": {how}" if how else ""))
         return out
 
-    def _forms(self, dot, x_side: int):
+    def _forms(self, dot, x_side: int, f: Fusion | None = None):
         """(the dot's `DotForm` with operand `x_side` as x, or one batch's for a
-        grouped matmul, and its `BatchedDot` or None); raises `Unsupported`."""
+        grouped matmul, and its `BatchedDot` or None); raises `Unsupported`.
+        With `f.regroup`, the form of the dot on the regrouped operands
+        (`regrouped_shapes`)."""
+        if f is not None and f.regroup is not None:
+            lhs, rhs, dn = self._regrouped(f)
+            return DotForm(lhs, rhs, dn, x_side, dot.params.get("precision"),
+                           dot.params.get("preferred_element_type")), None
         if dot.params["dimension_numbers"][1][0]:
             batched = BatchedDot.of(dot)
             return batched.form(x_side), batched
         return DotForm.of(dot, x_side), None
+
+    def _regrouped(self, f: Fusion):
+        """The dot of `f` on its regrouped operands (`regroup`): (lhs shape,
+        rhs shape, dimension numbers)."""
+        eqns = self.jaxpr.eqns
+        dot, reshape = eqns[f.dot], eqns[f.regroup]
+        shapes = [v.aval.shape for v in dot.invars]
+        dn = dot.params["dimension_numbers"]
+        if f.side == "in":
+            return regroup.unmerged_dot(*shapes, dn, f.operand, reshape.invars[0].aval.shape)
+        return regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape)
 
     def _try_input(self, f: Fusion):
         """``collective(a)`` is operand ``f.operand`` of the dot: as the activation
@@ -573,11 +635,15 @@ class Rewriter:
         if name == ALL_GATHER_REDUCED:
             self.reasons[f.coll].append("all_gather(..., to='reduced') is not fused (its result is typed reduced)")
             return None
+        merged = None
+        if f.regroup is not None:
+            pair = f"{describe_collective(coll)} + reshape + {describe_dot(dot)}"
+            merged = (lambda y, shape=tuple(dot.outvars[0].aval.shape): y.reshape(shape))
         why = []
         for role in roles:
             x_side = f.operand if role == "x" else 1 - f.operand
             try:
-                form, batched = self._forms(dot, x_side)
+                form, batched = self._forms(dot, x_side, f)
             except Unsupported as e:
                 why.append(str(e))
                 continue
@@ -618,7 +684,7 @@ class Rewriter:
             else:
                 x, w = (a, other) if role == "x" else (other, a)
                 products = Products.of(form, batched, x_side, x, w)
-            out = self._attempt(f, op, products, {**kw0, **kw}, dot.outvars[0], pair)
+            out = self._attempt(f, op, products, {**kw0, **kw}, dot.outvars[0], pair, merged)
             if out is not None:
                 return out
         if why and not self.reasons[f.coll]:
@@ -636,17 +702,29 @@ class Rewriter:
         # transpose moves after the fused op, mapping the collective's dims.
         cast_axes = [a for j in f.chain if eqns[j].primitive.name in CASTS
                      for a in axes_of(eqns[j].params.get("axes", ()))]
-        perm = list(range(len(dot.outvars[0].aval.shape)))
+        # A bf16 product widened to f32 before its sum: the fused op's products
+        # are f32 (preferred_element_type), the same sum without the rounding.
+        widened = any(_widens_to_f32(eqns[j]) for j in f.chain)
+        result = dot.outvars[0] if f.regroup is None else eqns[f.regroup].outvars[0]
+        perm = list(range(len(result.aval.shape)))
         for j in f.chain:
             if eqns[j].primitive.name in _TRANSPOSES:
                 perm = [perm[q] for q in eqns[j].params["permutation"]]
         lhs, rhs = (vary(self.read(v), cast_axes) for v in dot.invars)
-        pair = f"{describe_dot(dot)} + {describe_collective(coll)}"
+        between = (["reshape"] if f.regroup is not None else []) + (["convert to float32"] if widened else [])
+        pair = " + ".join([describe_dot(dot), *between, describe_collective(coll)])
+        if f.regroup is not None:
+            try:
+                shapes = self._regrouped(f)[:2]
+            except Unsupported as e:
+                self.reasons[f.coll].append(str(e))
+                return None
+            lhs, rhs = lhs.reshape(shapes[0]), rhs.reshape(shapes[1])
         transpose = None if perm == sorted(perm) else (lambda y, perm=tuple(perm): y.transpose(perm))
         why = []
         for x_side in (0, 1):
             try:
-                form, batched = self._forms(dot, x_side)
+                form, batched = self._forms(dot, x_side, f)
             except Unsupported as e:
                 why.append(str(e))
                 continue
@@ -678,6 +756,8 @@ class Rewriter:
                 why.append("the collective's dimension is not one dim of the flattened product"
                            + (" (it is a batch dim of a grouped matmul)" if batched is not None else ""))
                 continue
+            if widened:
+                form.kwargs["preferred_element_type"] = np.dtype(np.float32)
             products = Products.of(form, batched, x_side, x, w)
             out = self._attempt(f, op, products, {**kw0, **kw}, coll.outvars[0], pair, transpose)
             if out is not None:
@@ -711,6 +791,14 @@ class Rewriter:
             lines.append((0, f"overlap[{self.where}]: no collective next to a dot_general; nothing to fuse"))
         self.state.lines.extend(line for _, line in sorted(lines, key=lambda t: t[0]))
 
+
+def _widens_to_f32(eqn) -> bool:
+    """Whether `eqn` converts a 16-bit float product to float32 (mixed
+    precision's ``(x @ w).astype(jnp.float32)`` before a sum)."""
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+    return dst == np.float32 and src.kind in "fV" and src.itemsize == 2
 
 def _declined(ran: list) -> bool:
     """Whether none of the library calls a fusion attempt made runs fused

@@ -17,6 +17,8 @@ shape cut to them.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .jaxpr import bind_eqn, is_literal
 
 # Elementwise primitives: every operand has the result's shape (or is a scalar literal).
@@ -90,6 +92,10 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
             return None, "it feeds the dot_general more than once"
     if len(users.get(end, ())) != 1:
         return None, "the dot_general's operand has other users"
+    if np.dtype(end.aval.dtype).itemsize > np.dtype(start.aval.dtype).itemsize:
+        # Moved before the gather, a widening cast would have it move more bytes.
+        return None, (f"moved before the gather, it would gather {end.aval.dtype} where the program gathers "
+                      f"{start.aval.dtype}")
     return (sorted(chain), rows, d, ends[0]), None
 
 

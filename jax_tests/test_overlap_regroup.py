@@ -1,0 +1,170 @@
+"""A reshape between a collective and its dot that only merges the dot's free
+dims (``all_gather(x, axis=1).reshape(-1, d) @ w``) or splits them
+(``psum_scatter((h @ w).reshape(b, s, d), scatter_dimension=1)``): fused,
+the dot taken on the regrouped operand (``_overlap/regroup.py``), with the
+numbers of the program as written; reshapes that regroup anything else
+stay as written, and the report says why. Also mixed precision's bf16
+product widened to f32 before its sum, fused with f32 products."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import P, rewrites_as_written
+from programs import make_mesh
+
+import commfuse
+from commfuse._overlap import regroup
+
+
+def _placed(mesh, rng, shape, spec, dtype=np.float32):
+    return jax.device_put(rng.standard_normal(shape).astype(dtype), jax.NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_sequence_gather_flattened_into_rows_fuses_with_each_dot(check_vma):
+    """q, k, v from one flattened gather (three fused ops), and the output
+    projection split back before the sequence reduce-scatter (a fourth)."""
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(1)
+    b, s, d = 2, 16, 32
+    x = _placed(mesh, rng, (b, s, d), P(None, "tp"))
+    ws = [_placed(mesh, rng, (d, d), P(None, "tp")) for _ in range(3)]
+    wo = _placed(mesh, rng, (d, d), P("tp"))
+
+    def body(x, wq, wk, wv, wo):
+        flat = jax.lax.all_gather(x, "tp", axis=1, tiled=True).reshape(-1, d)
+        q, k, v = (flat @ w for w in (wq, wk, wv))
+        y = (jax.nn.tanh(q) * k + v) @ wo
+        return jax.lax.psum_scatter(y.reshape(b, s, d), "tp", scatter_dimension=1, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), *[P(None, "tp")] * 3, P("tp")),
+                       out_specs=P(None, "tp"), check_vma=check_vma)
+    rewrites_as_written(fn, (x, *ws, wo), 4)
+
+
+def test_a_split_then_a_transpose_before_the_scatter():
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(2)
+    h = _placed(mesh, rng, (24, 16), P(None, "tp"))
+    w = _placed(mesh, rng, (16, 8), P("tp"))
+
+    def body(h, w):
+        y = (h @ w).reshape(3, 8, 8).transpose(1, 0, 2)  # [seq, batch, d]
+        return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P("tp"))
+    rewrites_as_written(fn, (h, w), 1)
+
+
+def test_a_gathered_weight_whose_free_dims_are_merged():
+    """FSDP: a rank-3 weight gathered over its contracted dim, heads and head
+    dim merged into columns."""
+    mesh = make_mesh({"fsdp": 4})
+    rng = np.random.default_rng(3)
+    x = _placed(mesh, rng, (8, 16), P())
+    w = _placed(mesh, rng, (16, 2, 4), P("fsdp"))
+
+    def body(x, w):
+        return x @ jax.lax.all_gather(w, "fsdp", axis=0, tiled=True).reshape(16, 8)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("fsdp")), out_specs=P(), check_vma=False)
+    rewrites_as_written(fn, (x, w), 1)
+
+
+def test_a_merge_into_the_contracted_dim_stays_as_written():
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(4)
+    x = _placed(mesh, rng, (4, 8, 2, 4), P(None, "tp"))
+    w = _placed(mesh, rng, (8, 6), P())
+
+    def body(x, w):  # heads and head dim merged, then contracted
+        return jax.lax.all_gather(x, "tp", axis=1, tiled=True).reshape(4, 8, 8) @ w
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P(), check_vma=False)
+    rewrites_as_written(fn, (x, w), 0, "the reshape merges a contracted dim")
+
+
+def test_a_reshape_that_is_no_regrouping_stays_as_written():
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(5)
+    x = _placed(mesh, rng, (2, 8, 6), P(None, "tp"))
+    w = _placed(mesh, rng, (4, 5), P())
+
+    def body(x, w):  # rows and features reshuffled: no dot of the gathered layout gives this
+        return jax.lax.all_gather(x, "tp", axis=1, tiled=True).reshape(24, 4) @ w
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P(), check_vma=False)
+    rewrites_as_written(fn, (x, w), 0, "used by reshape")
+
+
+@pytest.mark.parametrize("before, after, groups", [
+    ((2, 8, 16), (16, 16), [(0, 1), (2,)]),
+    ((2, 1, 3), (2, 3), [(0,), (1, 2)]),
+    ((4, 5), (4, 5), [(0,), (1,)]),
+    ((2, 8, 6), (24, 4), None),
+    ((6,), (2, 3), None),
+    ((2, 3, 1), (6,), None),
+])
+def test_merged_groups(before, after, groups):
+    assert regroup.merged_groups(before, after) == groups
+
+
+def test_the_regrouped_dots_compute_the_reshaped_products():
+    rng = np.random.default_rng(6)
+    dn = (((1,), (0,)), ((), ()))
+    lhs, rhs = rng.standard_normal((12, 5)), rng.standard_normal((5, 7))
+    before = (3, 4, 5)
+    l2, r2, dn2 = regroup.unmerged_dot(lhs.shape, rhs.shape, dn, 0, before)
+    got = jax.lax.dot_general(lhs.reshape(l2), rhs.reshape(r2), dn2)
+    np.testing.assert_allclose(np.asarray(got).reshape(12, 7), lhs @ rhs, rtol=1e-5)
+    after = (2, 6, 7)
+    l3, r3, dn3 = regroup.split_dot(lhs.shape, rhs.shape, dn, after)
+    got = jax.lax.dot_general(lhs.reshape(l3), rhs.reshape(r3), dn3)
+    np.testing.assert_allclose(np.asarray(got), (lhs @ rhs).reshape(after), rtol=1e-5)
+
+
+@pytest.mark.parametrize("collective", ["psum_scatter", "psum"])
+def test_a_bf16_product_widened_to_f32_before_its_sum_fuses_with_f32_products(collective):
+    """Mixed precision's ``(x @ w).astype(jnp.float32)`` before the sum: the
+    fused op's products are f32, so its result is at least as close to the
+    exact sum as the program's (whose bf16 products were rounded first)."""
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(7)
+    x = _placed(mesh, rng, (16, 64), P(None, "tp"), jnp.bfloat16)
+    w = _placed(mesh, rng, (64, 24), P("tp"), jnp.bfloat16)
+
+    def body(x, w):
+        y = (x @ w).astype(jnp.float32)
+        if collective == "psum":
+            return jax.lax.psum(y, "tp")
+        return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+
+    out = P() if collective == "psum" else P("tp")
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=out, check_vma=False)
+    rewritten = commfuse.overlap(fn, schedule="ring")
+    got, written = (np.asarray(jax.jit(f)(x, w)) for f in (rewritten, fn))
+    assert got.dtype == np.float32
+    assert sum("convert to float32" in line and "rewrote" in line for line in rewritten.last_report) == 1
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    scale = np.abs(exact).max()
+    assert np.abs(got - exact).max() <= np.abs(written - exact).max() + 1e-6 * scale
+    np.testing.assert_allclose(got, written, atol=2e-2 * scale)
+
+
+def test_a_bf16_gather_widened_to_f32_before_its_dot_stays_as_written():
+    """Moving the cast before the gather would gather f32: twice the bytes
+    the program moves."""
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(8)
+    x = _placed(mesh, rng, (16, 32), P("tp"), jnp.bfloat16)
+    w = _placed(mesh, rng, (32, 8), P(None, "tp"))
+
+    def body(x, w):
+        return jax.lax.all_gather(x, "tp", axis=0, tiled=True).astype(jnp.float32) @ w
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"), check_vma=False)
+    rewrites_as_written(fn, (x, w), 0, "it would gather float32 where the program gathers bfloat16")

@@ -1,0 +1,87 @@
+"""A reshape between a collective and its dot that only regroups the dot's
+free dims, as code that flattens tokens writes it:
+
+* ``all_gather(x, axis=1).reshape(b * s, d) @ w``: a sequence gather, then
+  batch and sequence merged into rows. The dot is taken on the gathered
+  operand before the merge (the sequence stays a dim of its own, which the
+  fused op gathers), and the merge moves to the dot's result.
+* ``psum_scatter((h @ w).reshape(b, s, d), scatter_dimension=1)``: the dot's
+  rows split back into batch and sequence before a sequence scatter. The
+  same split is made of the dot's operand, so the dot's result already has
+  the scattered dim.
+
+Both reshapes are free (row-major regroupings); the fused op sees a dot in
+`DotForm`'s general form. Shapes only: the values are reshaped by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._dot_form import Unsupported
+
+
+def merged_groups(before, after) -> list | None:
+    """For each dim of `after`, the consecutive dims of `before` it is made of,
+    or None unless reshaping `before` to `after` only merges neighbouring dims."""
+    before, after = tuple(before), tuple(after)
+    groups, i = [], 0
+    for size in after:
+        group = [i] if i < len(before) else []
+        i += 1
+        while group and math.prod(before[d] for d in group) < size and i < len(before):
+            group.append(i)
+            i += 1
+        if not group or math.prod(before[d] for d in group) != size:
+            return None
+        groups.append(tuple(group))
+    return groups if i == len(before) else None
+
+
+def _no_batch(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    if len(lb) or len(rb):
+        raise Unsupported("a reshape between the collective and a grouped matmul")
+    return [list(lc), list(rc)]
+
+
+def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, operand: int, before):
+    """The dot taken on `before`, the shape operand `operand` had before a
+    reshape that merged its free dims: ``(lhs_shape, rhs_shape,
+    dimension_numbers)``. Its result, reshaped row-major, is the dot's."""
+    contracting = _no_batch(dimension_numbers)
+    shapes = [tuple(lhs_shape), tuple(rhs_shape)]
+    groups = merged_groups(before, shapes[operand])
+    if groups is None:
+        raise Unsupported(f"the reshape {tuple(before)} -> {shapes[operand]} does not only merge dims")
+    if any(len(groups[c]) != 1 for c in contracting[operand]):
+        raise Unsupported("the reshape merges a contracted dim")
+    contracting[operand] = [groups[c][0] for c in contracting[operand]]
+    shapes[operand] = tuple(before)
+    return shapes[0], shapes[1], ((tuple(contracting[0]), tuple(contracting[1])), ((), ()))
+
+
+def split_dot(lhs_shape, rhs_shape, dimension_numbers, after):
+    """The dot whose result is this dot's result reshaped to `after`, a
+    reshape that only splits dims: each split dim of the result is split in
+    the operand it comes from. ``(lhs_shape, rhs_shape, dimension_numbers)``."""
+    contracting = _no_batch(dimension_numbers)
+    shapes = [tuple(lhs_shape), tuple(rhs_shape)]
+    free = [[d for d in range(len(s)) if d not in c] for s, c in zip(shapes, contracting)]
+    out = [shapes[side][d] for side in (0, 1) for d in free[side]]
+    groups = merged_groups(after, out)
+    if groups is None:
+        raise Unsupported(f"the reshape {tuple(out)} -> {tuple(after)} does not only split dims")
+    new_shapes, new_contracting, j = [], [], 0
+    for side in (0, 1):
+        shape, index = [], {}
+        for d in range(len(shapes[side])):
+            if d in contracting[side]:
+                index[d] = len(shape)
+                shape.append(shapes[side][d])
+            else:
+                shape.extend(after[g] for g in groups[j])
+                j += 1
+        new_shapes.append(tuple(shape))
+        new_contracting.append(tuple(index[c] for c in contracting[side]))
+    return new_shapes[0], new_shapes[1], ((new_contracting[0], new_contracting[1]), ((), ()))

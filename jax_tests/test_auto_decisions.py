@@ -166,7 +166,7 @@ def test_an_explicit_schedule_the_shardings_make_impossible_runs_unfused_and_say
     fused = commfuse.overlap(plain, schedule="ring")
     assert_close(np.asarray(jax.jit(fused)(h, w1, w2)), np.asarray(want), np.float32)
     said = [line for line in fused.last_report if "cannot run on these shards" in line]
-    assert said and f"the {rows} rows of x" in said[0], "\n".join(fused.last_report)
+    assert said and f"x has {rows} rows" in said[0], "\n".join(fused.last_report)
 
 
 def test_a_kept_dot_says_why_and_a_fused_one_is_counted(monkeypatch):
@@ -204,3 +204,41 @@ def test_auto_makes_the_same_products_in_both_orders_of_grad_and_overlap(shapes,
         inner = jax.jit(commfuse.overlap(jax.grad(f, argnums=(0, 1)))).lower(x, w).compile().as_text()
     assert collectives(outer) == collectives(inner)
     _calibration.forget()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_auto_keeps_pairs_over_an_axis_of_one_device_as_written(tp, monkeypatch, tmp_path):
+    """A data x tp mesh with tp = 1 (a model run without tensor parallelism):
+    XLA drops the collectives over tp, and a fused call would only add its
+    fixed cost, so auto keeps the pairs as written even where the fixed cost
+    is taken to be nothing (with tp = 2 it then fuses them)."""
+    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
+    _calibration.forget()
+    figures = {f"cpu_call_overhead_s/{n}": 0.0 for n in range(1, 17)}
+    figures["cpu_gemm_gflops"] = 50.0
+    _calibration.path().write_text(json.dumps({"figures": figures}))
+    try:
+        mesh = make_mesh({"data": 2, "tp": tp})
+        rng = np.random.default_rng(3)
+        x = jax.device_put(rng.standard_normal((4, 8 * tp, 64)).astype(np.float32),
+                           NamedSharding(mesh, P("data", "tp")))
+        w1 = jax.device_put(rng.standard_normal((64, 256)).astype(np.float32), NamedSharding(mesh, P(None, "tp")))
+        w2 = jax.device_put(rng.standard_normal((256, 64)).astype(np.float32), NamedSharding(mesh, P("tp", None)))
+
+        def body(x, w1, w2):
+            h = jax.lax.all_gather(x, "tp", axis=1, tiled=True) @ w1
+            return jax.lax.psum_scatter(jnp.tanh(h) @ w2, "tp", scatter_dimension=1, tiled=True)
+
+        spec = P("data", "tp")
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(None, "tp"), P("tp", None)), out_specs=spec)
+        rewritten = commfuse.overlap(fn)
+        assert_close(np.asarray(jax.jit(rewritten)(x, w1, w2)), np.asarray(jax.jit(fn)(x, w1, w2)), np.float32)
+        fused = collectives(jax.jit(rewritten).lower(x, w1, w2).compile().as_text()).get("commfuse", 0)
+        report = "\n".join(rewritten.last_report)
+        if tp == 1:
+            assert fused == 0 and report.count("a group of one device has no communication to hide") == 2, report
+        else:
+            assert fused == 2, report
+    finally:
+        _calibration.forget()

@@ -168,3 +168,22 @@ def test_a_bf16_gather_widened_to_f32_before_its_dot_stays_as_written():
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"), check_vma=False)
     rewrites_as_written(fn, (x, w), 0, "it would gather float32 where the program gathers bfloat16")
+
+
+def test_a_norm_then_the_flattening_between_the_gather_and_its_dot():
+    """Row-wise work (an RMS norm with a replicated scale) moves before the
+    gather, and the merge of batch and sequence after it moves to the result."""
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(9)
+    x = _placed(mesh, rng, (2, 16, 32), P(None, "tp"))
+    g = _placed(mesh, rng, (32,), P())
+    w = _placed(mesh, rng, (32, 16), P(None, "tp"))
+
+    def body(x, g, w):
+        xg = jax.lax.all_gather(x, "tp", axis=1, tiled=True)
+        normed = xg * jax.lax.rsqrt(jnp.mean(xg * xg, axis=-1, keepdims=True) + 1e-6) * g
+        return normed.reshape(-1, 32) @ w
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(), P(None, "tp")), out_specs=P(None, "tp"),
+                       check_vma=False)
+    rewrites_as_written(fn, (x, g, w), 1)

@@ -90,3 +90,33 @@ def test_a_policy_reading_the_dots_parameters_gets_them():
     _close(jax.jit(grads[0])(*args), jax.jit(grads[1])(*args), 2e-5)
     nothing, _ = _stack(jax.checkpoint_policies.nothing_saveable, named=True)
     assert _fused_calls(grads[0], args) < _fused_calls(jax.value_and_grad(nothing, argnums=(0, 1, 2)), args)
+
+
+@pytest.mark.parametrize("saved", [(), ("xg",)])
+def test_a_named_gathered_activation_fuses_unless_the_policy_saves_it(saved):
+    """``checkpoint_name(all_gather(x), "xg") @ w`` inside ``jax.checkpoint``:
+    the name is an identity, so the pair fuses, unless the policy saves that
+    name (the program then keeps the gathered value for the backward pass,
+    which fusing would take away: it stays as written)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    mesh = make_mesh({"tp": TP})
+    rng = np.random.default_rng(4)
+    x = jax.device_put(rng.standard_normal((S, D)).astype(np.float32), jax.NamedSharding(mesh, P("tp")))
+    w = jax.device_put(rng.standard_normal((D, F)).astype(np.float32), jax.NamedSharding(mesh, P(None, "tp")))
+
+    def layer(x, w):
+        xg = checkpoint_name(jax.lax.all_gather(x, "tp", axis=0, tiled=True), "xg")
+        return jnp.sum(jnp.tanh(xg @ w) ** 2)
+
+    policy = jax.checkpoint_policies.save_only_these_names(*saved)
+    body = jax.checkpoint(layer, policy=policy)
+    loss = jax.shard_map(lambda x, w: jax.lax.psum(body(x, w), "tp"), mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                         out_specs=P(), check_vma=False)
+    rewritten = commfuse.overlap(loss, schedule="ring")
+    np.testing.assert_allclose(np.asarray(jax.jit(rewritten)(x, w)), np.asarray(jax.jit(loss)(x, w)), rtol=1e-5)
+    grads = jax.jit(jax.grad(rewritten, argnums=(0, 1)))(x, w)
+    for got, want in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    report = "\n".join(rewritten.last_report)
+    assert report.count("rewrote") == (0 if saved else 1), report

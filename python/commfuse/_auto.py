@@ -104,6 +104,9 @@ def decide(prepared: dict, n: int, spec: str, measure_overhead, may_decline: boo
     if model is None:
         return prepared["schedule"], "the cost model cannot time this call; the library's default schedule"
     pick, fused, unfused = model["pick"], model["pick_s"], model["sequential_s"]
+    if n == 1 and may_decline:
+        # XLA drops a collective over one device; a fused call would only add its fixed cost.
+        return _abi.UNFUSED, "unfused: a group of one device has no communication to hide"
     if n == 1 or fused is None or unfused is None:
         return prepared["schedule"], f"{pick}, the cost model's pick"
     gain = unfused - fused

@@ -82,9 +82,9 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: in
     elif code == _abi.UNFUSED:
         _fused.record_decision(OP, "unfused", "as asked")
     elif tiles is None or rows % (tiles * ranks):
-        into = f"tiles={tiles} chunks" if tiles is not None else "1, 2 or 4 chunks"
-        why = (f"the {rows} rows of x (all dims but the last, x.shape={tuple(x_shape)}) must divide into {into} of "
-               f"a multiple of the axis size {ranks}")
+        t = f"T = tiles = {tiles}" if tiles is not None else "T = 1, 2 or 4"
+        why = (f"x has {rows} rows (all dims but the last, x.shape={tuple(x_shape)}), and a ring over {ranks} "
+               f"devices cuts them into {ranks} x T equal blocks ({t})")
         if code != _abi.AUTO:
             raise ValueError(f"commfuse.{OP}: {why} for schedule={schedule_name!r}")
         code = _abi.UNFUSED  # "auto": nothing to cut into a ring's blocks

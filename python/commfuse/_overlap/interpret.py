@@ -12,7 +12,7 @@ from jax.extend import core as jcore
 from .. import _compat, _fused
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, collective_axes, describe_collective, is_literal
 from .jaxpr import shard_map_call, subjaxprs, vma
-from .jitdots import eval_dot
+from .jitdots import Regrouping
 from . import variance
 from .rewrite import Rewriter
 from .state import State
@@ -39,9 +39,12 @@ def interpret(jaxpr, consts, args, state: State, where: str, manual: bool):
                             partial(eval_eqn, state=state, where=where, manual=True))
         rewriter.run()
         return [rewriter.read(v) for v in jaxpr.outvars]
-    for eqn in jaxpr.eqns:
+    regrouping = Regrouping(jaxpr)
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in regrouping.done:
+            continue
         if eqn.primitive.name == DOT:  # outside any shard_map body
-            outs = eval_dot(eqn, [read(v) for v in eqn.invars], state, where)
+            outs = regrouping.eval(i, read, write, state, where)
         else:
             outs = eval_eqn(eqn, [read(v) for v in eqn.invars], state=state, where=where, manual=manual)
         for v, val in zip(eqn.outvars, outs):
@@ -166,8 +169,17 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
 def _eval_remat(params, invals, state, where, manual):
     jaxpr, consts = closed(params["jaxpr"])
     policy = _fused.checkpoint_policy(params.get("policy"))
-    fn = jax.checkpoint(lambda *a: interpret(jaxpr, consts, a, state, where, manual),
-                        prevent_cse=params.get("prevent_cse", True), policy=policy)
+
+    def body(*a):
+        if params.get("policy") is not None:
+            state.policies.append(params["policy"])
+        try:
+            return interpret(jaxpr, consts, a, state, where, manual)
+        finally:
+            if params.get("policy") is not None:
+                state.policies.pop()
+
+    fn = jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=policy)
     return list(fn(*invals))
 
 

@@ -220,7 +220,7 @@ class Rewriter:
         if merge is not None:
             chain.append(merge)
             out = eqns[merge].outvars[0]
-        while self._single_use(out) and eqns[self.users[out][0]].primitive.name in CASTS:
+        while self._single_use(out) and self._transparent(eqns[self.users[out][0]]):
             chain.append(self.users[out][0])
             out = eqns[chain[-1]].outvars[0]
         regrouped = None if merge is not None else self._merging_reshape(out)
@@ -235,10 +235,15 @@ class Rewriter:
                 # Row-wise work (a norm) between the gather and its dot moves before the gather.
                 found_rows, rows_why = rowwise.find(eqns, out, eqns[c].params["all_gather_dimension"], self.users,
                                                     self.outputs, self.producer, c + 1,
-                                                    lambda v: self._varies(v, collective_axes(eqns[c])))
+                                                    lambda v: self._varies(v, collective_axes(eqns[c])),
+                                                    self._saved_name)
                 if found_rows is not None:
-                    local, rows, d, k = found_rows
-                    found.append(Fusion("in", c, d, k, chain, local, rows, out, eqns[d].invars[k]))
+                    local, rows, d, k, reshape = found_rows
+                    if reshape is None:
+                        found.append(Fusion("in", c, d, k, chain, local, rows, out, eqns[d].invars[k]))
+                    else:
+                        found.append(Fusion("in", c, d, k, [*chain, reshape], local, rows, out,
+                                            eqns[reshape].invars[0], regroup=reshape))
                     return True
                 why = (f"{name} result is used by {', '.join(not_dots)}, not only by dot_generals, and not "
                        f"row-wise on the way to one ({rows_why})")
@@ -266,7 +271,7 @@ class Rewriter:
         if regroup.merged_groups(out.aval.shape, eqns[r].outvars[0].aval.shape) is None:
             return None
         chain, v = [r], eqns[r].outvars[0]
-        while self._single_use(v) and eqns[self.users[v][0]].primitive.name in CASTS:
+        while self._single_use(v) and self._transparent(eqns[self.users[v][0]]):
             chain.append(self.users[v][0])
             v = eqns[chain[-1]].outvars[0]
         users = self.users.get(v, ())
@@ -292,7 +297,7 @@ class Rewriter:
             splits = (kind == "reshape" and split is None and eqns[q].params.get("dimensions") is None
                       and regroup.merged_groups(src.aval.shape, eqns[q].invars[0].aval.shape) is not None)
             widens = not widened and _widens_to_f32(eqns[q])
-            if not (kind in CASTS or widens or (regrouped is None and (kind in _TRANSPOSES or splits))):
+            if not (self._transparent(eqns[q]) or widens or (regrouped is None and (kind in _TRANSPOSES or splits))):
                 break
             regrouped = q if splits else regrouped
             widened = widened or widens
@@ -313,6 +318,22 @@ class Rewriter:
             found.append(Fusion("out", c, p, 0, chain, regroup=regrouped))
             return True
         self.reasons[c].append(why)
+        return False
+
+    def _transparent(self, eqn) -> bool:
+        """Whether a pattern may span `eqn`: a value-preserving cast
+        (``pvary``), or a ``checkpoint_name`` no enclosing policy saves
+        (fused, the named value would not exist to be saved)."""
+        return eqn.primitive.name in CASTS or (eqn.primitive.name == "name" and not self._saved_name(eqn))
+
+    def _saved_name(self, eqn) -> bool:
+        """Whether a checkpoint policy around this body saves the value `eqn` names."""
+        for policy in self.state.policies:
+            try:
+                if policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params):
+                    return True
+            except Exception:  # noqa: BLE001 - a policy that cannot say: as if it saved it
+                return True
         return False
 
     def _varies(self, v, axes) -> bool:
@@ -637,7 +658,7 @@ class Rewriter:
             return None
         merged = None
         if f.regroup is not None:
-            pair = f"{describe_collective(coll)} + reshape + {describe_dot(dot)}"
+            pair = pair.replace(f" + {describe_dot(dot)}", f" + reshape + {describe_dot(dot)}")
             merged = (lambda y, shape=tuple(dot.outvars[0].aval.shape): y.reshape(shape))
         why = []
         for role in roles:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import regroup
 from .jaxpr import bind_eqn, is_literal
 
 # Elementwise primitives: every operand has the result's shape (or is a scalar literal).
@@ -27,25 +28,30 @@ _ELEMENTWISE = frozenset((
     "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "neg", "abs", "sign", "erf", "erf_inv", "sin", "cos",
     "convert_element_type", "select_n", "clamp", "expm1", "atan2", "rem", "floor", "ceil", "round",
     "is_finite", "ne", "eq", "lt", "le", "gt", "ge", "and", "or", "not", "stop_gradient", "copy", "copy_p",
-    "pvary", "reduce_precision",
+    "pvary", "reduce_precision", "name",
 ))
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod"))
 
 
-def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, varies):
+def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, varies, saved_name):
     """The row-wise equations from variable `start` (the gathered value, whose
     rows run along `gathered_dim`) to the one dot_general they lead to.
     `varies(v)` says whether a value may differ between the devices of the
     gather's axes: one that does cannot move before the gather (each block
     would meet its owner's value rather than this device's).
+    `saved_name(eqn)` says whether a ``checkpoint_name`` equation names a
+    value a checkpoint policy saves (it is then no row-wise step: the
+    program saves the gathered rows).
 
-    Returns ``((equations, row_dims, dot, operand), None)``: the equations in
-    order, each value's row dim, the dot's equation and which of its operands
-    the result is; or ``(None, why)``. `first` is the first equation to look
-    at. A value from elsewhere broadcast up to the gathered rows (a norm's
-    scale) joins the equations: its broadcast is cut to the local rows too."""
+    Returns ``((equations, row_dims, dot, operand, reshape), None)``: the
+    equations in order, each value's row dim, the dot's equation, which of
+    its operands the result is, and the reshape that merges the result's
+    free dims on the way to the dot (`regroup`) or None; or ``(None, why)``.
+    `first` is the first equation to look at. A value from elsewhere
+    broadcast up to the gathered rows (a norm's scale) joins the equations:
+    its broadcast is cut to the local rows too."""
     rows = {start: gathered_dim}
-    chain, dots = [], []
+    chain, dots, reshapes, varying = [], [], [], None
     for i in range(first, len(eqns)):
         eqn = eqns[i]
         if not any(not is_literal(v) and v in rows for v in eqn.invars):
@@ -54,7 +60,11 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
         if name == "dot_general":
             dots.append(i)
             continue
-        dim = _row_dim(eqn, rows)
+        if name == "reshape" and eqn.params.get("dimensions") is None \
+                and regroup.merged_groups(eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape) is not None:
+            reshapes.append(i)  # the rows end here; the dot is taken on the unmerged value
+            continue
+        dim = None if name == "name" and saved_name(eqn) else _row_dim(eqn, rows)
         if dim is None:
             return None, f"it is used by {name}, which is not row-wise over the gathered dim"
         if name in _ELEMENTWISE:
@@ -62,8 +72,11 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
                 if is_literal(v) or v in rows:
                     continue
                 if varies(v):
-                    return None, (f"{name} reads a value that may differ between the devices of the gather's "
-                                  f"axes, so it cannot move before the gather")
+                    # Said only if nothing else stops the move: a value used
+                    # elsewhere too (a residual of a backward pass) says so first.
+                    varying = varying or (f"{name} reads a value that may differ between the devices of the "
+                                          f"gather's axes, so it cannot move before the gather")
+                    continue
                 shape = getattr(v.aval, "shape", ())
                 # Scalars and values of size 1 along the rows broadcast over any rows.
                 if len(shape) <= dim or shape[dim] == 1:
@@ -77,14 +90,26 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
         chain.append(i)
         for v in eqn.outvars:
             rows[v] = dim
+    reshape = None
+    if reshapes:
+        merged = eqns[reshapes[0]].outvars[0]
+        readers = users.get(merged, ())
+        if len(reshapes) != 1 or dots or outputs[merged] or len(readers) != 1 \
+                or eqns[readers[0]].primitive.name != "dot_general":
+            return None, "it is used by reshape, which is not row-wise over the gathered dim"
+        reshape, dots = reshapes[0], list(readers)
     if len(dots) != 1:
         return None, f"its row-wise uses lead to {len(dots)} dot_generals, not one"
     d = dots[0]
-    ends = [k for k, v in enumerate(eqns[d].invars) if not is_literal(v) and v in rows]
+    inside = set(chain) | {d}
+    if reshape is None:
+        ends = [k for k, v in enumerate(eqns[d].invars) if not is_literal(v) and v in rows]
+    else:
+        ends = [k for k, v in enumerate(eqns[d].invars) if v is eqns[reshape].outvars[0]]
+        inside.add(reshape)
     if len(ends) != 1:
         return None, "it feeds both operands of the dot_general"
-    end = eqns[d].invars[ends[0]]
-    inside = set(chain) | {d}
+    end = eqns[d].invars[ends[0]] if reshape is None else eqns[reshape].invars[0]
     for v in rows:
         if outputs[v] or any(u not in inside for u in users.get(v, ())):
             return None, "a value computed from it is also used elsewhere"
@@ -92,11 +117,13 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
             return None, "it feeds the dot_general more than once"
     if len(users.get(end, ())) != 1:
         return None, "the dot_general's operand has other users"
+    if varying:
+        return None, varying
     if np.dtype(end.aval.dtype).itemsize > np.dtype(start.aval.dtype).itemsize:
         # Moved before the gather, a widening cast would have it move more bytes.
         return None, (f"moved before the gather, it would gather {end.aval.dtype} where the program gathers "
                       f"{start.aval.dtype}")
-    return (sorted(chain), rows, d, ends[0]), None
+    return (sorted(chain), rows, d, ends[0], reshape), None
 
 
 def _row_dim(eqn, rows):

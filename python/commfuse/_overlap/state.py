@@ -24,6 +24,9 @@ class State:
         self.jit_dots = 0  # dot_generals seen outside shard_map bodies (fused or kept)
         # The mesh axes each value of the shard_map bodies may vary over (`variance.fill`).
         self.axes: dict = {}
+        # The policies of the checkpoints being interpreted, outermost first
+        # (a value one saves by name keeps its name: `Rewriter._saved_name`).
+        self.policies: list = []
         self._memo: dict = {}
 
     def needs_work(self, jaxpr, manual: bool) -> bool:

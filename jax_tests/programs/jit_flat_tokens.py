@@ -1,0 +1,42 @@
+"""A tensor- and sequence-parallel MLP under plain ``jax.jit``, written over
+flattened tokens as code ported from PyTorch writes it: activations
+``[batch, seq, d]`` batch-sharded over ``dp`` and sequence-sharded over
+``tp``, flattened (``x.reshape(-1, d)``) for the projections and split back
+(``y.reshape(b, s, d)``) before the sequence constraint.
+
+The partitioner cannot keep a merged batch x sequence dim sharded over both
+axes, so as written it gathers the sequence before the first projection,
+outside any dot. ``overlap`` takes each dot on the operand before the merge
+(and the second on the operand split the way its result is), where the
+sequence is a dim of its own: the gather and the reduce-scatter are the
+fused ops' own."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import JitProgram, normal, place
+
+
+def build(mesh, rng):
+    b, s, d, f = 2 * mesh.shape["dp"], 16 * mesh.shape["tp"], 32, 64
+
+    def constrain(a, *spec):
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+
+    def block(x, w1, w2):
+        h = jax.nn.gelu(x.reshape(-1, d) @ w1)
+        y = constrain((h @ w2).reshape(b, s, d), "dp", "tp", None)
+        out = x + y
+        return jnp.mean(out * out), out
+
+    x = place(mesh, P("dp", "tp", None), normal(rng, (b, s, d)))
+    w1 = place(mesh, P(None, "tp"), normal(rng, (d, f), d ** -0.5))
+    w2 = place(mesh, P("tp", None), normal(rng, (f, d), f ** -0.5))
+    return block, (x, w1, w2)
+
+
+JIT_PROGRAM = JitProgram(name="jit_flat_tokens", mesh={"dp": 2, "tp": 4}, build=build, fused=2, grad_fused=12)

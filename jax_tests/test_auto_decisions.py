@@ -93,8 +93,10 @@ def test_both_orders_of_grad_and_overlap_make_the_same_fused_products(program):
                             .as_text())
         inner = collectives(jax.jit(commfuse.overlap(_grads(fn, n), schedule="ring")).lower(*args).compile()
                             .as_text())
+    if program.orders_differ:  # said in the program: the fused products alone are the same
+        outer, inner = outer.get("commfuse", 0), inner.get("commfuse", 0)
     assert outer == inner, f"{program.name}: grad(overlap(f)) {outer} vs overlap(grad(f)) {inner}"
-    assert outer.get("commfuse", 0) == program.grad_fused
+    assert (outer if program.orders_differ else outer.get("commfuse", 0)) == program.grad_fused
 
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)

@@ -174,9 +174,22 @@ def test_choose_picks_the_collective_the_shardings_need(x_spec, w_spec, out_spec
     assert (choice.op, choice.axes, choice.dimension, choice.psum_axes) == (op, axes, dimension, psum), choice
 
 
+def test_a_weight_gather_beside_an_activation_collective_is_xlas_and_the_other_fused():
+    """FSDP weights beside sequence parallelism: the weight is gathered by
+    XLA first (the operand sharding the choice asks for), the sequence
+    gather (or reduce-scatter) is the fused op."""
+    gather = _choose(((), ("tp",), ()), (("dp",), ("tp",)), ((), (), ("tp",)))
+    assert (gather.op, gather.axes, gather.dimension, gather.w_spec) == ("all_gather_matmul", ("tp",), 1,
+                                                                         ((), ("tp",))), gather
+    assert "w gathered over ('dp',) by XLA first" in gather.describe()
+    scatter = _choose(((), (), ("tp",)), (("tp",), ("dp",)), ((), ("tp",), ()))
+    assert (scatter.op, scatter.axes, scatter.dimension, scatter.w_spec) == ("matmul_reduce_scatter", ("tp",), 1,
+                                                                             (("tp",), ())), scatter
+
+
 @pytest.mark.parametrize("x_spec, w_spec, out_spec, why", [
     (((), (), ("dp",)), (("tp",), ()), ((), (), ()), "x's contraction is sharded over ('dp',) and w's over ('tp',)"),
-    (((), ("tp",), ()), ((), ("dp",)), ((), (), ()), "more than one collective"),
+    (((), ("tp",), ()), ((), ()), ((), (), ("dp",)), "more than one collective"),
     ((("tp",), (), ()), ((), ()), (("dp",), (), ()), "x's dim 0 is sharded over ('tp',) and the result's over ('dp',)"),
     (((), (), ()), ((), ()), (("dp",), (), ()), "the result is scattered over ('dp',) but the contraction is sharded over ()"),
 ])
@@ -294,3 +307,27 @@ def test_jax_export_of_fused_ops_as_docs_api_says():
     with pytest.raises(NotImplementedError, match="host_callbacks"):
         export.export(product, disabled_checks=allowed)(jax.device_put(np.asarray(x), NamedSharding(mesh, P(None, "tp"))),
                                                         w_rows)
+
+
+def test_explicit_axes_without_a_mesh_in_context_fuse_as_under_set_mesh():
+    """``jax.make_mesh``'s axes are explicit by default, and JAX gives every
+    backward dot an explicit result sharding: without ``jax.set_mesh`` those
+    shardings name their own mesh, and the products fuse as under it."""
+    mesh = make_mesh({"d": 2, "t": 4}, axis_type="Explicit")
+    rng = np.random.default_rng(14)
+    x = jax.device_put(rng.standard_normal((8, 16, 32)).astype(np.float32), NamedSharding(mesh, P("d")))
+    w1 = jax.device_put(rng.standard_normal((32, 64)).astype(np.float32), NamedSharding(mesh, P(None, "t")))
+    w2 = jax.device_put(rng.standard_normal((64, 32)).astype(np.float32), NamedSharding(mesh, P("t", None)))
+
+    def loss(x, w1, w2):
+        y = jnp.matmul(jax.nn.relu(x @ w1), w2, out_sharding=NamedSharding(mesh, P("d")))
+        return jnp.sum(y ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    counts = []
+    for scope in (contextlib.nullcontext(), jax.set_mesh(mesh)):
+        with scope:
+            fused = jax.jit(commfuse.overlap(grad, schedule="ring"))
+            _close(fused(x, w1, w2), jax.jit(grad)(x, w1, w2), "explicit axes")
+            counts.append(fused_in(fused.lower(x, w1, w2).compile().as_text()))
+    assert counts[0] == counts[1] > 0, counts

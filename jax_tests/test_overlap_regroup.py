@@ -75,17 +75,17 @@ def test_a_gathered_weight_whose_free_dims_are_merged():
     rewrites_as_written(fn, (x, w), 1)
 
 
-def test_a_merge_into_the_contracted_dim_stays_as_written():
+def test_a_merge_into_the_contracted_dim_splits_the_weights_rows_the_same_way():
     mesh = make_mesh({"tp": 4})
     rng = np.random.default_rng(4)
     x = _placed(mesh, rng, (4, 8, 2, 4), P(None, "tp"))
     w = _placed(mesh, rng, (8, 6), P())
 
-    def body(x, w):  # heads and head dim merged, then contracted
+    def body(x, w):  # heads and head dim merged, then contracted: x's two dims with w's rows as (2, 4)
         return jax.lax.all_gather(x, "tp", axis=1, tiled=True).reshape(4, 8, 8) @ w
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P(), check_vma=False)
-    rewrites_as_written(fn, (x, w), 0, "the reshape merges a contracted dim")
+    rewrites_as_written(fn, (x, w), 1)
 
 
 def test_a_reshape_that_is_no_regrouping_stays_as_written():
@@ -118,9 +118,22 @@ def test_the_regrouped_dots_compute_the_reshaped_products():
     dn = (((1,), (0,)), ((), ()))
     lhs, rhs = rng.standard_normal((12, 5)), rng.standard_normal((5, 7))
     before = (3, 4, 5)
-    l2, r2, dn2 = regroup.unmerged_dot(lhs.shape, rhs.shape, dn, 0, before)
+    l2, r2, dn2 = regroup.unmerged_dot(lhs.shape, rhs.shape, dn, (before, None))
     got = jax.lax.dot_general(lhs.reshape(l2), rhs.reshape(r2), dn2)
     np.testing.assert_allclose(np.asarray(got).reshape(12, 7), lhs @ rhs, rtol=1e-5)
+    # A weight gradient: both operands' rows merged from (3, 4), contracted.
+    dy = rng.standard_normal((12, 7))
+    wgrad = (((0,), (0,)), ((), ()))
+    l4, r4, dn4 = regroup.unmerged_dot(lhs.shape, dy.shape, wgrad, ((3, 4, 5), (3, 4, 7)))
+    got = jax.lax.dot_general(lhs.reshape(l4), dy.reshape(r4), dn4)
+    np.testing.assert_allclose(np.asarray(got), lhs.T @ dy, rtol=1e-5)
+    # Merged on one side only: the other operand's rows are split the same way.
+    l5, r5, dn5 = regroup.unmerged_dot(lhs.shape, dy.shape, wgrad, ((3, 4, 5), None))
+    assert r5 == (3, 4, 7)
+    got = jax.lax.dot_general(lhs.reshape(l5), dy.reshape(r5), dn5)
+    np.testing.assert_allclose(np.asarray(got), lhs.T @ dy, rtol=1e-5)
+    with pytest.raises(regroup.Unsupported, match="contracted"):
+        regroup.unmerged_dot(lhs.shape, dy.shape, wgrad, ((3, 4, 5), (2, 6, 7)))
     after = (2, 6, 7)
     l3, r3, dn3 = regroup.split_dot(lhs.shape, rhs.shape, dn, after)
     got = jax.lax.dot_general(lhs.reshape(l3), rhs.reshape(r3), dn3)

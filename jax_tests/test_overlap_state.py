@@ -227,3 +227,47 @@ def test_a_later_call_with_other_shapes_does_not_reuse_an_earlier_traces_updates
     d = {"a": jnp.zeros(()), "b": jnp.ones(())}
     assert [g(jnp.ones(4), d), g(jnp.ones(8), d), g(jnp.ones(4), d)] == [4, 8, 4]
     assert (float(d["a"]), float(d["b"])) == (2.0, 101.0)
+
+
+def test_one_object_passed_as_two_arguments_is_read_and_updated_as_without_overlap():
+    def read(a, b):
+        return a["w"] + b["w"]
+
+    def bump(a, b):
+        a["w"] = a["w"] * 2  # seen through `b` too: it is the same dict
+        return b["w"]
+
+    d = {"w": jnp.ones(3)}
+    for wrap in (commfuse.overlap, lambda f: jax.jit(commfuse.overlap(f))):
+        np.testing.assert_array_equal(np.asarray(wrap(read)(d, d)), 2 * np.ones(3))
+    np.testing.assert_array_equal(np.asarray(commfuse.overlap(bump)(d, d)), 2 * np.ones(3))
+    np.testing.assert_array_equal(np.asarray(d["w"]), 2 * np.ones(3))
+
+
+def test_a_pytree_node_registered_without_keys_is_an_argument_like_any_other():
+    """``register_pytree_node`` gives its children no key paths (Equinox's
+    ``nn.State`` is one): nothing under it can be tied or written back, and
+    a function that only reads it runs."""
+    class Box:
+        def __init__(self, items):
+            self.items = items
+
+    jax.tree_util.register_pytree_node(Box, lambda b: ((b.items,), None), lambda _, c: Box(c[0]))
+
+    def f(box, x):
+        return x * box.items[0] + box.items[1]
+
+    box, x = Box((jnp.full(3, 2.0), jnp.ones(3))), jnp.arange(3.0)
+    want = np.asarray(f(box, x))
+    np.testing.assert_array_equal(np.asarray(commfuse.overlap(f)(box, x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(commfuse.overlap(f))(box, x)), want)
+
+
+def test_the_wrapper_does_not_take_a_jitted_functions_own_methods():
+    """``overlap(jax.jit(f))`` is a plain function: a copied ``lower`` would
+    lower the program without the rewrite."""
+    jitted = jax.jit(lambda x: x * 2)
+    wrapped = commfuse.overlap(jitted)
+    assert not hasattr(wrapped, "lower")
+    assert wrapped.__name__ == jitted.__name__
+    np.testing.assert_array_equal(np.asarray(wrapped(jnp.ones(2))), 2 * np.ones(2))

@@ -5,7 +5,8 @@
     all_to_all_matmul     == all_to_all(x, ax, split, concat, tiled=True) @ w
     matmul_all_to_all     == all_to_all(x @ w, ax, split, concat, tiled=True)
 
-plus vmap of all_gather_matmul / matmul_reduce_scatter.
+plus vmap of every op (fused over x of the row gathers and scatters, else
+jax.lax's collective and dot, batched).
 
 Every operand is *varying*: the global array is the concatenation, along dim 0,
 of one independent random block per device, so each device sees its own local
@@ -465,30 +466,32 @@ def test_vmap_nested():
     assert_close(run(commfuse.all_gather_matmul), run(lax_all_gather_matmul))
 
 
-VMAP_UNSUPPORTED = [
-    ("mrs-last", _with(mrs, scatter_dimension=-1), (3, 8), (8, 4), False),
-    ("mag-cols", _with(mag, gather_dimension=1), (3, 8), (8, 4), False),
-    ("mag-contraction", _with(mag, gather_dimension=0), (3, 32), (8, 4), False),
-    ("a2amm", _with(a2amm, split_dimension=0, concat_dimension=1), (4, 2, 8), (8, 4), False),
-    ("mma2a", _with(mma2a, split_dimension=0, concat_dimension=1), (4, 2, 8), (8, 4), False),
-    ("agmm-w-batched", _with(agm, gather_dimension=0), (3, 8), (8, 4), True),
-    ("mrs-w-batched", _with(mrs, scatter_dimension=0), (4, 8), (8, 4), True),
+VMAP_UNFUSED = [
+    # op name, kwargs, local unbatched x shape, w shape, w batched
+    ("mrs-columns", "matmul_reduce_scatter", dict(scatter_dimension=1), (3, 8), (8, 4), False),
+    ("mag-cols", "matmul_all_gather", dict(gather_dimension=1), (3, 8), (8, 4), False),
+    ("mag-contraction", "matmul_all_gather", dict(gather_dimension=0), (3, 32), (8, 4), False),
+    ("a2amm", "all_to_all_matmul", dict(split_dimension=0, concat_dimension=1), (4, 2, 8), (8, 4), False),
+    ("mma2a", "matmul_all_to_all", dict(split_dimension=0, concat_dimension=1), (4, 2, 8), (8, 4), False),
+    ("agmm-w-batched", "all_gather_matmul", dict(gather_dimension=0), (3, 8), (8, 4), True),
+    ("mrs-w-batched", "matmul_reduce_scatter", dict(scatter_dimension=0), (4, 8), (8, 4), True),
 ]
 
 
-@pytest.mark.parametrize("case", VMAP_UNSUPPORTED, ids=[c[0] for c in VMAP_UNSUPPORTED])
-def test_vmap_unsupported_raises_with_guidance(case):
-    _, op, x_shape, w_shape, w_batched = case
+@pytest.mark.parametrize("case", VMAP_UNFUSED, ids=[c[0] for c in VMAP_UNFUSED])
+def test_vmap_without_a_fused_form_runs_jax_lax_batched(case):
+    """Batched forms no fused op has (`jax.jacrev` batches a backward op over
+    its cotangent, which may be `w`): jax.lax's collective and dot, batched,
+    with the reference's numbers."""
+    _, name, kw, x_shape, w_shape, w_batched = case
     n, batch = 4, 2
     mesh = mesh1d(n)
     x = rand((n * batch,) + x_shape, seed=1)
-    w_global = (n * batch,) + w_shape if w_batched else w_shape
-    w = rand(w_global, seed=2)
+    w = rand((n * batch,) + w_shape if w_batched else w_shape, seed=2)
     w_axes = 0 if w_batched else None
-    with pytest.raises(NotImplementedError) as ei:
-        run_sharded(lambda a, b: jax.vmap(lambda u, v: op(u, v, "x"), in_axes=(0, w_axes))(a, b),
-                    mesh, (P("x"), P("x") if w_batched else P()), x, w)
-    msg = str(ei.value)
-    assert "vmap" in msg, msg
-    # It must say what to do instead.
-    assert any(hint in msg.lower() for hint in ("lax.map", "fold", "reshape", "loop")), msg
+
+    def run(op):
+        return np.asarray(run_sharded(lambda a, b: jax.vmap(lambda u, v: op(u, v, "x", **kw), in_axes=(0, w_axes))(a, b),
+                                      mesh, (P("x"), P("x") if w_batched else P()), x, w))
+
+    assert_close(run(getattr(commfuse, name)), run(getattr(commfuse.reference, name)))

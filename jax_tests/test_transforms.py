@@ -2,7 +2,8 @@
 (``jax.jvp``, ``jacfwd``), which a custom_vjp cannot take, runs jax.lax's
 collective and dot; ``jax.vmap`` of a jit-level product (a
 custom_partitioning, which JAX cannot batch) runs jax.lax's dot. Same
-numbers as the plain program either way; reverse mode stays fused."""
+numbers as the plain program either way; reverse mode stays fused, and
+``jax.jacrev`` (the backward ops batched) gives the plain Jacobian."""
 
 from __future__ import annotations
 
@@ -91,3 +92,18 @@ def test_forward_mode_through_every_named_op_kind():
                                                               out_specs=out_spec), (x, w), (dx, dw)))(x, w)
                 for f in (named, plain)]
         _close(*jvps, tol=1e-4)
+
+
+def test_jacrev_of_fused_ops_batches_the_backward_ops():
+    """``jax.jacrev`` vmaps the backward pass over the output's cotangents:
+    a backward op batched over its `w` (no fused form) runs jax.lax's
+    collective and dot, batched; the Jacobian is the plain program's."""
+    mesh, x, w, f = _setup()
+    # A 16 x 8 weight: the Jacobian is 16 x 8 by 16 x 8.
+    w_small = jax.device_put(np.asarray(w)[:, :8], jax.NamedSharding(mesh, P(None, "tp")))
+
+    def loss_of(fn):
+        return lambda w: jnp.tanh(fn(x, w))
+
+    want = jax.jit(jax.jacrev(loss_of(f)))(w_small)
+    _close(jax.jit(jax.jacrev(loss_of(commfuse.overlap(f, schedule="ring"))))(w_small), want, 1e-4)

@@ -55,6 +55,9 @@ class JitProgram:
     axis_type: str = "Auto"
     # What does not fuse, and why.
     unfused: str = ""
+    # Why XLA's own collectives differ between grad(overlap(f)) and
+    # overlap(grad(f)), where they do (the fused products are the same).
+    orders_differ: str = ""
 
 
 def _modules():

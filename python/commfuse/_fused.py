@@ -331,10 +331,14 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fas
     x, w = args
     x_dim, w_dim = dims
     if kind not in _abi.ROW_BLOCK_KINDS or w_dim is not _NOT_MAPPED:
-        raise NotImplementedError(
-            "vmap of this commfuse op is supported only over `x` of all_gather_matmul and "
-            "matmul_reduce_scatter with a row gather/scatter dimension (the batch dim becomes a leading "
-            "dim of x). Fold the batch into x's leading dims yourself, or loop with lax.map.")
+        # No fused form batches this (`jax.jacrev` batches a backward op over
+        # its cotangent, which may be `w`): jax.lax's collective and dot, batched.
+        def one(x, w):
+            return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
+                           fast_f32=fast_f32)
+
+        in_axes = tuple(None if d is _NOT_MAPPED else d for d in dims)
+        return jax.vmap(one, in_axes=in_axes)(x, w), 0
     x = jnp.moveaxis(x, x_dim, 0)
     out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1,
                fast_f32=fast_f32)

@@ -222,7 +222,10 @@ def _mapped_out_sharding(sharding, form: DotForm):
     spec = tuple(sharding.spec) + (None,) * (nx + nw - len(sharding.spec))
     if any(entry is not None for entry in spec[nx + 1:]):
         return None
-    return P(*spec[:nx + 1])
+    mapped = P(*spec[:nx + 1])
+    # On the dot's own mesh: a bare spec needs one in context (`jax.set_mesh`).
+    mesh = getattr(sharding, "mesh", None)
+    return mapped if mesh is None else NamedSharding(mesh, mapped)
 
 
 # ----------------------------------------------------------------------------
@@ -381,7 +384,8 @@ class Choice(NamedTuple):
             return f"XLA's collectives, then a local dot ({self.why})"
         where = f", dimension {self.dimension}" if self.op in ("all_gather_matmul", "matmul_reduce_scatter") else ""
         then = f", then psum over {self.psum_axes}" if self.psum_axes else ""
-        return f"{self.op} over {self.axes}{where}{then}"
+        first = f" ({self.why})" if self.why else ""
+        return f"{self.op} over {self.axes}{where}{then}{first}"
 
 
 def spec_axes(spec, ndim: int) -> tuple:
@@ -457,6 +461,16 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
         else:
             return fallback(f"w's columns are sharded over {wn} and the result's over {outn}")
     if len(events) > 1:
+        weight = [e for e in events if e[0] in ("gather_w_k", "gather_w_n")]
+        if len(events) == 2 and len(weight) == 1:
+            # FSDP beside tensor or sequence parallelism: XLA gathers the
+            # weight first (it depends on no activation, so XLA may start it
+            # early), and the activation's collective is the fused one.
+            what, axes, _ = weight[0]
+            gathered_w = (reduce, wn) if what == "gather_w_k" else (wk, outn)
+            inner = choose(mesh_shape, x_shape, w_shape, x_spec, gathered_w, out_spec)
+            if inner.op not in ("fallback", "local"):
+                return inner._replace(why=f"w gathered over {axes} by XLA first")
         return fallback("more than one collective: " + ", ".join(f"{e[0]} over {e[1]}" for e in events))
     if not events:
         if reduce:

@@ -171,8 +171,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         def flat_fun(*dyn_args):
             it = iter(dyn_args)
             leaves = [static_at[j] if j in static_at else next(it) for j in range(n_leaves)]
-            traced_args = jax.tree.unflatten(treedef, leaves)
-            inplace.tie(traced_args, treedef, ties)
+            traced_args = inplace.tie(jax.tree.unflatten(treedef, leaves), treedef, ties)
             args, kwargs = traced_args
             out_leaves, out_tree = jax.tree.flatten(fun(*args, **kwargs))
             # What `fun` did to its (copied) arguments in place goes out as
@@ -205,7 +204,9 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         n = out_tree.num_leaves
         return jax.tree.unflatten(out_tree, [static_out[j] if j in static_out else next(it) for j in range(n)])
 
-    @functools.wraps(fun)
+    # Not `fun`'s __dict__: a jit or pmap object's own `lower` and `trace`
+    # there would show its program, not the rewritten one.
+    @functools.wraps(fun, updated=())
     def wrapper(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]

@@ -93,8 +93,8 @@ def alias_groups(root, treedef) -> tuple:
     others, as it is without ``overlap``."""
     by_object: dict = {}
     for j, path in enumerate(_paths(root, treedef)):
-        if len(path) < 2:
-            continue
+        if len(path) < 2 or not all(isinstance(key, _WALKABLE) for key in path):
+            continue  # a pytree node without key paths (one registered without keys) is never tied
         parent = _walk(root, path[:-1])
         if isinstance(parent, tuple):  # immutable: nothing can be updated through it
             continue
@@ -103,20 +103,27 @@ def alias_groups(root, treedef) -> tuple:
     return tuple(tuple(places.values()) for places in by_object.values() if len(places) > 1)
 
 
-def tie(root, treedef, groups: tuple) -> None:
+def tie(root, treedef, groups: tuple) -> tuple:
     """Makes the copies in `root` (``(args, kwargs)`` rebuilt from leaves)
-    share what `alias_groups` found shared in the caller's arguments."""
+    share what `alias_groups` found shared in the caller's arguments;
+    returns `root`, its argument tuple rebuilt where one object is passed
+    as two positional arguments."""
     if not groups:
-        return
+        return root
     paths = _paths(root, treedef)
+    args, kwargs = root
     for group in groups:
         first = _walk(root, paths[group[0]][:-1])
         for j in group[1:]:
-            if len(paths[j]) < 3:  # passed twice as an argument: the argument tuple cannot be written
-                raise InPlaceUpdateError(
-                    f"commfuse.overlap: {_where(paths[j][:-1])} is the same object as {_where(paths[group[0]][:-1])}; "
-                    "pass it once")
-            _assign(root, paths[j][:-1], 0, first, write=True)
+            place = paths[j][:-1]
+            if len(place) == 2 and place[0] == SequenceKey(0):  # one object passed as two positional arguments
+                args = args[:place[1].idx] + (first,) + args[place[1].idx + 1:]
+            else:
+                _assign((args, kwargs), place, 0, first, write=True)
+    return args, kwargs
+
+
+_WALKABLE = (SequenceKey, DictKey, GetAttrKey)
 
 
 def _walk(root, path):

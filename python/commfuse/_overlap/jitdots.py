@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import jax
-
 from .. import _matmul
 from .._dot_form import DotForm, Unsupported, _explicit_spec
 from . import regroup
@@ -46,58 +44,79 @@ class Regrouping:
         out_shape = tuple(eqn.outvars[0].aval.shape)
         if any(_explicit_spec(a) is not None for a in invals):
             return eval_dot(eqn, invals, state, where)
-        for k, v in enumerate(eqn.invars):
-            reshape = None if is_literal(v) else self._reshape(self.producer.get(v))
-            if reshape is None:
-                continue
+        reshapes = [None if is_literal(v) else self._reshape(self.producer.get(v)) for v in eqn.invars]
+        # Both operands regrouped where both were merged (a weight gradient
+        # contracting flattened rows), else the one that can be.
+        tries = [reshapes] if all(reshapes) else []
+        tries += [[r if j == k else None for j, r in enumerate(reshapes)] for k, r in enumerate(reshapes) if r]
+        for chosen in tries:
+            befores = [None if r is None else r.invars[0].aval.shape for r in chosen]
             try:
-                *_, merged_dn = regroup.unmerged_dot(*shapes, dn, k, reshape.invars[0].aval.shape)
+                *unmerged, merged_dn = regroup.unmerged_dot(*shapes, dn, befores)
             except Unsupported:
                 continue
-            vals = list(invals)
-            vals[k] = read(reshape.invars[0])
-            return [y.reshape(out_shape) for y in eval_dot(eqn, vals, state, where, merged_dn)]
+            vals = [(v if r is None else read(r.invars[0])).reshape(shape)
+                    for v, r, shape in zip(invals, chosen, unmerged)]
+            return eval_dot(eqn, invals, state, where, (vals, merged_dn, lambda y: y.reshape(out_shape)))
         users = [j for j, e in enumerate(self.eqns) if any(u is eqn.outvars[0] for u in e.invars)]
         reshape = self._reshape(users[0]) if self.uses[eqn.outvars[0]] == 1 and len(users) == 1 else None
-        if reshape is not None:
-            try:
-                lhs, rhs, split_dn = regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape)
-            except Unsupported:
-                return eval_dot(eqn, invals, state, where)
-            y = eval_dot(eqn, [invals[0].reshape(lhs), invals[1].reshape(rhs)], state, where, split_dn)[0]
+        if reshape is None:
+            return eval_dot(eqn, invals, state, where)
+        try:
+            lhs, rhs, split_dn = regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape)
+        except Unsupported:
+            return eval_dot(eqn, invals, state, where)
+
+        def split_result(y):
             write(reshape.outvars[0], y)
             self.done.add(users[0])
-            return [y.reshape(out_shape)]
-        return eval_dot(eqn, invals, state, where)
+            return y.reshape(out_shape)
+
+        return eval_dot(eqn, invals, state, where, ([invals[0].reshape(lhs), invals[1].reshape(rhs)], split_dn,
+                                                    split_result))
 
 
-def eval_dot(eqn, invals, state: State, where: str, dimension_numbers=None) -> list:
+def eval_dot(eqn, invals, state: State, where: str, regrouped=None) -> list:
     """``eqn`` (a dot_general outside any shard_map) as ``commfuse.matmul``
     where it is ``x @ w`` up to transposes and flattening; else unchanged,
-    with the reason in the report. `dimension_numbers` replaces the
-    equation's where its operands were regrouped (`Regrouping`)."""
+    with the reason in the report. `regrouped` is ``(operands, dimension
+    numbers, finish)``: the same product on regrouped operands (`Regrouping`)
+    and what makes the dot's result of it, taken where the product is fused
+    (one kept XLA's own stays as written, so a declining `auto` changes
+    nothing; what was traced for it is dead code)."""
     here = where or "jit"
     state.jit_dots += 1
-    p = eqn.params
-    dn = p["dimension_numbers"] if dimension_numbers is None else dimension_numbers
-    regrouped = "" if dimension_numbers is None else " [taken on the operands before the reshape next to it]"
-    if dimension_numbers is not None:
-        p = {**p, "dimension_numbers": dn}
+    if regrouped is not None:
+        vals, dn, finish = regrouped
+        try:
+            out, site, _ = _matmul_of(eqn, vals, dn, state)
+        except (Unsupported, TypeError, ValueError):
+            site = None
+        if site is not None:
+            _fused_line(eqn, vals, dn, site, state, here, " [taken on the operands before the reshape next to it]")
+            return [finish(out)]
     try:
-        out, site, why = _matmul.dot_general(*invals, dn, precision=p.get("precision"),
-                                             preferred_element_type=p.get("preferred_element_type"),
-                                             out_sharding=p.get("out_sharding"), schedule=state.schedule,
-                                             owner=state.owner, decide_early=True)
+        out, site, why = _matmul_of(eqn, invals, eqn.params["dimension_numbers"], state)
     except (Unsupported, TypeError, ValueError) as e:
         state.lines.append(f"overlap[{here}]: kept {describe_dot(eqn)}: {e}")
-        if dimension_numbers is not None:
-            return [jax.lax.dot_general(*invals, dn, precision=p.get("precision"),
-                                        preferred_element_type=p.get("preferred_element_type"))]
         return bind_eqn(eqn, invals)
     if site is None:  # auto keeps it XLA's own (its backward products are judged one by one)
         state.lines.append(f"overlap[{here}]: kept {describe_dot(eqn)}: {why}")
         return [out]
-    state.matmul_sites.add(site)
-    notes = DotForm(invals[0].shape, invals[1].shape, dn, 0).notes()
-    state.lines.append(f"overlap[{here}]: {describe_dot(eqn)} -> commfuse.matmul#{site}{notes}{regrouped}")
+    _fused_line(eqn, invals, eqn.params["dimension_numbers"], site, state, here)
     return [out]
+
+
+def _matmul_of(eqn, operands, dimension_numbers, state: State):
+    """`_matmul.dot_general` of `operands` with the equation's other params: (result, site, why)."""
+    p = eqn.params
+    return _matmul.dot_general(*operands, dimension_numbers, precision=p.get("precision"),
+                               preferred_element_type=p.get("preferred_element_type"),
+                               out_sharding=p.get("out_sharding"), schedule=state.schedule, owner=state.owner,
+                               decide_early=True)
+
+
+def _fused_line(eqn, operands, dimension_numbers, site, state: State, here: str, note: str = ""):
+    state.matmul_sites.add(site)
+    notes = DotForm(operands[0].shape, operands[1].shape, dimension_numbers, 0).notes()
+    state.lines.append(f"overlap[{here}]: {describe_dot(eqn)} -> commfuse.matmul#{site}{notes}{note}")

@@ -45,20 +45,46 @@ def _no_batch(dimension_numbers):
     return [list(lc), list(rc)]
 
 
-def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, operand: int, before):
-    """The dot taken on `before`, the shape operand `operand` had before a
-    reshape that merged its free dims: ``(lhs_shape, rhs_shape,
-    dimension_numbers)``. Its result, reshaped row-major, is the dot's."""
+def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, befores):
+    """The dot taken on the shapes its operands had before reshapes that
+    merged their dims (`befores`: per operand, that shape, or None for one
+    taken as it is): ``(lhs_shape, rhs_shape, dimension_numbers)``. Its
+    result, reshaped row-major, is the dot's. Free dims may be merged in any
+    way. A contracted dim merged on one side is contracted as its parts,
+    the other side's dim split the same way (``x.reshape(-1, d).T @ dy``, a
+    weight gradient over flattened rows: ``dy`` split back into batch and
+    sequence); the caller reshapes each operand to the shape returned."""
     contracting = _no_batch(dimension_numbers)
     shapes = [tuple(lhs_shape), tuple(rhs_shape)]
-    groups = merged_groups(before, shapes[operand])
-    if groups is None:
-        raise Unsupported(f"the reshape {tuple(before)} -> {shapes[operand]} does not only merge dims")
-    if any(len(groups[c]) != 1 for c in contracting[operand]):
-        raise Unsupported("the reshape merges a contracted dim")
-    contracting[operand] = [groups[c][0] for c in contracting[operand]]
-    shapes[operand] = tuple(before)
-    return shapes[0], shapes[1], ((tuple(contracting[0]), tuple(contracting[1])), ((), ()))
+    sources, groups = [], []
+    for shape, before in zip(shapes, befores):
+        found = [(d,) for d in range(len(shape))] if before is None else merged_groups(before, shape)
+        if found is None:
+            raise Unsupported(f"the reshape {tuple(before)} -> {shape} does not only merge dims")
+        sources.append(shape if before is None else tuple(before))
+        groups.append(found)
+    # Each source dim's sizes once split (a dim contracted with a merged one).
+    parts = [{d: (size,) for d, size in enumerate(source)} for source in sources]
+    for cl, cr in zip(*contracting):
+        sides = [[sources[0][d] for d in groups[0][cl]], [sources[1][d] for d in groups[1][cr]]]
+        if sides[0] == sides[1]:
+            continue
+        for one, other, c in ((0, 1, cl), (1, 0, cr)):
+            if len(groups[one][c]) == 1 and math.prod(sides[other]) == sides[one][0]:
+                parts[one][groups[one][c][0]] = tuple(sides[other])
+                break
+        else:
+            raise Unsupported("the reshape merges a contracted dim")
+    new_shapes, index = [], []
+    for side in (0, 1):
+        shape, at = [], {}
+        for d in range(len(sources[side])):
+            at[d] = list(range(len(shape), len(shape) + len(parts[side][d])))
+            shape.extend(parts[side][d])
+        new_shapes.append(tuple(shape))
+        index.append(at)
+    new = [[n for c in contracting[side] for d in groups[side][c] for n in index[side][d]] for side in (0, 1)]
+    return new_shapes[0], new_shapes[1], ((tuple(new[0]), tuple(new[1])), ((), ()))
 
 
 def split_dot(lhs_shape, rhs_shape, dimension_numbers, after):

@@ -611,7 +611,7 @@ class Rewriter:
         """(the dot's `DotForm` with operand `x_side` as x, or one batch's for a
         grouped matmul, and its `BatchedDot` or None); raises `Unsupported`.
         With `f.regroup`, the form of the dot on the regrouped operands
-        (`regrouped_shapes`)."""
+        (`_regrouped`)."""
         if f is not None and f.regroup is not None:
             lhs, rhs, dn = self._regrouped(f)
             return DotForm(lhs, rhs, dn, x_side, dot.params.get("precision"),
@@ -629,7 +629,9 @@ class Rewriter:
         shapes = [v.aval.shape for v in dot.invars]
         dn = dot.params["dimension_numbers"]
         if f.side == "in":
-            return regroup.unmerged_dot(*shapes, dn, f.operand, reshape.invars[0].aval.shape)
+            befores = [None, None]
+            befores[f.operand] = reshape.invars[0].aval.shape
+            return regroup.unmerged_dot(*shapes, dn, befores)
         return regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape)
 
     def _try_input(self, f: Fusion):
@@ -647,6 +649,11 @@ class Rewriter:
             a = rowwise.apply(eqns, f.local, f.rows, f.start, a, self.read, a.shape[gather_dim])[f.end]
             gather_dim = f.rows[f.end]
         other = self.read(dot.invars[1 - f.operand])
+        if f.regroup is not None:
+            try:  # the other operand split where a merged dim of this one is contracted with it
+                other = other.reshape(self._regrouped(f)[1 - f.operand])
+            except Unsupported:
+                pass  # said by `_forms` below
         pair = f"{describe_collective(coll)} + {describe_dot(dot)}"
         if f.local:
             pair = f"{describe_collective(coll)} + {len(f.local)} row-wise ops (moved before it) + {describe_dot(dot)}"

@@ -10,7 +10,10 @@ rows first, the gather and the dot become one fused op, and the norm does a
 `find` takes the equations that read the gathered value, up to the one
 dot_general they all lead to, when each is row-wise: an elementwise op, a
 reduction over other dims, a ``broadcast_in_dim`` (of such a value, or of
-something without the gathered rows, like a norm's scale), a ``pvary``.
+something without the gathered rows, like a norm's scale), a ``pvary``, a
+``checkpoint_name`` no policy saves. The last may be a reshape that merges
+the result's free dims (tokens flattened for the projection): the dot is
+then taken on the value before it (`regroup`).
 `apply` evaluates them on the local rows, with each ``broadcast_in_dim``'s
 shape cut to them.
 """

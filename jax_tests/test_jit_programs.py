@@ -168,6 +168,9 @@ def _choose(x_spec, w_spec, out_spec, x_shape=X3, w_shape=W):
     (((), (), ("dp", "tp")), (("dp",), ("tp",)), ((), (), ("tp",)), "all_gather_matmul", ("tp",), 2, ("dp",)),
     # Nothing to communicate.
     ((("dp",), (), ()), ((), ("tp",)), (("dp",), (), ("tp",)), "local", (), 0, ()),
+    # FSDP's weight gradient beside data parallelism: the contraction over (dp, tp), the result's rows
+    # scattered over tp, then summed over dp.
+    (((), (), ("dp", "tp")), (("dp", "tp"), ()), (("tp",), (), ()), "matmul_reduce_scatter", ("tp",), 0, ("dp",)),
 ])
 def test_choose_picks_the_collective_the_shardings_need(x_spec, w_spec, out_spec, op, axes, dimension, psum):
     choice = _choose(x_spec, w_spec, out_spec)
@@ -331,3 +334,23 @@ def test_explicit_axes_without_a_mesh_in_context_fuse_as_under_set_mesh():
             _close(fused(x, w1, w2), jax.jit(grad)(x, w1, w2), "explicit axes")
             counts.append(fused_in(fused.lower(x, w1, w2).compile().as_text()))
     assert counts[0] == counts[1] > 0, counts
+
+
+def test_a_weight_gradient_scattered_over_fsdp_and_summed_over_data():
+    """``einsum("bd,bf->df")`` with the batch over (data, fsdp) and the
+    gradient constrained to rows over fsdp: the reduce-scatter over fsdp is
+    the fused op, the sum over data XLA's."""
+    mesh = make_mesh({"data": 2, "fsdp": 2})
+    rng = np.random.default_rng(15)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    x = jax.device_put(rng.standard_normal((16, 32)).astype(np.float32), rows)
+    dy = jax.device_put(rng.standard_normal((16, 24)).astype(np.float32), rows)
+
+    def wgrad(x, dy):
+        g = jnp.einsum("bd,bf->df", x, dy)
+        return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P("fsdp")))
+
+    fused = commfuse.overlap(wgrad, schedule="ring")
+    _close(jax.jit(fused)(x, dy), np.asarray(x).T @ np.asarray(dy), "weight gradient")
+    report = "\n".join(fused.last_report)
+    assert "matmul_reduce_scatter over ('fsdp',), dimension 0, then psum over ('data',)" in report, report

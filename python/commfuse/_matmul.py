@@ -480,10 +480,13 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
     scatters = {"scatter_rows": ("matmul_reduce_scatter", Kind.MATMUL_REDUCE_SCATTER),
                 "scatter_n": ("matmul_reduce_scatter", Kind.MATMUL_REDUCE_SCATTER_COLS)}
     if what in scatters:
-        if axes != reduce:
+        rest = tuple(a for a in reduce if a not in axes)
+        if not set(axes) <= set(reduce) or not axes:
             return fallback(f"the result is scattered over {axes} but the contraction is sharded over {reduce}")
+        # The contraction's other axes (data parallelism's, beside FSDP's
+        # scatter of a weight gradient) are summed after the fused op.
         op, kind = scatters[what]
-        return Choice(op, kind, axes, d if what == "scatter_rows" else nr, x_spec, w_spec, out_spec)
+        return Choice(op, kind, axes, d if what == "scatter_rows" else nr, x_spec, w_spec, out_spec, psum_axes=rest)
     gathers = {"gather_x_rows": ("all_gather_matmul", Kind.ALL_GATHER_MATMUL),
                "gather_x_k": ("all_gather_matmul", Kind.ALL_GATHER_MATMUL_CONTRACT),
                "gather_w_n": ("matmul_all_gather", Kind.MATMUL_ALL_GATHER),
@@ -514,7 +517,8 @@ def run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
 
 
 def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
-    if choice.psum_axes and settings.schedule != _abi.UNFUSED:
+    if choice.psum_axes and settings.schedule != _abi.UNFUSED and choice.op in ("all_gather_matmul",
+                                                                                 "matmul_all_gather"):
         tiled = _gather_then_psum_tiles(choice, x, w, settings, ranks)
         if tiled is not None:
             return tiled

@@ -278,9 +278,10 @@ def test_the_report_follows_the_layout_each_call_compiled():
     rng = np.random.default_rng(12)
     x, w = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 32)).astype(np.float32)
     layouts = {"local": (P("fsdp", None), P(None, "tp")), "all_reduce": (P(None, "tp"), P("tp", None))}
-    for _ in range(2):
+    outer = jax.jit(fused)  # one trace, a compile per layout: each compile's lines replace the last one's
+    for call in (fused, fused, outer):
         for name, (sx, sw) in layouts.items():
-            got = fused(jax.device_put(x, NamedSharding(mesh, sx)), jax.device_put(w, NamedSharding(mesh, sw)))
+            got = call(jax.device_put(x, NamedSharding(mesh, sx)), jax.device_put(w, NamedSharding(mesh, sw)))
             _close(got, x @ w, name)
             ops = [p.choice.op for p in fused.last_partitioned]
             assert ops == (["local"] if name == "local" else ["matmul_all_reduce"]), (name, ops, fused.last_report)

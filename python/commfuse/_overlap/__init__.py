@@ -160,6 +160,11 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             compiling[-1][0].append(line)
             compiling[-1][1].extend(partitioned)
         else:  # compiled by the caller's jit, after this function's trace
+            if partitioned and any(p.site == entry.site for p in wrapper.last_partitioned):
+                # Compiled again (another layout of the same trace): this
+                # compile's lines replace the last one's.
+                wrapper.last_report = [ln for ln in wrapper.last_report if not ln.startswith("overlap[partitioned]")]
+                wrapper.last_partitioned = []
             wrapper.last_report.append(line)
             wrapper.last_partitioned.extend(partitioned)
             say(line)

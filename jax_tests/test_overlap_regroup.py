@@ -200,3 +200,17 @@ def test_a_norm_then_the_flattening_between_the_gather_and_its_dot():
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(), P(None, "tp")), out_specs=P(None, "tp"),
                        check_vma=False)
     rewrites_as_written(fn, (x, g, w), 1)
+
+
+def test_a_widened_product_before_an_all_to_all_stays_as_written():
+    """There is no sum to take in f32 there: the program's bf16 products stand."""
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(10)
+    x = _placed(mesh, rng, (16, 32), P(), jnp.bfloat16)
+    w = _placed(mesh, rng, (32, 16), P(), jnp.bfloat16)
+
+    def body(x, w):
+        return jax.lax.all_to_all((x @ w).astype(jnp.float32), "tp", 0, 1, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(None, "tp"), check_vma=False)
+    rewrites_as_written(fn, (x, w), 0, "fused only for a 16-bit product then summed")

@@ -92,8 +92,24 @@ def test_a_policy_reading_the_dots_parameters_gets_them():
     assert _fused_calls(grads[0], args) < _fused_calls(jax.value_and_grad(nothing, argnums=(0, 1, 2)), args)
 
 
-@pytest.mark.parametrize("saved", [(), ("xg",)])
-def test_a_named_gathered_activation_fuses_unless_the_policy_saves_it(saved):
+def _raising_policy(prim, *_, **params):
+    raise RuntimeError("a policy that cannot answer")
+
+
+def _offloading(*names):
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names), offload_src="device",
+        offload_dst="pinned_host")
+
+
+@pytest.mark.parametrize("policy, fused", [
+    (jax.checkpoint_policies.save_only_these_names(), 1),
+    (jax.checkpoint_policies.save_only_these_names("xg"), 0),
+    (_offloading("other"), 1),   # answers JAX's `Recompute` for "xg", not a bool
+    (_offloading("xg"), 0),      # `Offloadable`: kept too
+    (_raising_policy, 0),        # cannot say: as if it saved the name
+], ids=["saves-nothing", "saves-xg", "offloads-other", "offloads-xg", "raises"])
+def test_a_named_gathered_activation_fuses_unless_the_policy_saves_it(policy, fused):
     """``checkpoint_name(all_gather(x), "xg") @ w`` inside ``jax.checkpoint``:
     the name is an identity, so the pair fuses, unless the policy saves that
     name (the program then keeps the gathered value for the backward pass,
@@ -109,14 +125,16 @@ def test_a_named_gathered_activation_fuses_unless_the_policy_saves_it(saved):
         xg = checkpoint_name(jax.lax.all_gather(x, "tp", axis=0, tiled=True), "xg")
         return jnp.sum(jnp.tanh(xg @ w) ** 2)
 
-    policy = jax.checkpoint_policies.save_only_these_names(*saved)
     body = jax.checkpoint(layer, policy=policy)
     loss = jax.shard_map(lambda x, w: jax.lax.psum(body(x, w), "tp"), mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
                          out_specs=P(), check_vma=False)
     rewritten = commfuse.overlap(loss, schedule="ring")
     np.testing.assert_allclose(np.asarray(jax.jit(rewritten)(x, w)), np.asarray(jax.jit(loss)(x, w)), rtol=1e-5)
-    grads = jax.jit(jax.grad(rewritten, argnums=(0, 1)))(x, w)
-    for got, want in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
     report = "\n".join(rewritten.last_report)
-    assert report.count("rewrote") == (0 if saved else 1), report
+    assert report.count("rewrote") == fused, report
+    if not fused:
+        assert "an enclosing checkpoint policy saves the value it names ('xg')" in report, report
+    if policy is not _raising_policy:
+        grads = jax.jit(jax.grad(rewritten, argnums=(0, 1)))(x, w)
+        for got, want in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)

@@ -100,13 +100,13 @@ def resolve(shapes: _abi.CallShapes, measure_overhead, *, decline: bool = True) 
 def decide(prepared: dict, n: int, spec: str, measure_overhead, may_decline: bool) -> tuple:
     """(code, why): the model's pick, or unfused where its predicted gain
     over the unoverlapped baseline is not `MARGIN` times a fused call's fixed cost."""
+    if n == 1 and may_decline:
+        # XLA drops a collective over one device; a fused call would only add its fixed cost.
+        return _abi.UNFUSED, "unfused: a group of one device has no communication to hide"
     model = prepared.get("model")
     if model is None:
         return prepared["schedule"], "the cost model cannot time this call; the library's default schedule"
     pick, fused, unfused = model["pick"], model["pick_s"], model["sequential_s"]
-    if n == 1 and may_decline:
-        # XLA drops a collective over one device; a fused call would only add its fixed cost.
-        return _abi.UNFUSED, "unfused: a group of one device has no communication to hide"
     if n == 1 or fused is None or unfused is None:
         return prepared["schedule"], f"{pick}, the cost model's pick"
     gain = unfused - fused

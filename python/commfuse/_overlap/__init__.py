@@ -78,6 +78,26 @@ def _in_manual_context() -> bool:
         return False
 
 
+def _layout(leaves):
+    """The shardings of `leaves`, as a key (a spec's trailing unsharded dims
+    dropped: JAX compiles ``P('tp')`` and ``P('tp', None)`` once)."""
+    def key(sharding):
+        spec = getattr(sharding, "spec", None)
+        if spec is None:
+            return sharding
+        entries = list(spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return type(sharding), getattr(sharding, "mesh", None), tuple(entries), getattr(sharding, "memory_kind", None)
+
+    layout = tuple(key(getattr(leaf, "sharding", None)) for leaf in leaves)
+    try:
+        hash(layout)
+    except TypeError:
+        return None
+    return layout
+
+
 def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=None):
     """Returns ``fun`` with its shard_map collective/matmul pairs fused into commfuse ops.
 
@@ -250,21 +270,17 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             outs = fn(*dyn)
         finally:
             lines, partitioned = compiling.pop()
-        # One trace serves every layout of these shapes; jit compiles each
-        # layout on its own, and each has its own partitioned lines.
-        layout = tuple(getattr(leaf, "sharding", None) for leaf in dyn)
-        try:
-            hash(layout)
-        except TypeError:
-            layout = None
+        # One trace may serve several layouts of these shapes (explicit axes
+        # trace each anew), and jit compiles each layout on its own: each
+        # has its own report.
+        layout = _layout(dyn)
         if state.fresh or lines or partitioned:  # traced or compiled (again) by this call
             state.fresh = False
-            by_layout[layout] = (lines, partitioned)
-            emit(state.lines + lines, partitioned)
-        else:
-            lines, partitioned = by_layout.get(layout, ([], []))
-            wrapper.last_report = list(state.lines) + lines
-            wrapper.last_partitioned = list(partitioned)
+            by_layout[layout] = (list(state.lines) + lines, partitioned)
+            emit(*by_layout[layout])
+        elif layout in by_layout:  # else: a layout JAX took for one it had compiled; the report stands
+            report, partitioned = by_layout[layout]
+            wrapper.last_report, wrapper.last_partitioned = list(report), list(partitioned)
         return finish(out_box, outs, (args, kwargs), treedef)
 
     wrapper.last_report = []

@@ -4,7 +4,7 @@ whose partitioning rule chooses the fused op once the shardings are known."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 
 from .. import _matmul
 from .._dot_form import DotForm, Unsupported, _explicit_spec
@@ -26,8 +26,12 @@ class Regrouping:
     def __init__(self, jaxpr):
         self.eqns = jaxpr.eqns
         self.producer = {v: i for i, e in enumerate(self.eqns) for v in e.outvars}
-        self.uses = Counter(v for e in self.eqns for v in e.invars if not is_literal(v))
-        self.uses.update(v for v in jaxpr.outvars if not is_literal(v))
+        self.users = defaultdict(list)
+        for i, e in enumerate(self.eqns):
+            for v in e.invars:
+                if not is_literal(v):
+                    self.users[v].append(i)
+        self.outputs = {v for v in jaxpr.outvars if not is_literal(v)}
         self.done: set[int] = set()  # reshapes whose result a regrouped dot wrote
 
     def _reshape(self, i):
@@ -58,8 +62,9 @@ class Regrouping:
             vals = [(v if r is None else read(r.invars[0])).reshape(shape)
                     for v, r, shape in zip(invals, chosen, unmerged)]
             return eval_dot(eqn, invals, state, where, (vals, merged_dn, lambda y: y.reshape(out_shape)))
-        users = [j for j, e in enumerate(self.eqns) if any(u is eqn.outvars[0] for u in e.invars)]
-        reshape = self._reshape(users[0]) if self.uses[eqn.outvars[0]] == 1 and len(users) == 1 else None
+        result = eqn.outvars[0]
+        users = self.users.get(result, [])
+        reshape = self._reshape(users[0]) if len(users) == 1 and result not in self.outputs else None
         if reshape is None:
             return eval_dot(eqn, invals, state, where)
         try:

@@ -8,7 +8,8 @@ are evaluated where they are needed, and every other candidate keeps its
 chance.
 
 The patterns, with ``~>`` a chain of single-use value-preserving casts
-(``pvary``) and, on the output side, transposes:
+(``pvary``, and a ``checkpoint_name`` no enclosing policy saves) and, on
+the output side, transposes:
 
 * input side: ``all_gather`` / ``all_gather(to="reduced")`` / ``all_to_all``
   ~> operand of one or more ``dot_general``s (each dot becomes its own fused
@@ -304,7 +305,11 @@ class Rewriter:
             chain.insert(0, q)
             src = eqns[q].invars[0]
         p = None if is_literal(src) else self.producer.get(src)
-        if p is None:
+        if p is not None and widened and (name not in PSUM + REDUCE_SCATTER or any(
+                np.dtype(v.aval.dtype).itemsize != 2 for v in eqns[p].invars)):
+            p, why = None, (f"the {name} operand is cast to float32 after its dot_general: fused only for a 16-bit "
+                            f"product then summed (psum, psum_scatter)")
+        elif p is None:
             why = f"{name} operand is not computed in this body"
         elif eqns[p].primitive.name != "dot_general":
             why = f"{name} operand is produced by {eqns[p].primitive.name}, not a dot_general"
@@ -327,12 +332,15 @@ class Rewriter:
         return eqn.primitive.name in CASTS or (eqn.primitive.name == "name" and not self._saved_name(eqn))
 
     def _saved_name(self, eqn) -> bool:
-        """Whether a checkpoint policy around this body saves the value `eqn` names."""
+        """Whether a checkpoint policy around this body saves (or offloads)
+        the value `eqn` names. Policies answer a bool or one of JAX's
+        ``Saveable``, ``Recompute``, ``Offloadable``."""
         for policy in self.state.policies:
             try:
-                if policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params):
-                    return True
+                decision = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
             except Exception:  # noqa: BLE001 - a policy that cannot say: as if it saved it
+                return True
+            if decision if isinstance(decision, bool) else type(decision).__name__ != "RecomputeType":
                 return True
         return False
 

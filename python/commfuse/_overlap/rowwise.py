@@ -11,9 +11,9 @@ rows first, the gather and the dot become one fused op, and the norm does a
 dot_general they all lead to, when each is row-wise: an elementwise op, a
 reduction over other dims, a ``broadcast_in_dim`` (of such a value, or of
 something without the gathered rows, like a norm's scale), a ``pvary``, a
-``checkpoint_name`` no policy saves. The last may be a reshape that merges
-the result's free dims (tokens flattened for the projection): the dot is
-then taken on the value before it (`regroup`).
+``checkpoint_name`` no policy saves. The last may be a reshape that only
+merges dims (tokens flattened for the projection): the dot is then taken
+on the value before it (`regroup`).
 `apply` evaluates them on the local rows, with each ``broadcast_in_dim``'s
 shape cut to them.
 """
@@ -67,7 +67,9 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
                 and regroup.merged_groups(eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape) is not None:
             reshapes.append(i)  # the rows end here; the dot is taken on the unmerged value
             continue
-        dim = None if name == "name" and saved_name(eqn) else _row_dim(eqn, rows)
+        if name == "name" and saved_name(eqn):
+            return None, f"an enclosing checkpoint policy saves the value it names ({eqn.params.get('name')!r})"
+        dim = _row_dim(eqn, rows)
         if dim is None:
             return None, f"it is used by {name}, which is not row-wise over the gathered dim"
         if name in _ELEMENTWISE:

@@ -317,10 +317,10 @@ def test_jax_export_of_fused_ops_as_docs_api_says():
     with pytest.raises(ValueError, match="compatibility guarantees"):
         export.export(named)(x, w)
     product = jax.jit(commfuse.overlap(lambda x, w: x @ w, schedule="ring"))
+    x_cols = jax.device_put(np.asarray(x), NamedSharding(mesh, P(None, "tp")))
     w_rows = jax.device_put(np.asarray(w), NamedSharding(mesh, P("tp", None)))
     with pytest.raises(NotImplementedError, match="host_callbacks"):
-        export.export(product, disabled_checks=allowed)(jax.device_put(np.asarray(x), NamedSharding(mesh, P(None, "tp"))),
-                                                        w_rows)
+        export.export(product, disabled_checks=allowed)(x_cols, w_rows)
 
 
 def test_explicit_axes_without_a_mesh_in_context_fuse_as_under_set_mesh():

@@ -491,7 +491,7 @@ def test_vmap_without_a_fused_form_runs_jax_lax_batched(case):
     w_axes = 0 if w_batched else None
 
     def run(op):
-        return np.asarray(run_sharded(lambda a, b: jax.vmap(lambda u, v: op(u, v, "x", **kw), in_axes=(0, w_axes))(a, b),
-                                      mesh, (P("x"), P("x") if w_batched else P()), x, w))
+        batched = jax.vmap(lambda u, v: op(u, v, "x", **kw), in_axes=(0, w_axes))
+        return np.asarray(run_sharded(batched, mesh, (P("x"), P("x") if w_batched else P()), x, w))
 
     assert_close(run(getattr(commfuse, name)), run(getattr(commfuse.reference, name)))

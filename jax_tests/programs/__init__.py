@@ -87,3 +87,19 @@ def place(mesh, spec, value):
 
 def normal(rng, shape, scale=1.0, dtype=np.float32):
     return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def constrainer(mesh):
+    """``constrain(a, *spec)``: `a` constrained to ``P(*spec)`` on `mesh`, as
+    the LLM frameworks' logical axis rules pin activations."""
+    def constrain(a, *spec):
+        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+    return constrain
+
+
+def mlp_operands(mesh, rng, shape, x_spec, w1_spec, w2_spec):
+    """An activation of `shape` ``(b, s, d)`` and an MLP's ``w1 [d, 2d]``,
+    ``w2 [2d, d]`` (scaled to keep the activations' size), placed."""
+    d = shape[-1]
+    return (place(mesh, x_spec, normal(rng, shape)), place(mesh, w1_spec, normal(rng, (d, 2 * d), d ** -0.5)),
+            place(mesh, w2_spec, normal(rng, (2 * d, d), (2 * d) ** -0.5)))

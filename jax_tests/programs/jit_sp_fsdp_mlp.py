@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import JitProgram, normal, place
+from . import JitProgram, constrainer, mlp_operands
 
 
 def build(mesh, rng):
-    b, s, d, f = 2 * mesh.shape["fsdp"], 8 * mesh.shape["tensor"], 32, 64
-
-    def constrain(a, *spec):
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+    b, s, d = 2 * mesh.shape["fsdp"], 8 * mesh.shape["tensor"], 32
+    constrain = constrainer(mesh)
 
     def block(x, w1, w2):
         x = constrain(x, "fsdp", "tensor", None)
@@ -29,9 +26,8 @@ def build(mesh, rng):
         out = x + y
         return jnp.mean(out * out), out
 
-    x = place(mesh, P("fsdp", "tensor", None), normal(rng, (b, s, d)))
-    w1 = place(mesh, P("fsdp", "tensor"), normal(rng, (d, f), d ** -0.5))
-    w2 = place(mesh, P("tensor", "fsdp"), normal(rng, (f, d), f ** -0.5))
+    x, w1, w2 = mlp_operands(mesh, rng, (b, s, d), P("fsdp", "tensor", None), P("fsdp", "tensor"),
+                             P("tensor", "fsdp"))
     return block, (x, w1, w2)
 
 

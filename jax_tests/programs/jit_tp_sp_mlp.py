@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import JitProgram, normal, place
+from . import JitProgram, constrainer, mlp_operands
 
 
 def build(mesh, rng):
-    b, s, d, f = 2 * mesh.shape["dp"], 16 * mesh.shape["tp"], 32, 64
-
-    def constrain(a, *spec):
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+    b, s, d = 2 * mesh.shape["dp"], 16 * mesh.shape["tp"], 32
+    constrain = constrainer(mesh)
 
     def block(x, w1, w2):
         h = constrain(jnp.einsum("bsd,df->bsf", x, w1), "dp", None, "tp")
@@ -27,9 +24,7 @@ def build(mesh, rng):
         out = x + y
         return jnp.mean(out * out), out
 
-    x = place(mesh, P("dp", "tp", None), normal(rng, (b, s, d)))
-    w1 = place(mesh, P(None, "tp"), normal(rng, (d, f), d ** -0.5))
-    w2 = place(mesh, P("tp", None), normal(rng, (f, d), f ** -0.5))
+    x, w1, w2 = mlp_operands(mesh, rng, (b, s, d), P("dp", "tp", None), P(None, "tp"), P("tp", None))
     return block, (x, w1, w2)
 
 

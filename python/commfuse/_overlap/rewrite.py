@@ -674,7 +674,9 @@ class Rewriter:
         merged = None
         if f.regroup is not None:
             pair = pair.replace(f" + {describe_dot(dot)}", f" + reshape + {describe_dot(dot)}")
-            merged = (lambda y, shape=tuple(dot.outvars[0].aval.shape): y.reshape(shape))
+
+            def merged(y, shape=tuple(dot.outvars[0].aval.shape)):
+                return y.reshape(shape)
         why = []
         for role in roles:
             x_side = f.operand if role == "x" else 1 - f.operand

@@ -492,3 +492,29 @@ def test_pytrees_kwargs_and_static_arguments(mesh4, rng):
         assert got["n"] == want["n"] == 8 and isinstance(got["n"], int)
         assert_close(np.asarray(got["y"]), np.asarray(want["y"]))
         assert len(rewrites(g)) == 2, g.last_report
+
+
+@pytest.mark.parametrize("schedule", ["ring", "unfused"])
+def test_named_scopes_and_source_lines_reach_the_rewritten_program(mesh4, rng, schedule):
+    """Profiles and HLO dumps of the overlapped program name the user's
+    ``jax.named_scope``s, in shard_map bodies (the fused op in its dot's
+    scope) and outside them, whether or not anything was fused."""
+    x, w1, w2 = _mlp_args(mesh4, rng)
+
+    def body(x, w1, w2):
+        with jax.named_scope("sp_up_projection"):
+            h = jax.lax.all_gather(x, "x", axis=1, tiled=True) @ w1
+        return jax.lax.psum_scatter(jax.nn.gelu(h) @ w2, "x", scatter_dimension=1, tiled=True)
+
+    sharded = shard(body, mesh4, (P(None, "x"), P(None, "x"), P("x", None)), P(None, "x"))
+
+    def step(x, w1, w2):
+        with jax.named_scope("loss_head"):
+            return jnp.sum(jnp.tanh(sharded(x, w1, w2)))
+
+    for fn in (sharded, step):
+        want = jax.jit(fn).lower(x, w1, w2).as_text(debug_info=True)
+        got = jax.jit(overlap(fn, schedule=schedule)).lower(x, w1, w2).as_text(debug_info=True)
+        for scope in ("sp_up_projection", "loss_head"):
+            assert (scope in got) == (scope in want), (scope, schedule)
+        assert "sp_up_projection" in got

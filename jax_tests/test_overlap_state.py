@@ -271,3 +271,31 @@ def test_the_wrapper_does_not_take_a_jitted_functions_own_methods():
     assert not hasattr(wrapped, "lower")
     assert wrapped.__name__ == jitted.__name__
     np.testing.assert_array_equal(np.asarray(wrapped(jnp.ones(2))), 2 * np.ones(2))
+
+
+def test_a_python_number_that_changes_between_calls_is_traced_not_compiled_again():
+    """A learning rate from a schedule or a step count, passed as a Python
+    number to ``overlap(step)`` called directly: traced once it changes, as
+    ``jax.jit`` traces it, so each new value does not trace and compile the
+    step again; one that shapes the program (a Python ``if``) stays static."""
+    traces = []
+
+    def step(w, x, lr, t):
+        traces.append(None)
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - lr / (1 + t) * g, loss
+
+    w, x = _x(1, (16, 8)), _x(2, (4, 16))
+    fused, plain = commfuse.overlap(step), jax.jit(step)
+    for i in range(6):
+        lr, t = 1e-2 * (i + 1), i
+        got, want = fused(w, x, lr, t), plain(w, x, lr, t)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+    assert len(traces) == 3, len(traces)  # plain jit once; overlap at the first value and the second (traced)
+
+    def gated(x, scale):
+        return x * scale if scale > 0 else x  # a Python `if` on the number: it must stay static
+
+    g = commfuse.overlap(gated)
+    for scale in (2.0, -1.0, 3.0):
+        np.testing.assert_array_equal(np.asarray(g(x, scale)), np.asarray(gated(x, scale)))

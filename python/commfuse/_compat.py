@@ -82,6 +82,18 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts_tree), len(carry_tree)
 
 
+def source_context(eqn):
+    """The equation's source location and name stack (``jax.named_scope``)
+    for what is traced in its place, as ``jax.core.eval_jaxpr`` keeps them:
+    the rewritten program's HLO metadata and profiles name the user's
+    scopes and lines."""
+    from jax._src import source_info_util  # what eval_jaxpr itself uses; no public API carries it
+
+    info = eqn.source_info
+    return source_info_util.user_context(info.traceback,
+                                         name_stack=source_info_util.current_name_stack() + info.name_stack)
+
+
 def bind_eqn(eqn, invals) -> list:
     """Binds a jaxpr equation's primitive to `invals` with its own params, as
     ``jax.core.eval_jaxpr`` does (within the equation's context, e.g.

@@ -70,6 +70,17 @@ def _is_dynamic(leaf) -> bool:
     return isinstance(leaf, _DYNAMIC)
 
 
+def _is_number(leaf) -> bool:
+    """A Python number (not a bool: a flag)."""
+    return isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
+
+
+_TRACED, _STATIC = object(), object()
+# What tracing a Python number raises where it shapes the program.
+_SHAPES_THE_PROGRAM = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                       jax.errors.TracerIntegerConversionError)
+
+
 def _in_manual_context() -> bool:
     try:
         mesh = jax.sharding.get_abstract_mesh()
@@ -231,22 +242,59 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
 
     # Not `fun`'s __dict__: a jit or pmap object's own `lower` and `trace`
     # there would show its program, not the rewritten one.
+    # Where a Python number among the arguments is traced rather than
+    # static: (treedef, leaf index) -> the first value seen there, or
+    # _TRACED / _STATIC once decided (`traced_numbers`).
+    numbers: dict = {}
+
+    def traced_numbers(treedef, leaves) -> tuple[set, set]:
+        """The positions of Python numbers to trace, and those among them
+        traced from this call on. A number is static (a flag, a count that
+        shapes the program) until its position takes a second value (a
+        learning rate from a schedule, a step count): from then on it is
+        traced, as ``jax.jit`` traces Python numbers, so a new value does
+        not compile the program again."""
+        newly = set()
+        for j, leaf in enumerate(leaves):
+            if not _is_number(leaf):
+                continue
+            seen = numbers.setdefault((treedef, j), leaf)
+            if seen is not _TRACED and seen is not _STATIC and seen != leaf:
+                numbers[(treedef, j)] = _TRACED
+                newly.add(j)
+        return {j for j in range(len(leaves)) if numbers.get((treedef, j)) is _TRACED}, newly
+
     @functools.wraps(fun, updated=())
     def wrapper(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
-        dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
-        # Python scalars, strings, ... are static, as if named in jit's static_argnums.
-        static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
         ties = inplace.alias_groups((args, kwargs), treedef)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in dyn) or _in_manual_context():
-            # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace in place.
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) or _in_manual_context():
+            # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace
+            # in place; what the caller's trace left as Python values is static.
+            dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
+            static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
             state, out_box = State(schedule, owner), [None, None, None]
             outs = rewritten(treedef, static, ties, len(leaves), state, out_box, *dyn)
             emit(state.lines)
             return finish(out_box, outs, (args, kwargs), treedef)
-        # Concrete arguments: one jitted program per static part and per
-        # argument signature (what a trace of `fun` records, its results'
-        # structure and in-place updates, belongs to that trace alone).
+        traced, newly = traced_numbers(treedef, leaves)
+        try:
+            return concrete(args, kwargs, leaves, treedef, ties, traced)
+        except _SHAPES_THE_PROGRAM:
+            if not newly:
+                raise
+            for j in newly:  # it shapes the program (a Python `if`, a size): static after all
+                numbers[(treedef, j)] = _STATIC
+            return concrete(args, kwargs, leaves, treedef, ties, traced - newly)
+
+    def concrete(args, kwargs, leaves, treedef, ties, traced):
+        """A call on concrete arguments: one jitted program per static part
+        and per argument signature (what a trace of `fun` records, its
+        results' structure and in-place updates, belongs to that trace
+        alone). Strings, Python numbers not in `traced`, ... are static."""
+        dynamic = [_is_dynamic(leaf) or j in traced for j, leaf in enumerate(leaves)]
+        dyn = [leaf for leaf, d in zip(leaves, dynamic) if d]
+        static = tuple((j, type(leaf), leaf) for j, (leaf, d) in enumerate(zip(leaves, dynamic)) if not d)
         signature = tuple((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf))),
                            bool(getattr(leaf, "weak_type", False))) for leaf in dyn)
         try:
@@ -268,6 +316,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         compiling.append(([], []))
         try:
             outs = fn(*dyn)
+        except _SHAPES_THE_PROGRAM:
+            if key is not None:
+                jitted_cache.pop(key, None)
+            raise
         finally:
             lines, partitioned = compiling.pop()
         # One trace may serve several layouts of these shapes (explicit axes

@@ -43,10 +43,11 @@ def interpret(jaxpr, consts, args, state: State, where: str, manual: bool):
     for i, eqn in enumerate(jaxpr.eqns):
         if i in regrouping.done:
             continue
-        if eqn.primitive.name == DOT:  # outside any shard_map body
-            outs = regrouping.eval(i, read, write, state, where)
-        else:
-            outs = eval_eqn(eqn, [read(v) for v in eqn.invars], state=state, where=where, manual=manual)
+        with _compat.source_context(eqn):
+            if eqn.primitive.name == DOT:  # outside any shard_map body
+                outs = regrouping.eval(i, read, write, state, where)
+            else:
+                outs = eval_eqn(eqn, [read(v) for v in eqn.invars], state=state, where=where, manual=manual)
         for v, val in zip(eqn.outvars, outs):
             write(v, val)
     return [read(v) for v in jaxpr.outvars]

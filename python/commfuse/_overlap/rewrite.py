@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from .. import _both_sides as both_sides
-from .. import _fused
+from .. import _compat, _fused
 from .._dot_form import BatchedDot, DotForm, Unsupported
 from . import regroup, rowwise, variance
 from .jaxpr import (
@@ -372,7 +372,9 @@ class Rewriter:
         eqn = self.jaxpr.eqns[i]
         self.evaluated.add(i)
         self.materialized.add(i)
-        outs = self.eval_eqn(eqn, [self.read(v) for v in eqn.invars])
+        invals = [self.read(v) for v in eqn.invars]
+        with _compat.source_context(eqn):
+            outs = self.eval_eqn(eqn, invals)
         for v, val in zip(eqn.outvars, outs):
             self.write(v, val)
 
@@ -556,7 +558,8 @@ class Rewriter:
     def _fuse(self, f) -> bool:
         """Tries one candidate; whether it fused."""
         if isinstance(f, _Both):
-            return self._fuse_both(f)
+            with _compat.source_context(self.jaxpr.eqns[f.f_in.dot]):
+                return self._fuse_both(f)
         self.tried.add(id(f))
         eqns = self.jaxpr.eqns
         target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
@@ -567,7 +570,8 @@ class Rewriter:
             self.reasons[f.coll].append("it is fused with the dot_general before it; a collective is fused "
                                         "with one dot")
             return False
-        out = self._try_input(f) if f.side == "in" else self._try_output(f)
+        with _compat.source_context(eqns[f.dot]):  # the fused op in the place of the dot it replaces
+            out = self._try_input(f) if f.side == "in" else self._try_output(f)
         if out is None:
             return False
         self.write(target, out)

@@ -214,3 +214,30 @@ def test_a_widened_product_before_an_all_to_all_stays_as_written():
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(None, "tp"), check_vma=False)
     rewrites_as_written(fn, (x, w), 0, "fused only for a 16-bit product then summed")
+
+
+def test_the_backward_of_a_widened_sum_gathers_the_cotangent_narrowed_into_both_products():
+    """The gradient of ``psum_scatter((h @ w).astype(f32))``: JAX gathers the
+    f32 cotangent and casts it to bf16 for the two backward products. The
+    cast moves before the gather (half the bytes) and each product is fused
+    with the gather."""
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(11)
+    x = _placed(mesh, rng, (16, 32), P("tp"), jnp.bfloat16)
+    w1 = _placed(mesh, rng, (32, 64), P(None, "tp"), jnp.bfloat16)
+    w2 = _placed(mesh, rng, (64, 32), P("tp"), jnp.bfloat16)
+
+    def body(x, w1, w2):
+        h = jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w1
+        y = (jax.nn.gelu(h) @ w2).astype(jnp.float32)
+        return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"),
+                       check_vma=False)
+    grad = jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))
+    rewritten = commfuse.overlap(grad, schedule="ring")
+    for got, want in zip(jax.jit(rewritten)(x, w1, w2), jax.jit(grad)(x, w1, w2)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+    moved = [line for line in rewritten.last_report if "rewrote" in line and "row-wise ops (moved before it)" in line]
+    assert len(moved) == 2 and all("float32[4,32] -> float32[16,32]" in line for line in moved), rewritten.last_report

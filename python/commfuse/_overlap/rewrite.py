@@ -239,12 +239,10 @@ class Rewriter:
                                                     lambda v: self._varies(v, collective_axes(eqns[c])),
                                                     self._saved_name)
                 if found_rows is not None:
-                    local, rows, d, k, reshape = found_rows
-                    if reshape is None:
-                        found.append(Fusion("in", c, d, k, chain, local, rows, out, eqns[d].invars[k]))
-                    else:
-                        found.append(Fusion("in", c, d, k, [*chain, reshape], local, rows, out,
-                                            eqns[reshape].invars[0], regroup=reshape))
+                    local, rows, dots, end, reshape = found_rows
+                    for d, k in dots:
+                        found.append(Fusion("in", c, d, k, chain if reshape is None else [*chain, reshape], local,
+                                            rows, out, end, regroup=reshape))
                     return True
                 why = (f"{name} result is used by {', '.join(not_dots)}, not only by dot_generals, and not "
                        f"row-wise on the way to one ({rows_why})")
@@ -670,7 +668,7 @@ class Rewriter:
         if f.local:
             pair = f"{describe_collective(coll)} + {len(f.local)} row-wise ops (moved before it) + {describe_dot(dot)}"
         roles = ["x", "w"] if f.operand == 0 else ["w", "x"]
-        if name == ALL_TO_ALL or f.local:
+        if name == ALL_TO_ALL:
             roles = ["x"]  # an all_to_all feeding the weight has no fused op
         if name == ALL_GATHER_REDUCED:
             self.reasons[f.coll].append("all_gather(..., to='reduced') is not fused (its result is typed reduced)")
@@ -715,7 +713,7 @@ class Rewriter:
                 op, kw = "all_to_all_matmul", {"split_dimension": dim[0], "concat_dimension": dim[1]}
                 dim = None if None in dim else dim
             else:
-                dim = dim_of(p["all_gather_dimension"])
+                dim = dim_of(gather_dim)
                 op, kw = "matmul_all_gather", {"gather_dimension": dim}
             if dim is None:
                 why.append(f"as {role}, the collective's dimension is not one dim of the flattened operand"

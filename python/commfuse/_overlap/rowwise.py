@@ -38,7 +38,8 @@ _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 
 def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, varies, saved_name):
     """The row-wise equations from variable `start` (the gathered value, whose
-    rows run along `gathered_dim`) to the one dot_general they lead to.
+    rows run along `gathered_dim`) to the dot_generals they lead to, all
+    reading one value (the end of the row-wise work).
     `varies(v)` says whether a value may differ between the devices of the
     gather's axes: one that does cannot move before the gather (each block
     would meet its owner's value rather than this device's).
@@ -46,10 +47,11 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
     value a checkpoint policy saves (it is then no row-wise step: the
     program saves the gathered rows).
 
-    Returns ``((equations, row_dims, dot, operand, reshape), None)``: the
-    equations in order, each value's row dim, the dot's equation, which of
-    its operands the result is, and the reshape that merges the result's
-    free dims on the way to the dot (`regroup`) or None; or ``(None, why)``.
+    Returns ``((equations, row_dims, dots, end, reshape), None)``: the
+    equations in order, each value's row dim, the dots reading the result
+    as ``(equation, operand)`` pairs, the result, and the reshape that
+    merges its dims on the way to the dots (`regroup`) or None; or
+    ``(None, why)``.
     `first` is the first equation to look at. A value from elsewhere
     broadcast up to the gathered rows (a norm's scale) joins the equations:
     its broadcast is cut to the local rows too."""
@@ -98,29 +100,30 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
     reshape = None
     if reshapes:
         merged = eqns[reshapes[0]].outvars[0]
-        readers = users.get(merged, ())
-        if len(reshapes) != 1 or dots or outputs[merged] or len(readers) != 1 \
-                or eqns[readers[0]].primitive.name != "dot_general":
+        readers = sorted(set(users.get(merged, ())))
+        if len(reshapes) != 1 or dots or outputs[merged] or not readers \
+                or any(eqns[r].primitive.name != "dot_general" for r in readers):
             return None, "it is used by reshape, which is not row-wise over the gathered dim"
-        reshape, dots = reshapes[0], list(readers)
-    if len(dots) != 1:
-        return None, f"its row-wise uses lead to {len(dots)} dot_generals, not one"
-    d = dots[0]
-    inside = set(chain) | {d}
-    if reshape is None:
-        ends = [k for k, v in enumerate(eqns[d].invars) if not is_literal(v) and v in rows]
-    else:
-        ends = [k for k, v in enumerate(eqns[d].invars) if v is eqns[reshape].outvars[0]]
-        inside.add(reshape)
+        reshape, dots = reshapes[0], readers
+    if not dots:
+        return None, "its row-wise uses lead to no dot_general"
+    # One value all the dots read (a cotangent feeding the backward's two
+    # products), each in one operand.
+    read = eqns[reshape].outvars[0] if reshape is not None else None
+    ends = {v for d in dots for v in eqns[d].invars if not is_literal(v) and (v in rows or v is read)}
     if len(ends) != 1:
+        return None, f"its row-wise uses lead to {len(dots)} dot_generals through different values"
+    operands = [[k for k, v in enumerate(eqns[d].invars) if v in ends] for d in dots]
+    if any(len(ks) != 1 for ks in operands):
         return None, "it feeds both operands of the dot_general"
-    end = eqns[d].invars[ends[0]] if reshape is None else eqns[reshape].invars[0]
+    end = eqns[reshape].invars[0] if reshape is not None else ends.pop()
+    inside = set(chain) | set(dots) | ({reshape} if reshape is not None else set())
     for v in rows:
         if outputs[v] or any(u not in inside for u in users.get(v, ())):
             return None, "a value computed from it is also used elsewhere"
-        if v is not end and d in users.get(v, ()):
+        if v is not end and any(d in users.get(v, ()) for d in dots):
             return None, "it feeds the dot_general more than once"
-    if len(users.get(end, ())) != 1:
+    if reshape is not None and len(users.get(end, ())) != 1:
         return None, "the dot_general's operand has other users"
     if varying:
         return None, varying
@@ -128,7 +131,7 @@ def find(eqns, start, gathered_dim: int, users, outputs, producer, first: int, v
         # Moved before the gather, a widening cast would have it move more bytes.
         return None, (f"moved before the gather, it would gather {end.aval.dtype} where the program gathers "
                       f"{start.aval.dtype}")
-    return (sorted(chain), rows, d, ends[0], reshape), None
+    return (sorted(chain), rows, [(d, ks[0]) for d, ks in zip(dots, operands)], end, reshape), None
 
 
 def _row_dim(eqn, rows):

@@ -407,3 +407,39 @@ def test_replicated_operands():
     got = run_sharded(lambda a, b: commfuse.matmul_reduce_scatter(a, b, "x"), mesh, specs, x, w)
     want = run_sharded(lambda a, b: lax_matmul_reduce_scatter(a, b, "x"), mesh, specs, x, w)
     assert_close(got, want)
+
+
+def test_precision_names_read_as_jax_reads_them():
+    """TF32 on a GPU wherever JAX's own dot may use it: "tensorfloat32" and
+    "bfloat16_3x" are `Precision.HIGH`, which a traced dot carries (so a
+    named op and the product `overlap` makes of a dot agree); full float32
+    for HIGHEST and the f32 dot algorithms."""
+    from commfuse._checks import fast_f32
+
+    for fast in (None, "default", "high", "tensorfloat32", "bfloat16_3x", jax.lax.Precision.HIGH,
+                 (jax.lax.Precision.HIGH, jax.lax.Precision.DEFAULT)):
+        assert fast_f32("op", fast), fast
+    for full in ("highest", "float32", jax.lax.Precision.HIGHEST,
+                 (jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST)):
+        assert not fast_f32("op", full), full
+    for algorithm in ("TF32_TF32_F32_X3", "BF16_BF16_F32_X6", "F32_F32_F32"):
+        with jax.default_matmul_precision(algorithm):
+            assert not fast_f32("op", None), algorithm
+    with jax.default_matmul_precision("TF32_TF32_F32"):
+        assert fast_f32("op", None)
+    with pytest.raises(ValueError, match="commfuse.op: unknown precision 'fast'"):
+        fast_f32("op", "fast")
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert fast_f32("op", None)
+
+
+def test_a_float64_result_type_without_x64_is_float32_as_in_jnp_matmul():
+    import commfuse
+
+    mesh = mesh1d(4)
+    x, w = rand((16, 8), seed=1), rand((8, 4), seed=2)
+    want = jnp.matmul(x, w, preferred_element_type=jnp.float64)
+    got = run_sharded(lambda x, w: commfuse.all_gather_matmul(x, w, "x", preferred_element_type=jnp.float64),
+                      mesh, (P("x"), P()), x, w)
+    assert got.dtype == want.dtype == np.float32
+    np.testing.assert_allclose(got[0], np.asarray(want), rtol=1e-5)  # every device's copy of the product

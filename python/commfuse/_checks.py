@@ -92,7 +92,8 @@ def promote(op: str, x, w, preferred_element_type):
         raise TypeError(
             f"commfuse.{op}: unsupported dtype {dtype} (from x: {x.dtype}, w: {w.dtype}); expected "
             f"float32, bfloat16, float16 or float64")
-    out = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
+    # Canonical, as jnp.matmul takes it: float64 is float32 unless x64 is on.
+    out = dtype if preferred_element_type is None else np.dtype(jax.dtypes.canonicalize_dtype(preferred_element_type))
     if out not in DTYPE_CODES:
         raise TypeError(
             f"commfuse.{op}: unsupported preferred_element_type dtype {out}; expected float32, "
@@ -215,17 +216,32 @@ def check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> N
 
 
 def check_precision(op: str, precision) -> None:
-    allowed = (None, "default", "high", "highest", "fastest", "bfloat16", "tensorfloat32", "float32")
+    """`precision` is None, a `jax.lax.Precision`, one of its names, or a pair of them."""
     values = precision if isinstance(precision, tuple) else (precision,)
     for p in values:
-        if not (p in allowed or isinstance(p, jax.lax.Precision)):
-            raise ValueError(f"commfuse.{op}: unknown precision {p!r}")
+        if p is None or isinstance(p, jax.lax.Precision):
+            continue
+        try:
+            jax.lax.Precision(p)
+        except (ValueError, TypeError):
+            raise ValueError(f"commfuse.{op}: unknown precision {p!r}") from None
 
 
-# Precisions (and `jax_default_matmul_precision` values) that ask for full
-# float32 products; the others let float32 GEMMs use TF32 on GPUs, as XLA's
-# own dot does under its default precision.
-_FULL_F32 = {"high", "highest", "float32", "bfloat16_3x", "tensorfloat32_3x"}
+def _asks_full_f32(p) -> bool:
+    """Whether a precision (or a `jax_default_matmul_precision` value) asks
+    for full float32 products, as JAX reads it: its names are aliases of
+    `jax.lax.Precision` ("tensorfloat32" and "bfloat16_3x" are HIGH: TF32
+    on a GPU, as XLA's own dot takes them), and the dot algorithms that
+    keep float32's accuracy ("F32_F32_F32", and the multi-pass ones:
+    "BF16_BF16_F32_X3", "TF32_TF32_F32_X3", ...) ask for it too."""
+    if isinstance(p, jax.lax.Precision):
+        return p == jax.lax.Precision.HIGHEST
+    name = str(p or "default")
+    try:
+        return jax.lax.Precision(name) == jax.lax.Precision.HIGHEST
+    except ValueError:
+        upper = name.upper()
+        return "F32_F32_F32" in upper or upper.endswith(("_X3", "_X6", "_X9")) or upper == "TENSORFLOAT32_3X"
 
 
 def fast_f32(op: str, precision) -> bool:
@@ -237,8 +253,4 @@ def fast_f32(op: str, precision) -> bool:
     if precision is None:
         precision = jax.config.jax_default_matmul_precision
     values = precision if isinstance(precision, tuple) else (precision,)
-    for p in values:
-        name = p.name if isinstance(p, jax.lax.Precision) else str(p or "default")
-        if name.lower() in _FULL_F32 or "F32_F32_F32" in name.upper():
-            return False
-    return True
+    return not any(_asks_full_f32(p) for p in values)

@@ -19,6 +19,16 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// A duration as messages say it: seconds to a tenth, milliseconds below a
+/// second (a deadline of a few milliseconds is not "0.0 s").
+pub fn duration_text(seconds: f64) -> String {
+    if seconds >= 1.0 {
+        format!("{seconds:.1} s")
+    } else {
+        format!("{:.1} ms", seconds * 1e3)
+    }
+}
+
 impl Error {
     /// The same kind of error with `prefix` before its message (a peer's
     /// error as another rank reports it).
@@ -65,4 +75,17 @@ macro_rules! bail {
     ($kind:ident, $($fmt:tt)+) => {
         return Err($crate::error::Error::$kind(format!($($fmt)+)))
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::duration_text;
+
+    #[test]
+    fn durations_read_in_seconds_or_milliseconds() {
+        assert_eq!(duration_text(30.0), "30.0 s");
+        assert_eq!(duration_text(1.0), "1.0 s");
+        assert_eq!(duration_text(0.2), "200.0 ms");
+        assert_eq!(duration_text(0.001), "1.0 ms");
+    }
 }

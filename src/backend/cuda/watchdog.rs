@@ -34,7 +34,7 @@
 //! driver's events and NCCL's aborts in `device`, a fake in the tests).
 #![forbid(unsafe_code)]
 
-use crate::error::{Error, Result};
+use crate::error::{duration_text, Error, Result};
 use crate::sync::lock;
 use std::fmt::Write as _;
 use std::ops::Deref;
@@ -407,10 +407,10 @@ fn message<'a, S: EventSource>(
         "the process was interrupted (SIGINT) while it had not completed".to_string()
     } else {
         format!(
-            "it made no progress on the device for {:.1} s (it started there {:.1} s ago; COMMFUSE_TIMEOUT_S / \
+            "it made no progress on the device for {} (it started there {} ago; COMMFUSE_TIMEOUT_S / \
              commfuse.configure(timeout_s=))",
-            e.watch.timeout.as_secs_f64(),
-            since(e.started)
+            duration_text(e.watch.timeout.as_secs_f64()),
+            duration_text(since(e.started))
         )
     };
     let mut text = format!(

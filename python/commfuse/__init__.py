@@ -57,6 +57,10 @@ __all__ = [
 _KEEP = object()
 
 
+# A deadline past any run (the library keeps milliseconds in 64 bits).
+_MAX_TIMEOUT_S = 1e9
+
+
 def configure(*, timeout_s: float | None = _KEEP, transport: str | None = _KEEP) -> None:
     """Sets run-time settings; what is not passed stays as it is.
 
@@ -76,8 +80,9 @@ def configure(*, timeout_s: float | None = _KEEP, transport: str | None = _KEEP)
         if timeout_s is None:
             _set_timeout_ms(0)
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"commfuse.configure: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+                or not math.isfinite(timeout_s) or not 0 < timeout_s <= _MAX_TIMEOUT_S:
+            raise ValueError(f"commfuse.configure: timeout_s must be a positive number of seconds, at most "
+                             f"{_MAX_TIMEOUT_S:.0e}, got {timeout_s!r}")
         else:
             _set_timeout_ms(max(1, round(timeout_s * 1000)))
     if transport is not _KEEP:

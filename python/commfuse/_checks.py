@@ -50,8 +50,7 @@ def normalize_dimension(op: str, arg: str, dimension, ndim: int, *, allow_last: 
         which = "any dim" if allow_last else "a dim other than the last"
         raise ValueError(
             f"commfuse.{op}: {arg}={dimension} is out of range: it must name {which} of the rank-{ndim} "
-            f"array, i.e. be in [{-ndim}, {limit - ndim if limit < ndim else ndim})"
-            f"{'' if allow_last else ' excluding -1'}")
+            f"array: one of {list(range(limit))} (or {list(range(-ndim, limit - ndim))} from the end)")
     return d
 
 

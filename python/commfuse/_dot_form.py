@@ -113,7 +113,7 @@ class DotForm:
         (the 2-D product could not say how the merged dim is sharded)."""
         x, w = (lhs, rhs) if self.x_side == 0 else (rhs, lhs)
         for a, order, first in ((x, self.x_free + self.xc, len(self.x_free)), (w, self.wc + self.w_free, 0)):
-            explicit = _explicit_spec(a)
+            explicit = explicit_spec(a)
             if explicit is None:
                 continue
             runs = [order[first:]] if a is x else [order[:len(self.wc)], order[len(self.wc):]]
@@ -149,7 +149,7 @@ class DotForm:
         return f" [{', '.join(parts)}]" if parts else ""
 
 
-def _explicit_spec(a):
+def explicit_spec(a):
     """`a`'s sharding per dim where its type carries one (explicit mesh
     axes), else None (automatic axes: the partitioner decides later)."""
     spec = getattr(getattr(typeof(a), "sharding", None), "spec", None)
@@ -178,7 +178,7 @@ def _merged(a, groups):
         runs.append(range(start, start + count))
         start += count
     shape = tuple(math.prod(a.shape[d] for d in run) for run in runs)
-    explicit = _explicit_spec(a)
+    explicit = explicit_spec(a)
     if explicit is None:
         return a.reshape(shape)
     spec = jax.sharding.PartitionSpec(*(_merged_entry(explicit, run) for run in runs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .. import _matmul
-from .._dot_form import DotForm, Unsupported, _explicit_spec
+from .._dot_form import DotForm, Unsupported, explicit_spec
 from . import regroup
 from .jaxpr import bind_eqn, describe_dot, is_literal
 from .state import State
@@ -46,7 +46,7 @@ class Regrouping:
         invals = [read(v) for v in eqn.invars]
         shapes = [tuple(v.aval.shape) for v in eqn.invars]
         out_shape = tuple(eqn.outvars[0].aval.shape)
-        if any(_explicit_spec(a) is not None for a in invals):
+        if any(explicit_spec(a) is not None for a in invals):
             return eval_dot(eqn, invals, state, where)
         reshapes = [None if is_literal(v) else self._reshape(self.producer.get(v)) for v in eqn.invars]
         # Both operands regrouped where both were merged (a weight gradient

@@ -299,3 +299,13 @@ def test_a_python_number_that_changes_between_calls_is_traced_not_compiled_again
     g = commfuse.overlap(gated)
     for scale in (2.0, -1.0, 3.0):
         np.testing.assert_array_equal(np.asarray(g(x, scale)), np.asarray(gated(x, scale)))
+
+
+def test_a_direct_calls_program_and_its_errors_carry_the_functions_name():
+    def train_step(x, w):
+        return jnp.tanh(x @ w)
+
+    devices = jax.devices()
+    x, w = jax.device_put(_x(3, (4, 8)), devices[0]), jax.device_put(_x(4, (8, 2)), devices[1])
+    with pytest.raises(ValueError, match=r"argument arrays\[0\] of train_step .* argument arrays\[1\] of train_step"):
+        commfuse.overlap(train_step)(x, w)

@@ -70,6 +70,17 @@ def _is_dynamic(leaf) -> bool:
     return isinstance(leaf, _DYNAMIC)
 
 
+def _named_like(fun, call):
+    """`call` (which takes the arrays among `fun`'s arguments, flattened)
+    under `fun`'s name: JAX names the compiled module, its profile and its
+    errors ("argument arrays[0] of step") after it."""
+    def arrays_of(*arrays):
+        return call(*arrays)
+
+    arrays_of.__name__ = arrays_of.__qualname__ = getattr(fun, "__name__", type(fun).__name__)
+    return arrays_of
+
+
 def _is_number(leaf) -> bool:
     """A Python number (not a bool: a flag)."""
     return isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
@@ -306,7 +317,8 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         if entry is None:
             state, out_box = State(schedule, owner), [None, None, None]
             state.fresh = False
-            fn = jax.jit(functools.partial(rewritten, treedef, static, ties, len(leaves), state, out_box))
+            fn = jax.jit(_named_like(fun, functools.partial(rewritten, treedef, static, ties, len(leaves), state,
+                                                            out_box)))
             entry = (fn, state, out_box, {})
             if key is not None:
                 if len(jitted_cache) >= 64:

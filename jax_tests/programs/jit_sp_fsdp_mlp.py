@@ -1,10 +1,13 @@
 """MaxText's usual layout under plain ``jax.jit``: the residual stream
-batch-sharded over ``fsdp`` and sequence-sharded over ``tensor`` (sequence
-parallelism), the MLP weights' embedding dim sharded over ``fsdp`` (FSDP)
-and their hidden dim over ``tensor``. Each projection needs two
-collectives: the weight's gather over ``fsdp`` and the sequence's gather (or
-reduce-scatter) over ``tensor``. XLA gathers the weight first (it depends on
-no activation); the sequence collective is the fused op's."""
+batch-sharded over ``data`` and ``fsdp`` and sequence-sharded over
+``tensor`` (sequence parallelism), the MLP weights' embedding dim sharded
+over ``fsdp`` (FSDP) and their hidden dim over ``tensor``. Each projection
+needs two collectives: the weight's gather over ``fsdp`` and the
+sequence's gather (or reduce-scatter) over ``tensor``. XLA gathers the
+weight first (it depends on no activation); the sequence collective is the
+fused op's. (A weight gradient constrained to the weight's layout, rows
+over ``fsdp``, is the fused reduce-scatter over ``fsdp`` then XLA's sum
+over ``data``: `test_jit_programs`, the gradient here is left to XLA.)"""
 
 from __future__ import annotations
 
@@ -16,20 +19,20 @@ from . import JitProgram, constrainer, mlp_operands
 
 
 def build(mesh, rng):
-    b, s, d = 2 * mesh.shape["fsdp"], 8 * mesh.shape["tensor"], 32
+    b, s, d = 2 * mesh.shape["data"] * mesh.shape["fsdp"], 8 * mesh.shape["tensor"], 32
     constrain = constrainer(mesh)
 
     def block(x, w1, w2):
-        x = constrain(x, "fsdp", "tensor", None)
-        h = constrain(jax.nn.gelu(x @ w1), "fsdp", None, "tensor")
-        y = constrain(h @ w2, "fsdp", "tensor", None)
+        x = constrain(x, ("data", "fsdp"), "tensor", None)
+        h = constrain(jax.nn.gelu(x @ w1), ("data", "fsdp"), None, "tensor")
+        y = constrain(h @ w2, ("data", "fsdp"), "tensor", None)
         out = x + y
         return jnp.mean(out * out), out
 
-    x, w1, w2 = mlp_operands(mesh, rng, (b, s, d), P("fsdp", "tensor", None), P("fsdp", "tensor"),
+    x, w1, w2 = mlp_operands(mesh, rng, (b, s, d), P(("data", "fsdp"), "tensor", None), P("fsdp", "tensor"),
                              P("tensor", "fsdp"))
     return block, (x, w1, w2)
 
 
-JIT_PROGRAM = JitProgram(name="jit_sp_fsdp_mlp", mesh={"fsdp": 2, "tensor": 4}, build=build, fused=2,
+JIT_PROGRAM = JitProgram(name="jit_sp_fsdp_mlp", mesh={"data": 2, "fsdp": 2, "tensor": 2}, build=build, fused=2,
                          grad_fused=12)

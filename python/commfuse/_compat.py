@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax._src import source_info_util  # what jax.core.eval_jaxpr keeps an equation's source in; nothing public
+from jax._src.interpreters import partial_eval  # checkpoint policies' answers (`Recompute`); nothing public
 from jax.interpreters import batching
 
 # How batching rules mark an unbatched value.
@@ -87,11 +89,18 @@ def source_context(eqn):
     for what is traced in its place, as ``jax.core.eval_jaxpr`` keeps them:
     the rewritten program's HLO metadata and profiles name the user's
     scopes and lines."""
-    from jax._src import source_info_util  # what eval_jaxpr itself uses; no public API carries it
-
     info = eqn.source_info
     return source_info_util.user_context(info.traceback,
                                          name_stack=source_info_util.current_name_stack() + info.name_stack)
+
+
+def policy_saves(decision) -> bool:
+    """A ``jax.checkpoint`` policy's answer as "saved": policies answer a
+    bool, or one of JAX's ``Saveable``, ``Recompute`` and ``Offloadable``
+    (an object, so truthy, even for ``Recompute``)."""
+    if isinstance(decision, bool):
+        return decision
+    return decision is not partial_eval.Recompute
 
 
 def bind_eqn(eqn, invals) -> list:

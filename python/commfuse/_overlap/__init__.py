@@ -251,8 +251,6 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         n = out_tree.num_leaves
         return jax.tree.unflatten(out_tree, [static_out[j] if j in static_out else next(it) for j in range(n)])
 
-    # Not `fun`'s __dict__: a jit or pmap object's own `lower` and `trace`
-    # there would show its program, not the rewritten one.
     # Where a Python number among the arguments is traced rather than
     # static: (treedef, leaf index) -> the first value seen there, or
     # _TRACED / _STATIC once decided (`traced_numbers`).
@@ -275,6 +273,8 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
                 newly.add(j)
         return {j for j in range(len(leaves)) if numbers.get((treedef, j)) is _TRACED}, newly
 
+    # Not `fun`'s __dict__: a jit or pmap object's own `lower` and `trace`
+    # there would show its program, not the rewritten one.
     @functools.wraps(fun, updated=())
     def wrapper(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))

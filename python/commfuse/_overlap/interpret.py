@@ -169,18 +169,17 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
 
 def _eval_remat(params, invals, state, where, manual):
     jaxpr, consts = closed(params["jaxpr"])
-    policy = _fused.checkpoint_policy(params.get("policy"))
+    own = [params["policy"]] if params.get("policy") is not None else []
 
     def body(*a):
-        if params.get("policy") is not None:
-            state.policies.append(params["policy"])
+        state.policies.extend(own)  # seen by the rewrites inside (`Rewriter._saved_name`)
         try:
             return interpret(jaxpr, consts, a, state, where, manual)
         finally:
-            if params.get("policy") is not None:
-                state.policies.pop()
+            del state.policies[len(state.policies) - len(own):]
 
-    fn = jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True), policy=policy)
+    fn = jax.checkpoint(body, prevent_cse=params.get("prevent_cse", True),
+                        policy=_fused.checkpoint_policy(params.get("policy")))
     return list(fn(*invals))
 
 

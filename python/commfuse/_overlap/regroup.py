@@ -1,5 +1,5 @@
-"""A reshape between a collective and its dot that only regroups the dot's
-free dims, as code that flattens tokens writes it:
+"""A reshape between a collective and its dot that only merges or splits
+neighbouring dims, as code that flattens tokens writes it:
 
 * ``all_gather(x, axis=1).reshape(b * s, d) @ w``: a sequence gather, then
   batch and sequence merged into rows. The dot is taken on the gathered

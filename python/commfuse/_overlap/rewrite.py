@@ -338,7 +338,7 @@ class Rewriter:
                 decision = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
             except Exception:  # noqa: BLE001 - a policy that cannot say: as if it saved it
                 return True
-            if decision if isinstance(decision, bool) else type(decision).__name__ != "RecomputeType":
+            if _compat.policy_saves(decision):
                 return True
         return False
 
@@ -839,6 +839,7 @@ def _widens_to_f32(eqn) -> bool:
         return False
     src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
     return dst == np.float32 and src.kind in "fV" and src.itemsize == 2
+
 
 def _declined(ran: list) -> bool:
     """Whether none of the library calls a fusion attempt made runs fused

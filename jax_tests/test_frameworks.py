@@ -126,24 +126,15 @@ def fused_calls(text: str) -> int:
 
 
 def _ran_fused(entry) -> bool:
-    n = getattr(entry, "fused", None)
-    if isinstance(n, int):
-        return n > 0
-    return any(schedule not in ("unfused", "none") for _, schedule, _ in entry.ran_as)
+    return entry.fused > 0
 
 
 def compile_counting(jitted, *args):
     """Compiles `jitted` for `args`: (the compiled program's text, how many
     commfuse.matmul products ran fused in it once partitioned)."""
-    seen = []
-
-    def keep(entry):
-        if hasattr(entry, "ran_as"):
-            seen.append(entry)
-
     jax.clear_caches()  # compile afresh: the partitioner runs (and reports) again
-    _matmul.listen(keep)  # held weakly: alive while this function runs
-    text = compiled_text(jitted, *args)
+    with _matmul.watching() as seen:
+        text = compiled_text(jitted, *args)
     products = sum(1 for entry in seen if _ran_fused(entry))
     calls = fused_calls(text)
     assert calls >= products and (calls == 0) == (products == 0), (
@@ -363,14 +354,8 @@ def _maxtext_run(way):
     opt_state = fw_maxtext.init_opt_state(optimizer, params, mesh)
     tokens, targets = fw_maxtext.batch(mesh)
     before = numpy_tree(params)
-    seen = []
-
-    def keep(entry):
-        if hasattr(entry, "ran_as"):
-            seen.append(entry)
-
-    _matmul.listen(keep)
-    compiled = step.lower(params, opt_state, tokens, targets).compile()
+    with _matmul.watching() as seen:
+        compiled = step.lower(params, opt_state, tokens, targets).compile()
     products = sum(1 for entry in seen if _ran_fused(entry))
     losses, grads = [], None
     for _ in range(STEPS):

@@ -94,11 +94,9 @@ def test_a_sharding_the_rule_cannot_fuse_falls_back_with_the_same_numbers():
     # x's contraction over `a`, w's over `b`: no one collective makes the product.
     x = jax.device_put(rng.standard_normal((16, 32), np.float32), NamedSharding(mesh, P(None, "a")))
     w = jax.device_put(rng.standard_normal((32, 8), np.float32), NamedSharding(mesh, P("b", None)))
-    seen = []
-    keep = seen.append
-    _matmul.listen(keep)
     fn = jax.jit(lambda x, w: commfuse.matmul(x, w, schedule="ring"))
-    got = fn(x, w)
+    with _matmul.watching() as seen:
+        got = fn(x, w)
     assert_close(np.asarray(got), np.asarray(x) @ np.asarray(w), np.float32)
     assert fused_in(fn.lower(x, w).compile().as_text()) == 0
     assert any(e.choice.op == "fallback" and "sharded over ('a',) and w's over ('b',)" in e.choice.why for e in seen)

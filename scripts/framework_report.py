@@ -197,10 +197,7 @@ PROGRAMS = {
 # Measuring
 # --------------------------------------------------------------------------
 def _ran_fused(entry) -> bool:
-    n = getattr(entry, "fused", None)
-    if isinstance(n, int):
-        return n > 0
-    return any(schedule not in ("unfused", "none") for _, schedule, _ in entry.ran_as)
+    return entry.fused > 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -235,17 +232,11 @@ def measure(program: Program, rounds: int, steps: int) -> dict:
         jax.clear_caches()  # every way below compiles afresh: the partitioner runs (and reports) again
         for way in WAYS:
             schedule = None if way == "plain" else way
-            seen = []
-
-            def keep(entry, seen=seen):
-                if hasattr(entry, "ran_as"):
-                    seen.append(entry)
-
             try:
                 step, fn = program.make(schedule)
-                _matmul.listen(keep)  # held weakly: alive while `keep` is
-                outputs = [[np.asarray(leaf) for leaf in jax.tree.leaves(step())]]  # traces and compiles
-                del keep  # one compile counted: a later step may compile again (new state's types)
+                # One compile counted: a later step may compile again (new state's types).
+                with _matmul.watching() as seen:
+                    outputs = [[np.asarray(leaf) for leaf in jax.tree.leaves(step())]]  # traces and compiles
                 for _ in range(WARMUP - 1):
                     outputs.append([np.asarray(leaf) for leaf in jax.tree.leaves(step())])
                 results[way]["outputs"] = [np.stack(leaves) for leaves in zip(*outputs)]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 
-from . import _checks, _fp8, _fused
+from . import _checks, _fp8, _fused, _op
 from ._abi import Kind
+from ._decide import Policy
+from ._op import OpDecision
 
 OP = "all_gather_matmul"
 
@@ -38,18 +40,43 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, schedule="auto", s
     ``preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w)))``,
     bfloat16 by default. On CPU, fp8 operands are a TypeError.
     """
-    axes, ranks = _checks.axis_group(OP, axis_name)
-    _checks.check_matmul_operands(OP, x, w)
-    _checks.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)  # not the contraction
-    kind, dimension, _, _ = layout(x.shape, w.shape, ranks, gather_dimension)
-    code = _checks.check_schedule(OP, schedule, slices, tiles)
-    fp8 = _checks.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
-    if fp8 is not None:
-        _checks.check_precision(OP, precision)
-        return _fp8.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
-                               schedule=code)
-    x, w, static = _fused.static_of(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
-                                    precision=precision, preferred_element_type=preferred_element_type)
+    decision = decide(x, w, axis_name, gather_dimension=gather_dimension, schedule=schedule, slices=slices,
+                      tiles=tiles, precision=precision, preferred_element_type=preferred_element_type,
+                      x_scale=x_scale, w_scale=w_scale)
+    return run(decision, x, w)
+
+
+def decide(x, w, axis_name, *, gather_dimension=0, schedule="auto", slices=4, tiles=4, precision=None,
+           preferred_element_type=None, x_scale=None, w_scale=None, policy: Policy = Policy()) -> OpDecision:
+    """What ``all_gather_matmul(x, w, ...)`` runs as, from the operands'
+    shapes and dtypes (arrays, tracers or ShapeDtypeStructs): raises on
+    arguments it refuses unless `policy` is not strict (then a refusal)."""
+    def checked():
+        axes, ranks = _checks.axis_group(OP, axis_name)
+        _checks.check_matmul_operands(OP, x, w)
+        _checks.normalize_dimension(OP, "gather_dimension", gather_dimension, x.ndim)  # not the contraction
+        kind, dimension, _, _ = layout(x.shape, w.shape, ranks, gather_dimension)
+        asked = policy.with_asked(_checks.check_schedule(OP, schedule, slices, tiles))
+        fp8 = _checks.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
+        if fp8 is not None:
+            _checks.check_precision(OP, precision)
+            return OpDecision(OP, _op.Static(axes, ranks, dimension, asked, fp8[2]), settled={"kind": kind, "fp8": fp8})
+        static = _op.settle(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, policy=asked, precision=precision,
+                            preferred_element_type=preferred_element_type)
+        dtype, _ = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
+        forward = _op.forward_call(kind, static, x.shape, w.shape, dtype)
+        return OpDecision(OP, static._replace(forward=forward), (forward,), settled={"kind": kind})
+
+    return _op.decided(OP, policy.strict, checked)
+
+
+def run(decision: OpDecision, x, w):
+    """``all_gather_matmul`` of `x` and `w` as `decision` (made for their shapes) says."""
+    static, settled = decision.static, decision.settled
+    if "fp8" in settled:
+        return _fp8.fp8_call(settled["kind"], x, w, settled["fp8"], axes=static.axes, ranks=static.ranks,
+                             dimension=static.dimension, policy=static.policy)
+    x, w = _op.prepared_operands(OP, x, w, decision)
     return _gather_rows(x, w, static)
 
 
@@ -67,11 +94,11 @@ def layout(x_shape, w_shape, ranks: int, gather_dimension: int = 0) -> tuple:
 def _gather_rows_bwd(static, residuals, dy):
     x, w = residuals
     d = static.dimension
-    dx = _fused.call_static(Kind.MATMUL_REDUCE_SCATTER, dy, w.T, static, out_dtype=x.dtype)
+    dx = _op.call_static(Kind.MATMUL_REDUCE_SCATTER, dy, w.T, static, out_dtype=x.dtype)
     # dw = Σ_j x_jᵀ @ dY[block j]: x_jᵀ travels (gathered along its last dim).
-    dw = _fused.call_static(Kind.ALL_GATHER_MATMUL_CONTRACT, _fused.rows_2d(x, d).T, _fused.rows_2d(dy, d), static,
+    dw = _op.call_static(Kind.ALL_GATHER_MATMUL_CONTRACT, _fused.rows_2d(x, d).T, _fused.rows_2d(dy, d), static,
                             dimension=0, out_dtype=w.dtype)
     return dx, dw
 
 
-_gather_rows = _fused.differentiable(Kind.ALL_GATHER_MATMUL, _gather_rows_bwd)
+_gather_rows = _op.differentiable(Kind.ALL_GATHER_MATMUL, _gather_rows_bwd)

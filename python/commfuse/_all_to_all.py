@@ -18,32 +18,42 @@ from functools import partial
 
 import jax
 
-from . import _checks, _fused, reference
+from . import _checks, _fused, _op, reference
 from ._abi import Kind
+from ._decide import Policy
+from ._op import OpDecision
 
 A2A_MM = "all_to_all_matmul"
 MM_A2A = "matmul_all_to_all"
 
 
-def _check(op, x, w, axis_name, split_dimension, concat_dimension, schedule, precision, preferred_element_type,
-           split_may_be_last):
-    axes, ranks = _checks.axis_group(op, axis_name)
-    if x.ndim < 2 or w.ndim != 2:
-        _checks.check_matmul_operands(op, x, w)  # the rank errors, before the dims are read
-    split = _checks.normalize_dimension(op, "split_dimension", split_dimension, x.ndim, allow_last=split_may_be_last)
-    concat = _checks.normalize_dimension(op, "concat_dimension", concat_dimension, x.ndim, allow_last=True)
-    # all_to_all_matmul contracts after the exchange, which widens x's last dim when it concatenates there.
-    widens = op == A2A_MM and concat == x.ndim - 1
-    _checks.check_matmul_operands(op, x, w, x_factor=ranks if widens else 1)
-    size = w.shape[1] if split == x.ndim - 1 else x.shape[split]
-    if size % ranks:
-        raise ValueError(
-            f"commfuse.{op}: split_dimension {split} has size {size}, which is not divisible by the size "
-            f"{ranks} of axis {axis_name!r}")
-    code = _checks.check_schedule(op, schedule)
-    x, w, static = _fused.static_of(op, x, w, axes=axes, ranks=ranks, dimension=0, schedule_code=code,
-                                    precision=precision, preferred_element_type=preferred_element_type)
-    return x, w, (split, concat), static
+def _decide(op, x, w, axis_name, split_dimension, concat_dimension, schedule, precision, preferred_element_type,
+            policy: Policy) -> OpDecision:
+    def checked():
+        axes, ranks = _checks.axis_group(op, axis_name)
+        if x.ndim < 2 or w.ndim != 2:
+            _checks.check_matmul_operands(op, x, w)  # the rank errors, before the dims are read
+        split = _checks.normalize_dimension(op, "split_dimension", split_dimension, x.ndim,
+                                            allow_last=op == MM_A2A)
+        concat = _checks.normalize_dimension(op, "concat_dimension", concat_dimension, x.ndim, allow_last=True)
+        # all_to_all_matmul contracts after the exchange, which widens x's last dim when it concatenates there.
+        widens = op == A2A_MM and concat == x.ndim - 1
+        _checks.check_matmul_operands(op, x, w, x_factor=ranks if widens else 1)
+        size = w.shape[1] if split == x.ndim - 1 else x.shape[split]
+        if size % ranks:
+            raise ValueError(
+                f"commfuse.{op}: split_dimension {split} has size {size}, which is not divisible by the size "
+                f"{ranks} of axis {axis_name!r}")
+        asked = policy.with_asked(_checks.check_schedule(op, schedule))
+        static = _op.settle(op, x, w, axes=axes, ranks=ranks, dimension=0, policy=asked, precision=precision,
+                            preferred_element_type=preferred_element_type)
+        layout = layout_all_to_all_matmul if op == A2A_MM else layout_matmul_all_to_all
+        kind, _, first, second = layout(x.shape, w.shape, ranks, split, concat)
+        dtype, _ = _checks.promoted_dtypes(op, x.dtype, w.dtype, preferred_element_type)
+        forward = _op.forward_call(kind, static, first, second, dtype)
+        return OpDecision(op, static._replace(forward=forward), (forward,), settled={"dims": (split, concat)})
+
+    return _op.decided(op, policy.strict, checked)
 
 
 def all_to_all_matmul(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,
@@ -54,11 +64,10 @@ def all_to_all_matmul(x, w, axis_name, *, split_dimension, concat_dimension, sch
     ``concat_dimension`` any dim (concatenating along the last one
     accumulates ``block_q @ w[rows q]``).
     """
-    x, w, dims, static = _check(A2A_MM, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
-                                preferred_element_type, split_may_be_last=False)
-    if _fused.forward_mode(A2A_MM, x, w):
-        return _a2a_matmul_impl(x, w, dims, static._replace(schedule=_fused.UNFUSED))
-    return _a2a_matmul(x, w, dims, static)
+    decision = decide_all_to_all_matmul(x, w, axis_name, split_dimension=split_dimension,
+                                        concat_dimension=concat_dimension, schedule=schedule, precision=precision,
+                                        preferred_element_type=preferred_element_type)
+    return run_all_to_all_matmul(decision, x, w)
 
 
 def matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,
@@ -68,11 +77,45 @@ def matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, sch
     ``split_dimension`` and ``concat_dimension`` are any dims of the result
     (splitting the last one sends column blocks of ``x @ w``).
     """
-    x, w, dims, static = _check(MM_A2A, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
-                                preferred_element_type, split_may_be_last=True)
-    if _fused.forward_mode(MM_A2A, x, w):
-        return _matmul_a2a_impl(x, w, dims, static._replace(schedule=_fused.UNFUSED))
+    decision = decide_matmul_all_to_all(x, w, axis_name, split_dimension=split_dimension,
+                                        concat_dimension=concat_dimension, schedule=schedule, precision=precision,
+                                        preferred_element_type=preferred_element_type)
+    return run_matmul_all_to_all(decision, x, w)
+
+
+def decide_all_to_all_matmul(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,
+                             preferred_element_type=None, policy: Policy = Policy()) -> OpDecision:
+    """What ``all_to_all_matmul(x, w, ...)`` runs as, from shapes (see `_op.OpDecision`)."""
+    return _decide(A2A_MM, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
+                   preferred_element_type, policy)
+
+
+def decide_matmul_all_to_all(x, w, axis_name, *, split_dimension, concat_dimension, schedule="auto", precision=None,
+                             preferred_element_type=None, policy: Policy = Policy()) -> OpDecision:
+    """What ``matmul_all_to_all(x, w, ...)`` runs as, from shapes (see `_op.OpDecision`)."""
+    return _decide(MM_A2A, x, w, axis_name, split_dimension, concat_dimension, schedule, precision,
+                   preferred_element_type, policy)
+
+
+def run_all_to_all_matmul(decision: OpDecision, x, w):
+    x, w = _op.prepared_operands(A2A_MM, x, w, decision)
+    dims, static = decision.settled["dims"], decision.static
+    if _op.forward_mode(x, w):
+        return _a2a_matmul_impl(x, w, dims, _unfused(static))
+    return _a2a_matmul(x, w, dims, static)
+
+
+def run_matmul_all_to_all(decision: OpDecision, x, w):
+    x, w = _op.prepared_operands(MM_A2A, x, w, decision)
+    dims, static = decision.settled["dims"], decision.static
+    if _op.forward_mode(x, w):
+        return _matmul_a2a_impl(x, w, dims, _unfused(static))
     return _matmul_a2a(x, w, dims, static)
+
+
+def _unfused(static):
+    """`static` for jax.lax's own collective and dot (forward-mode differentiation)."""
+    return static._replace(policy=static.policy.with_asked(_fused.UNFUSED), forward=None)
 
 
 def layout_all_to_all_matmul(x_shape, w_shape, ranks: int, split_dimension: int, concat_dimension: int) -> tuple:
@@ -102,7 +145,7 @@ def _a2a_matmul_impl(x, w, dims, static):
     n = static.ranks
     kind, _, stacked_shape, _ = layout_all_to_all_matmul(x.shape, w.shape, n, split, concat)
     blocks = _fused.stack_blocks(x, split, n)                        # [N, *block]
-    out = _fused.call_static(kind, blocks.reshape(stacked_shape), w, static)
+    out = _op.call_static(kind, blocks.reshape(stacked_shape), w, static, forward=True)
     if kind == Kind.ALL_TO_ALL_MATMUL_CONTRACT:
         return out.reshape(blocks.shape[1:-1] + (w.shape[1],))
     return _fused.concat_blocks(out.reshape(blocks.shape[:-1] + (w.shape[1],)), concat)
@@ -113,11 +156,11 @@ def _matmul_a2a_impl(x, w, dims, static):
     n = static.ranks
     kind, _, first_shape, _ = layout_matmul_all_to_all(x.shape, w.shape, n, split, concat)
     if kind == Kind.MATMUL_ALL_TO_ALL_COLS:
-        out = _fused.call_static(kind, x.reshape(first_shape), w, static)
+        out = _op.call_static(kind, x.reshape(first_shape), w, static, forward=True)
         received = out.reshape((n,) + x.shape[:-1] + (w.shape[1] // n,))
     else:
         blocks = _fused.stack_blocks(x, split, n)
-        out = _fused.call_static(kind, blocks.reshape(first_shape), w, static)
+        out = _op.call_static(kind, blocks.reshape(first_shape), w, static, forward=True)
         received = out.reshape(blocks.shape[:-1] + (w.shape[1],))
     return _fused.concat_blocks(received, concat)
 
@@ -150,7 +193,7 @@ def _a2a_matmul_bwd(dims, static, residuals, dy):
     _, dw = _reference_vjp(_ref_a2a_matmul, x, w, dims, static, dy)
     # all_to_all is linear: dx = all_to_all⁻¹(dY @ wᵀ), the dual op with the dims swapped.
     dy, wt = _fused.common(dy, w.T)
-    dx = _matmul_a2a_impl(dy, wt, (concat, split), static._replace(out_dtype=x.dtype))
+    dx = _matmul_a2a_impl(dy, wt, (concat, split), static._replace(out_dtype=x.dtype, forward=None))
     return dx, dw.astype(w.dtype)
 
 
@@ -161,7 +204,7 @@ def _matmul_a2a_bwd(dims, static, residuals, dy):
     if concat != x.ndim - 1:
         # dx = all_to_all⁻¹(dY) @ wᵀ: the dual op (its split may not be the last dim).
         dy, wt = _fused.common(dy, w.T)
-        dx = _a2a_matmul_impl(dy, wt, (concat, split), static._replace(out_dtype=x.dtype))
+        dx = _a2a_matmul_impl(dy, wt, (concat, split), static._replace(out_dtype=x.dtype, forward=None))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -83,13 +83,20 @@ def check_elements(op: str, what: str, shape) -> None:
 
 def promote(op: str, x, w, preferred_element_type):
     """Casts `x` and `w` to their common type as jnp.matmul does; returns them and the output dtype."""
+    dtype, out = promoted_dtypes(op, x.dtype, w.dtype, preferred_element_type)
+    return x.astype(dtype), w.astype(dtype), out
+
+
+def promoted_dtypes(op: str, x_dtype, w_dtype, preferred_element_type):
+    """The common dtype of operands of `x_dtype` and `w_dtype` as jnp.matmul
+    promotes them, and the result's dtype."""
     try:
-        dtype = jnp.promote_types(x.dtype, w.dtype)
+        dtype = jnp.promote_types(x_dtype, w_dtype)
     except jax.dtypes.TypePromotionError as e:  # e.g. two fp8 formats
-        raise TypeError(f"commfuse.{op}: unsupported dtype combination x: {x.dtype}, w: {w.dtype} ({e})") from e
+        raise TypeError(f"commfuse.{op}: unsupported dtype combination x: {x_dtype}, w: {w_dtype} ({e})") from e
     if dtype not in DTYPE_CODES:
         raise TypeError(
-            f"commfuse.{op}: unsupported dtype {dtype} (from x: {x.dtype}, w: {w.dtype}); expected "
+            f"commfuse.{op}: unsupported dtype {dtype} (from x: {x_dtype}, w: {w_dtype}); expected "
             f"float32, bfloat16, float16 or float64")
     # Canonical, as jnp.matmul takes it: float64 is float32 unless x64 is on.
     out = dtype if preferred_element_type is None else np.dtype(jax.dtypes.canonicalize_dtype(preferred_element_type))
@@ -97,7 +104,7 @@ def promote(op: str, x, w, preferred_element_type):
         raise TypeError(
             f"commfuse.{op}: unsupported preferred_element_type dtype {out}; expected float32, "
             f"bfloat16, float16 or float64")
-    return x.astype(dtype), w.astype(dtype), out
+    return np.dtype(dtype), np.dtype(out)
 
 
 _FP8_RESULTS = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))

@@ -9,13 +9,12 @@ its call path uses too) and asked through ``_abi.prepare``.
 
 from __future__ import annotations
 
-import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from . import (_abi, _all_gather_matmul, _all_to_all, _auto, _fused, _matmul_all_gather, _matmul_reduce_scatter,
-               _native)
+from . import _abi, _all_gather_matmul, _all_to_all, _matmul_all_gather, _matmul_reduce_scatter, _native
+from ._decide import Machine, judge, may_decline, us
 
 
 def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
@@ -94,19 +93,17 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     if jnp.dtype(dtype) not in _abi.DTYPE_CODES:
         raise ValueError(f"commfuse.explain: unsupported dtype {name}; expected one of "
                          f"{', '.join(d.name for d in _abi.DTYPE_CODES)}")
-    if not isinstance(machine, str) or machine.split(":")[0] not in _auto.MACHINES:
-        raise ValueError(f"commfuse.explain: unknown machine {machine!r}; expected one of {', '.join(_auto.MACHINES)}")
-    spec = machine
-    link = os.environ.get(_auto.LINK_VAR, "").strip()
-    if machine == "cpu_here" and link:
-        spec = f"cpu_here:{link}"
+    try:
+        target = Machine.named(machine)
+    except ValueError as e:
+        raise ValueError(f"commfuse.explain: {e}") from None
     if gemm_gflops is not None and not float(gemm_gflops) > 0:
         raise ValueError(f"commfuse.explain: gemm_gflops must be positive, got {gemm_gflops!r}")
-    rate = float(gemm_gflops) if gemm_gflops is not None else _auto.machine_rate(spec)
+    rate = float(gemm_gflops) if gemm_gflops is not None else target.gemm_gflops
     kind, dim, first, second = _layout(op, x, w, n, int(dimension))
     shapes = _abi.call_shapes(kind, _abi.AUTO, n, dim, first, second, jnp.dtype(dtype), jnp.dtype(dtype))
     try:
-        prepared = _abi.prepare(shapes, spec, rate, explain=True, trace=trace)
+        prepared = _abi.prepare(shapes, target.spec, rate, explain=True, trace=trace)
     except ValueError as e:
         raise ValueError(f"commfuse.explain: {e}") from None
     result = dict(prepared["explain"])
@@ -117,8 +114,8 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
         "blocks_in_flight": prepared["plan"]["blocks_in_flight"],
         "unfused_temporaries": unfused_temporaries(op, x, w, n, jnp.dtype(dtype).itemsize),
     }
-    may_decline = os.environ.get(_auto.AUTO_UNFUSED_VAR, "1") != "0"
-    code, why = _auto.decide(prepared, n, spec, _fused.measure_call_overhead_s, may_decline)
+    # What schedule="auto" runs: the same judgement as the ops' (`_decide.judge`).
+    code, why = judge(prepared, n, target, may_decline())
     result["decision"] = "unfused" if code == _abi.UNFUSED else result["choice"]
     result["decision_reason"] = why
     result["transport"] = "host" if machine.startswith("cpu") else \
@@ -152,7 +149,6 @@ _TRANSPORTS = {
 
 
 def _print(r: dict, x: tuple, w: tuple) -> None:
-    us = _auto.us
     m = r["machine"]
     lines = [f"commfuse.explain: {r['op']} x{list(x)} w{list(w)} over n={r['n']} ({r['dtype']}) on {m['name']} "
              f"({m['peak_flops'] * m['efficiency'] / 1e12:.3g} TFLOP/s, {m['link_bytes_per_s'] / 1e9:.3g} GB/s "

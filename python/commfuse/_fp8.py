@@ -7,20 +7,20 @@ from functools import partial
 import jax
 
 from ._abi import Kind
-from ._fused import Static, call
+from ._op import Static, call
 from ._varying import vary_together
 
-def fp8_call(kind: "Kind", x, w, scales, *, axes, ranks: int, dimension: int, schedule: int):
+
+def fp8_call(kind: "Kind", x, w, scales, *, axes, ranks: int, dimension: int, policy):
     """One fused op on fp8 operands (checked by `fp8_scales`): forward only."""
     x_scale, w_scale, out_dtype = scales
     x, w = vary_together(x, w, axes)
-    return _fp8_op(Kind(kind), x, w, x_scale, w_scale, Static(tuple(axes), ranks, dimension, schedule, out_dtype))
+    return _fp8_op(Kind(kind), x, w, x_scale, w_scale, Static(tuple(axes), ranks, dimension, policy, out_dtype))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 5))
 def _fp8_op(kind, x, w, x_scale, w_scale, static):
-    return call(kind, x, w, out_dtype=static.out_dtype, schedule=static.schedule, axes=static.axes,
-                ranks=static.ranks, dimension=static.dimension, scales=(x_scale, w_scale))
+    return call(kind, x, w, static, scales=(x_scale, w_scale))
 
 
 def _fp8_bwd(kind, static, residuals, dy):

@@ -1,18 +1,16 @@
-"""The JAX primitive every fused op binds: one trace-time decision per call
-(`call`: the schedule, auto's pick, the workspace), abstract evaluation,
-lowering to the FFI target with the mesh's device ids, batching, and the
-differentiable wrapper each op's VJP is built with. The argument checks are
-in `_checks`, the varying-axes typing in `_varying`, the unfused forms in
-`_unfused`, fp8 in `_fp8`; each op's own rules live in its module."""
+"""The JAX primitive every fused op binds: `bind` runs one library call
+as its `Decision` says (made before, by `_decide`), with abstract
+evaluation, lowering to the FFI target with the mesh's device ids, and
+batching. The argument checks are in `_checks`, the varying-axes typing in
+`_varying`, the unfused forms in `_unfused`, fp8 in `_fp8`; the ops'
+shared wrapper (deciding, then binding; the VJP) in `_op`, each op's own
+rules in its module."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import threading
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +18,11 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from . import _abi, _auto, _compat, _native, _nccl_id
-from ._checks import check_cut, check_elements, fast_f32, promote
-from ._unfused import ALL_TO_ALL_KINDS, empty_result, unfused
-from ._varying import vary_together, vma_checked
+from . import _abi, _compat, _native, _nccl_id
+from ._checks import check_elements
+from ._decision import NONE, Call, Decision, as_asked
+from ._unfused import empty_result, unfused
+from ._varying import vma_checked
 
 # The contract's tables live in `_abi`; the names used throughout the ops.
 Kind = _abi.Kind
@@ -36,29 +35,6 @@ chunks_of = _abi.chunks_of
 schedule_name = _abi.schedule_name
 
 _sites = itertools.count(1)
-
-
-def static_of(op: str, x, w, *, axes, ranks: int, dimension: int, schedule_code: int, precision,
-              preferred_element_type):
-    """The common tail of every op's checks: precision, dtype promotion, the
-    operands' varying axes, and the static arguments of the fused call."""
-    fast = fast_f32(op, precision)
-    x, w, out_dtype = promote(op, x, w, preferred_element_type)
-    x, w = vary_together(x, w, axes)
-    return x, w, Static(tuple(axes), ranks, dimension, schedule_code, out_dtype, fast)
-
-
-
-
-class Static(NamedTuple):
-    """The non-differentiable arguments of one fused op call."""
-    axes: tuple
-    ranks: int
-    dimension: int
-    schedule: int
-    out_dtype: np.dtype
-    # float32 GEMMs may use TF32 on GPUs (see `fast_f32`).
-    fast_f32: bool = True
 
 
 # Layout helpers: the Rust kinds take canonical 2-D/3-D operands.
@@ -95,133 +71,41 @@ def common(a, b):
     return a.astype(dtype), b.astype(dtype)
 
 
-def call_static(kind: "Kind", x, w, static: Static, *, dimension=None, out_dtype=None, forward=False):
-    """`call` with the settings of a user's op (for its VJP's inner ops). A
-    sliced or tiled op's VJP cuts the row gathers and scatters it can and
-    runs the other kinds (weight gradients) with "auto"."""
-    x, w = common(x, w)
-    schedule = static.schedule
-    if cut_schedule(schedule) and not forward and kind not in _abi.ROW_BLOCK_KINDS:
-        schedule = SCHEDULES["auto"]
-    return call(kind, x, w, out_dtype=static.out_dtype if out_dtype is None else out_dtype, schedule=schedule,
-                axes=static.axes, ranks=static.ranks, dimension=static.dimension if dimension is None else dimension,
-                fast_f32=static.fast_f32)
-
-
-def differentiable(kind: "Kind", backward, *, dimension=None):
-    """The op `kind` as a differentiable function ``(x, w, static) -> out``:
-    `backward(static, (x, w), dy) -> (dx, dw)` gives its VJP, built from
-    fused ops in turn."""
-
-    @partial(jax.custom_vjp, nondiff_argnums=(2,))
-    def op(x, w, static: Static):
-        return call_static(kind, x, w, static, dimension=dimension, forward=True)
-
-    op.defvjp(lambda x, w, static: (op(x, w, static), (x, w)), backward)
-
-    def forward_or_reverse(x, w, static: Static):
-        if forward_mode(kind.name.lower(), x, w):
-            return call_static(kind, x, w, static._replace(schedule=UNFUSED), dimension=dimension, forward=True)
-        return op(x, w, static)
-
-    return forward_or_reverse
-
-
-def forward_mode(op: str, x, w) -> bool:
-    """Whether `op` is differentiated forward (``jax.jvp``, ``jacfwd``,
-    ``hessian``), which a custom_vjp cannot take: then the caller runs
-    jax.lax's collective and dot, which can (recorded as unfused)."""
-    if not _compat.traced_by("jvp", x, w):
-        return False
-    record_decision(op, "unfused", "forward-mode differentiation (jax.jvp, jacfwd): jax.lax's collective and dot")
-    return True
-
-
-# What the ops issued on this thread ran as, (op name, schedule name, why),
-# collected for whoever asked (`collecting`): overlap's report, the
-# partitioner's. Recorded nowhere when nobody collects.
-_DECISIONS = threading.local()
-
-
-@contextlib.contextmanager
-def collecting():
-    """A list that gets every decision made on this thread while open
-    (nested collections: the innermost gets them)."""
-    stack = _DECISIONS.__dict__.setdefault("stack", [])
-    made: list = []
-    stack.append(made)
-    try:
-        yield made
-    finally:
-        stack.pop()
-
-
-def record_decision(op: str, schedule: str, why: str) -> None:
-    stack = getattr(_DECISIONS, "stack", None)
-    if stack:
-        stack[-1].append((op, schedule, why))
-
-
-def call(kind: "Kind", x, w, *, out_dtype, schedule: int, axes, ranks: int, dimension: int = 0, scales=(),
-         fast_f32: bool = True, decline: bool = True):
-    """Issues one fused op (operands already checked and laid out for `kind`);
+def bind(decision: Decision, x, w, *, axes, scales=(), fast_f32: bool = True):
+    """Runs one library call as `decision` says, on `x` and `w` (checked and
+    laid out for its kind): the fused op, jax.lax's own collective and dot
+    (`_abi.UNFUSED`), or zeros (`NONE`: nothing to multiply or move).
     `scales`: ``(x_scale, w_scale)`` with fp8 operands; `fast_f32`: float32
-    GEMMs may use TF32 on GPUs. Under ``"unfused"``, or where ``"auto"``'s
-    cost model predicts no gain (unless not `decline`: the choice was made
-    before, see `_auto.decide_dot`), it is jax.lax's own collective and dot.
-    The library is asked once (`_abi.prepare`, through `_auto.resolve` for
-    "auto"): the result's shape, the schedule, the workspace."""
-    op = kind.name.lower()
-    if cut_schedule(schedule):
-        check_cut(kind, x.shape, dimension, ranks, schedule)
-    empty = 0 in x.shape or 0 in w.shape
-    # Slices are chunks of contiguous rows: a cut call on other rows runs on
-    # x with the row dim leading (below), so this one only needs the shapes.
-    recut = bool(cut_schedule(schedule)) and (x.ndim != 2 or dimension != 0)
-    asked = UNFUSED if empty or recut else schedule
-    shapes = _abi.call_shapes(kind, asked, ranks, dimension, x.shape, w.shape, x.dtype, out_dtype)
-    if asked == _abi.AUTO and not scales:
-        # "auto" asks the cost model, on the machine the program runs on (fp8:
-        # the library's own rule), then weighs its pick against the call's cost.
-        prepared, code, why = _auto.resolve(shapes, measure_call_overhead_s, decline=decline)
-    else:
-        prepared, code, why = _abi.prepare(shapes), asked, "as asked"
-    out_shape = tuple(prepared["out"])
-    check_elements(op, "the result", out_shape)
-    if empty or 0 in out_shape:
-        # Nothing to multiply or nothing to move: the result is zeros, as
-        # jax.lax's dot gives for an empty contraction. jax.lax's all_to_all
-        # takes empty blocks (and its gradient keeps the operands JAX needs
-        # to lower it), so those kinds run it; its all_gather and psum_scatter
-        # lower no empty gathered or scattered dim, so the others are zeros
-        # here, with no communication (every rank has the same shapes).
-        why = "an operand or the result has no elements"
-        if kind in ALL_TO_ALL_KINDS:
-            record_decision(op, "unfused", why)
-            return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
-                           fast_f32=fast_f32)
-        record_decision(op, "none", why)
-        return empty_result(x, w, out_shape, out_dtype, axes)
-    if recut:
-        out = call(kind, rows_2d(x, dimension), w, out_dtype=out_dtype, schedule=schedule, axes=axes,
-                   ranks=ranks, dimension=0, scales=scales, fast_f32=fast_f32, decline=decline)
-        return unrows_2d(out, out_shape, dimension)
-    record_decision(op, schedule_name(code), why)
-    if code == UNFUSED:
-        return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
-                       fast_f32=fast_f32)
-    workspace = (prepared["workspace"]["cpu"], prepared["workspace"]["cuda"])
+    GEMMs may use TF32 on GPUs."""
+    call = decision.call
+    if decision.recut:
+        # Slices are chunks of contiguous rows: a cut call on other rows
+        # runs on x with the row dim leading.
+        flat = Call.of(call.kind, call.ranks, 0, (math.prod(call.x[:-1]), call.x[-1]), call.w, call.dtype,
+                       call.out_dtype)
+        out = bind(as_asked(flat, decision.schedule, decision.why), rows_2d(x, call.dimension), w, axes=axes,
+                   scales=scales, fast_f32=fast_f32)
+        return unrows_2d(out, decision.out_shape, call.dimension)
+    check_elements(call.op, "the result", decision.out_shape)
+    if decision.schedule == NONE:
+        # jax.lax's all_gather and psum_scatter lower no empty gathered or
+        # scattered dim: zeros, with no communication (every rank has the
+        # same shapes), as jax.lax's dot gives for an empty contraction.
+        return empty_result(x, w, decision.out_shape, call.out_dtype, axes)
+    if decision.schedule == UNFUSED:
+        return unfused(call.kind, x, w, out_dtype=call.out_dtype, axes=axes, ranks=call.ranks,
+                       dimension=call.dimension, fast_f32=fast_f32)
     return _PRIMITIVE.bind(
-        x, w, *scales, kind=Kind(kind), out_shape=out_shape, out_dtype=np.dtype(out_dtype), dimension=dimension,
-        schedule=code, axes=tuple(axes), ranks=ranks, workspace=workspace, site=next(_sites),
-        fast_f32=bool(fast_f32))
+        x, w, *scales, kind=Kind(call.kind), out_shape=tuple(decision.out_shape), out_dtype=call.out_dtype,
+        dimension=call.dimension, schedule=decision.schedule, axes=tuple(axes), ranks=call.ranks,
+        workspace=decision.workspace, site=next(_sites), fast_f32=bool(fast_f32))
 
 
 def measure_call_overhead_s(n: int) -> float:
     """A fused call's fixed cost on `n` of this host's CPU devices: a
     reduce-scatter matmul too small for its compute or transfers to count,
     fused and as jax.lax's collective and dot (the fastest of 7 interleaved
-    runs of 20 calls each), the difference (see `_auto.call_overhead_s`)."""
+    runs of 20 calls each), the difference (see `_decide.Machine.call_overhead_s`)."""
     import time
 
     from jax.sharding import Mesh
@@ -246,9 +130,9 @@ def measure_call_overhead_s(n: int) -> float:
         out.block_until_ready()
         return (time.perf_counter() - start) / 20
 
-    ring = SCHEDULES["ring"]
-    fused = compiled(lambda a, b: call(Kind.MATMUL_REDUCE_SCATTER, a, b, out_dtype=np.float32, schedule=ring,
-                                       axes=("i",), ranks=n))
+    ring = as_asked(Call.of(Kind.MATMUL_REDUCE_SCATTER, n, 0, x.shape, w.shape, np.float32, np.float32),
+                    SCHEDULES["ring"])
+    fused = compiled(lambda a, b: bind(ring, a, b, axes=("i",)))
     plain = compiled(lambda a, b: jax.lax.psum_scatter(a @ b, "i", tiled=True))
     # Interleaved, the fastest of each: the least disturbed by other work on the host.
     times = [(per_call(fused), per_call(plain)) for _ in range(7)]
@@ -340,9 +224,10 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fas
         in_axes = tuple(None if d is _NOT_MAPPED else d for d in dims)
         return jax.vmap(one, in_axes=in_axes)(x, w), 0
     x = jnp.moveaxis(x, x_dim, 0)
-    out = call(kind, x, w, out_dtype=out_dtype, schedule=schedule, axes=axes, ranks=ranks, dimension=dimension + 1,
-               fast_f32=fast_f32)
-    return out, 0
+    # The batch is a leading dim of x: the same schedule on the larger call.
+    batched = Call.of(kind, ranks, dimension + 1, x.shape, w.shape, x.dtype, out_dtype)
+    return bind(as_asked(batched, schedule, "decided for the call before vmap"), x, w, axes=axes,
+                fast_f32=fast_f32), 0
 
 
 def _apply_primitive(*args, **params):

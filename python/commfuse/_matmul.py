@@ -33,6 +33,7 @@ fuses its collectives too.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -48,7 +49,9 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _auto, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
+from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
+from ._decide import Policy, decide, decide_dot, mesh_of_trace
+from ._decision import Call, Decision
 from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
 
@@ -58,22 +61,20 @@ OP = "matmul"
 SCHEDULES = tuple(s for s in _abi.SCHEDULES if s not in _abi.CUT_SCHEDULES)
 
 _sites = itertools.count(1)
-# The decision entry that says how a call's fused ops were composed (not a call itself).
-COMPOSED = "composed"
 
 
 class Settings(NamedTuple):
     """The static arguments of one partitioned 2-D product (hashable:
-    custom_partitioning's static argument)."""
-    schedule: int
+    custom_partitioning's static argument). `policy` decides its library
+    calls (never strict: a schedule the shards make impossible runs
+    unfused, with the reason); its `owner`'s report hears what it became."""
+    policy: Policy
     out_dtype: np.dtype
     fast_f32: bool
     precision: object
     x_ndim: int
     site: int
     out_sharding: object = None   # jnp.matmul's, for explicit mesh axes
-    owner: int = 0                # the `overlap` whose report shows this call (0: none)
-    decline: bool = True          # "auto" may still run it unfused (False: decided before, `_auto.decide_dot`)
 
 
 def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None, out_sharding=None):
@@ -106,8 +107,8 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
     _checks.fast_f32(OP, precision)  # checks it
     x, w, out_dtype = _checks.promote(OP, x, w, preferred_element_type)
     matmul_dims = (((x.ndim - 1,), (0,)), ((), ()))
-    static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding, code, 0,
-                       next(_sites), code == _abi.AUTO)
+    static = DotStatic(matmul_dims, _hashable_precision(precision), np.dtype(out_dtype), out_sharding,
+                       Policy(asked=code, strict=False), next(_sites), code == _abi.AUTO)
     if _outside_partitioning(x, w) is not None:
         return static.plain(x, w)
     if code == _abi.AUTO:
@@ -118,11 +119,12 @@ def matmul(x, w, *, schedule="auto", precision=None, preferred_element_type=None
 
 
 def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_element_type=None, out_sharding=None,
-                schedule="auto", owner=0, decide_early=False):
+                policy: Policy = Policy(strict=False), decide_early=False):
     """``jax.lax.dot_general(lhs, rhs, ...)`` as `matmul` where it is ``x @
-    w`` up to transposes and flattening (`DotForm`): ``(result, site, why)``.
-    Under "auto" with `decide_early`, a dot the cost model declines before
-    partitioning (`_auto.decide_dot`) is XLA's own dot (`site` None, `why`
+    w`` up to transposes and flattening (`DotForm`): ``(result, site, why)``,
+    its calls decided under `policy` once partitioned. Under "auto" with
+    `decide_early`, a dot the cost model declines before partitioning
+    (`_decide.decide_dot`) is XLA's own dot (`site` None, `why`
     says why); its backward products are judged each on its own, as
     ``overlap(grad(f))`` judges them. Raises `Unsupported` (nothing traced)
     for any other dot: batch dims, an outer product, dtypes the library
@@ -137,15 +139,14 @@ def dot_general(lhs, rhs, dimension_numbers, *, precision=None, preferred_elemen
     if _named(out_sharding) and _mapped_out_sharding(out_sharding, form) is None:
         raise Unsupported(f"its explicit out_sharding cannot be given to the 2-D product{form.notes()}")
     form.check_mergeable(lhs, rhs)
-    code = _schedule_code(schedule)
     pet = None if preferred_element_type is None else np.dtype(preferred_element_type)
     static = DotStatic(_hashable_dims(dimension_numbers), _hashable_precision(precision), pet, out_sharding,
-                       code, owner, next(_sites), decide_early)
+                       policy._replace(strict=False), next(_sites), decide_early)
     outside = _outside_partitioning(lhs, rhs)
     if outside is not None:
         return static.plain(lhs, rhs), None, outside
-    if code == _abi.AUTO and decide_early:
-        fuse, why = _decide_early(lhs, rhs, form, preferred_element_type)
+    if policy.asked == _abi.AUTO and decide_early:
+        fuse, why = _decide_early(lhs, rhs, form, preferred_element_type, policy)
         if not fuse:
             return _kept_dot(lhs, rhs, static), None, f"auto: {why}"
     return _fused_dot(lhs, rhs, static), static.site, None
@@ -163,15 +164,14 @@ def _outside_partitioning(lhs, rhs) -> str | None:
     return None
 
 
-def _decide_early(lhs, rhs, form: DotForm, preferred_element_type) -> tuple[bool, str]:
+def _decide_early(lhs, rhs, form: DotForm, preferred_element_type, policy: Policy = Policy()) -> tuple[bool, str]:
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     out = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
     m = math.prod(form.x_shape[d] for d in form.x_free)
     k = math.prod(form.x_shape[d] for d in form.xc)
     n = math.prod(form.w_shape[d] for d in form.w_free)
-    mesh_axes, devices = _auto.mesh_of_trace()
-    return _auto.decide_dot(m, k, n, np.dtype(dtype), np.dtype(out), mesh_axes, devices,
-                            _fused.measure_call_overhead_s)
+    mesh_axes, devices = mesh_of_trace()
+    return decide_dot(m, k, n, np.dtype(dtype), np.dtype(out), mesh_axes, devices, policy.resolved_machine())
 
 
 def _schedule_code(schedule) -> int:
@@ -239,10 +239,9 @@ class DotStatic(NamedTuple):
     precision: object
     preferred_element_type: object
     out_sharding: object
-    schedule: int
-    owner: int
+    policy: Policy
     site: int
-    decided_early: bool = False  # "auto" judged this dot before partitioning (`_auto.decide_dot`)
+    decided_early: bool = False  # "auto" judged this dot before partitioning (`_decide.decide_dot`)
 
     def plain(self, lhs, rhs):
         """The dot as jax.lax computes it: the oracle, and what the backward transposes."""
@@ -260,8 +259,8 @@ def _fused_dot(lhs, rhs, static: DotStatic):
     fast = _checks.fast_f32(OP, static.precision)
     x, w, out_dtype = _checks.promote(OP, x, w, static.preferred_element_type)
     out_sharding = _mapped_out_sharding(static.out_sharding, form) if _named(static.out_sharding) else None
-    settings = Settings(static.schedule, np.dtype(out_dtype), fast, static.precision, x.ndim, static.site,
-                        out_sharding, static.owner, decline=not static.decided_early)
+    policy = static.policy._replace(decline=static.policy.decline and not static.decided_early)
+    settings = Settings(policy, np.dtype(out_dtype), fast, static.precision, x.ndim, static.site, out_sharding)
     return form.finish(_partitioned(x, w, settings)).astype(want.dtype)
 
 
@@ -273,8 +272,7 @@ def _fused_dot_bwd(static, residuals, ct):
     lhs, rhs = residuals
     _, transpose = jax.vjp(static.plain, lhs, rhs)
     closed = jax.make_jaxpr(transpose)(ct)
-    schedule = _abi.schedule_name(static.schedule)
-    return tuple(fuse_dots(closed.jaxpr, closed.consts, [ct], schedule=schedule, owner=static.owner,
+    return tuple(fuse_dots(closed.jaxpr, closed.consts, [ct], policy=static.policy,
                            decide_early=static.decided_early, on_dot=_report_backward(static)))
 
 
@@ -293,12 +291,12 @@ _kept_dot.defvjp(lambda lhs, rhs, static: (static.plain(lhs, rhs), (lhs, rhs)), 
 
 def _report_backward(static: DotStatic):
     """What the backward of `static`'s dot did with each of its dots, for its owner's report."""
-    if not static.owner:
+    if not static.policy.owner:
         return None
 
     def on_dot(eqn, site, why):
         what = f"commfuse.matmul#{site}" if site is not None else f"kept ({why})"
-        _record(Traced(static.owner, f"backward of dot #{static.site}: {_describe(eqn)} -> {what}"))
+        _record(Traced(static.policy.owner, f"backward of dot #{static.site}: {_describe(eqn)} -> {what}"))
 
     return on_dot
 
@@ -313,7 +311,7 @@ def _describe(eqn) -> str:
     return f"dot_general({fmt(lhs)} @ {fmt(rhs)} -> {fmt(eqn.outvars[0].aval)}, {dims})"
 
 
-def fuse_dots(jaxpr, consts, args, *, schedule: str, owner: int, decide_early: bool = False, on_dot=None) -> list:
+def fuse_dots(jaxpr, consts, args, *, policy: Policy, decide_early: bool = False, on_dot=None) -> list:
     """Evaluates `jaxpr` with each of its top-level dot_generals as `dot_general`
     (those that are not ``x @ w`` as they are); `on_dot(eqn, site, why)` hears
     of each (site None: kept, `why` says why)."""
@@ -334,7 +332,7 @@ def fuse_dots(jaxpr, consts, args, *, schedule: str, owner: int, decide_early: b
             try:
                 out, site, why = dot_general(*invals, p["dimension_numbers"], precision=p.get("precision"),
                                              preferred_element_type=p.get("preferred_element_type"),
-                                             out_sharding=p.get("out_sharding"), schedule=schedule, owner=owner,
+                                             out_sharding=p.get("out_sharding"), policy=policy,
                                              decide_early=decide_early)
                 outs = [out]
                 if on_dot is not None:
@@ -496,53 +494,92 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
     return Choice(op, kind, axes, dimension, x_spec, w_spec, out_spec, psum_axes=reduce)
 
 
-def run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
-    """`choice` on one device's shards `x` and `w` (inside the partitioned
-    program). A schedule these shards make impossible (fewer rows than the
-    ring has blocks, say) runs unfused, with the reason recorded: an error
-    here would surface as XLA's INTERNAL error from custom_partitioner,
-    naming an op the user never called."""
-    if choice.op in ("local", "fallback") or settings.schedule == _abi.UNFUSED:
-        return _run_choice(choice, x, w, settings, ranks)
-    try:
-        with _fused.collecting() as tried:
-            out = _run_choice(choice, x, w, settings, ranks)
-    except (ValueError, TypeError) as e:  # what the failed attempt decided is dropped with it
-        _fused.record_decision(choice.op, "unfused", f"schedule={_abi.schedule_name(settings.schedule)!r} cannot run "
-                                                     f"on these shards: {e}")
-        return _run_choice(choice, x, w, settings._replace(schedule=_abi.UNFUSED), ranks)
-    for decision in tried:
-        _fused.record_decision(*decision)
-    return out
+class Decided(NamedTuple):
+    """What one partitioned product runs as, decided from its shards'
+    shapes before anything is traced: its `choice`, the decisions of its
+    library calls (`calls`, in the order they run) and, where the choice
+    is a gather then a sum over other axes run as `_both_sides` tiles,
+    how (`tiling` and `why`), or `matmul_all_reduce`'s settings."""
+    choice: Choice
+    calls: tuple
+    all_reduce: object = None
+    tiling: object = None
+    tiles_why: str = ""
+
+    @property
+    def fused(self) -> int:
+        """How many library calls (fused ops) it runs."""
+        if self.all_reduce is not None:
+            return self.all_reduce.tiles * int(self.all_reduce.forward.fused)
+        return sum(1 for d in self.calls if d.fused)
 
 
-def _run_choice(choice: Choice, x, w, settings: Settings, ranks: int):
-    if choice.psum_axes and settings.schedule != _abi.UNFUSED and choice.op in ("all_gather_matmul",
-                                                                                 "matmul_all_gather"):
-        tiled = _gather_then_psum_tiles(choice, x, w, settings, ranks)
+def decide_choice(choice: Choice, x_shape, w_shape, dtype, settings: Settings, sizes: dict) -> Decided:
+    """The decisions of `choice` on one device's shards of these shapes
+    (see `Decided`); a schedule the shards make impossible (fewer rows than
+    the ring has blocks, say) runs unfused, the reason in its decision.
+    `sizes`: the mesh's axis sizes."""
+    policy = settings.policy
+    ranks = math.prod(sizes[a] for a in choice.axes)
+    if choice.op in ("local", "fallback"):
+        return Decided(choice, ())
+    if choice.op == "matmul_all_reduce":
+        settled = _matmul_all_reduce.settle(x_shape, w_shape, dtype, settings.out_dtype, axes=choice.axes,
+                                            ranks=ranks, policy=policy, tiles=None, fast_f32=settings.fast_f32)
+        return Decided(choice, (settled.forward,), all_reduce=settled)
+    if choice.psum_axes and policy.asked != _abi.UNFUSED and choice.op in ("all_gather_matmul",
+                                                                            "matmul_all_gather"):
+        tiled = _decide_tiles(choice, x_shape, w_shape, dtype, settings, ranks,
+                              math.prod(sizes[a] for a in choice.psum_axes))
         if tiled is not None:
             return tiled
+    return Decided(choice, (decide(_call_of(choice, choice.kind, x_shape, w_shape, dtype, settings, ranks), policy),))
+
+
+def _call_of(choice: Choice, kind, x_shape, w_shape, dtype, settings: Settings, ranks: int) -> Call:
+    """The library call `choice` makes on shards of these shapes (the
+    traveling operand first: w for the weight gathers)."""
+    rows = (math.prod(x_shape[:-1]), x_shape[-1])
+    if kind in _abi.ROW_BLOCK_KINDS:
+        first, second, dimension = x_shape, w_shape, choice.dimension
+    elif kind in (Kind.MATMUL_ALL_GATHER, Kind.MATMUL_ALL_GATHER_CONTRACT):
+        first, second, dimension = w_shape, rows, 0
+    else:
+        first, second, dimension = rows, w_shape, 0
+    return Call.of(kind, ranks, dimension, first, second, dtype, settings.out_dtype)
+
+
+def run_decided(decided: Decided, x, w, settings: Settings):
+    """`decided` on one device's shards `x` and `w` (inside the partitioned program)."""
+    choice = decided.choice
     if choice.op in ("local", "fallback"):
         return _local_dot(x, w, settings._replace(out_sharding=None))  # shards: no mesh here
-    common = dict(out_dtype=settings.out_dtype, schedule=settings.schedule, axes=choice.axes, ranks=ranks,
-                  fast_f32=settings.fast_f32, decline=settings.decline)
-    if choice.op == "matmul_all_reduce":
-        static = _matmul_all_reduce.settle(x.shape, w.shape, x.dtype, settings.out_dtype, axes=choice.axes,
-                                           ranks=ranks, schedule=settings.schedule, tiles=None,
-                                           fast_f32=settings.fast_f32, decline=settings.decline,
-                                           schedule_name=_abi.schedule_name(settings.schedule))
-        return _matmul_all_reduce.forward(x, w, static)
+    if decided.all_reduce is not None:
+        return _matmul_all_reduce.forward(x, w, decided.all_reduce)
+    if decided.tiling is not None:
+        side, *_ = _gathered_operand(choice.kind, x.ndim, choice.dimension)
+        operand = (x, w)[side]
+        parts = []
+        for t, decision in enumerate(decided.calls):
+            tile = decided.tiling.tile(operand, t)
+            x_t, w_t = (tile, w) if side == 0 else (x, tile)
+            parts.append(jax.lax.psum(_bind(choice, decision, x_t, w_t, settings), choice.psum_axes))
+        return decided.tiling.combine(parts)
+    out = _bind(choice, decided.calls[0], x, w, settings)
+    return jax.lax.psum(out, choice.psum_axes) if choice.psum_axes else out
+
+
+def _bind(choice: Choice, decision: Decision, x, w, settings: Settings):
+    """One library call of `choice` on shards `x` and `w`, as `decision` says."""
     kind = choice.kind
     if kind in _abi.ROW_BLOCK_KINDS:
-        out = _fused.call(kind, x, w, dimension=choice.dimension, **common)
+        return _fused.bind(decision, x, w, axes=choice.axes, fast_f32=settings.fast_f32)
+    rows = _fused.rows_2d(x)
+    if kind in (Kind.MATMUL_ALL_GATHER, Kind.MATMUL_ALL_GATHER_CONTRACT):
+        out = _fused.bind(decision, w, rows, axes=choice.axes, fast_f32=settings.fast_f32)  # w travels
     else:
-        rows = _fused.rows_2d(x)
-        if kind in (Kind.MATMUL_ALL_GATHER, Kind.MATMUL_ALL_GATHER_CONTRACT):
-            out = _fused.call(kind, w, rows, **common)  # w travels: it is the first operand
-        else:
-            out = _fused.call(kind, rows, w, **common)
-        out = out.reshape(x.shape[:-1] + (out.shape[-1],))
-    return jax.lax.psum(out, choice.psum_axes) if choice.psum_axes else out
+        out = _fused.bind(decision, rows, w, axes=choice.axes, fast_f32=settings.fast_f32)
+    return out.reshape(x.shape[:-1] + (out.shape[-1],))
 
 
 # The gathered operand of each gather kind: (which operand, its gathered dim
@@ -558,65 +595,75 @@ def _gathered_operand(kind, x_ndim: int, dimension: int):
     return 1, 0, [1], lambda d: x_ndim - 1  # MATMUL_ALL_GATHER_CONTRACT
 
 
-def _gather_then_psum_tiles(choice: Choice, x, w, settings: Settings, ranks: int):
+def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, ranks: int,
+                  n_reduce: int) -> Decided | None:
     """A gather over `choice.axes` then a sum over `choice.psum_axes` (FSDP x
     TP) as `_both_sides`' tiles where the cost model prefers them: each tile
     of the gathered operand one fused call, its result summed by jax.lax
-    while the next tile runs. None: run it as one fused call then the sum."""
-    side, g, free, out_dim_of = _gathered_operand(choice.kind, x.ndim, choice.dimension)
-    operand = (x, w)[side]
-    tiling, _ = _both_sides.find_tiling(operand.shape, g, free, out_dim_of, None, ranks)
+    while the next tile runs. None: one fused call then the sum."""
+    side, g, free, out_dim_of = _gathered_operand(choice.kind, len(x_shape), choice.dimension)
+    operand = (x_shape, w_shape)[side]
+    tiling, _ = _both_sides.find_tiling(operand, g, free, out_dim_of, None, ranks)
     if tiling is None:
         return None
     op = "all_gather_matmul" if side == 0 else "matmul_all_gather"
-    dimension = g if side == 0 else g
-    rows = math.prod(x.shape[:-1])
-    k = x.shape[-1] * (ranks if choice.kind == Kind.ALL_GATHER_MATMUL_CONTRACT else 1)
-    n = w.shape[1] * (ranks if choice.kind == Kind.MATMUL_ALL_GATHER else 1)
+    rows = math.prod(x_shape[:-1])
+    k = x_shape[-1] * (ranks if choice.kind == Kind.ALL_GATHER_MATMUL_CONTRACT else 1)
+    n = w_shape[1] * (ranks if choice.kind == Kind.MATMUL_ALL_GATHER else 1)
     if choice.kind == Kind.ALL_GATHER_MATMUL:
         rows *= ranks
-    n_reduce = math.prod(jax.lax.axis_size(a) for a in choice.psum_axes)
+    machine = settings.policy.resolved_machine()
     try:
-        way, why = _both_sides.choose(op, tuple(x.shape), tuple(w.shape), ranks, dimension, "psum", n_reduce,
-                                      (rows, k), (k, n), tiling.count, np.dtype(settings.out_dtype))
+        way, why = _both_sides.choose(op, tuple(x_shape), tuple(w_shape), ranks, g, "psum", n_reduce, (rows, k),
+                                      (k, n), tiling.count, np.dtype(settings.out_dtype), machine)
     except (ValueError, TypeError, KeyError):
         return None
     if way != "tiles":
         return None
-    gather_only = choice._replace(psum_axes=())
-    parts = []
-    for t in range(tiling.count):
-        tile = tiling.tile(operand, t)
-        x_t, w_t = (tile, w) if side == 0 else (x, tile)
-        parts.append(jax.lax.psum(_run_choice(gather_only, x_t, w_t, settings, ranks), choice.psum_axes))
-    _fused.record_decision(COMPOSED, "tiles", f"{tiling.count} tiles, each summed over {choice.psum_axes} while the "
-                                             f"next runs: {why}")
-    return tiling.combine(parts)
+    tile_shape = list(operand)
+    tile_shape[tiling.dim] //= tiling.count
+    shapes = (tuple(tile_shape), w_shape) if side == 0 else (x_shape, tuple(tile_shape))
+    decision = decide(_call_of(choice, choice.kind, *shapes, dtype, settings, ranks), settings.policy)
+    if not decision.fused:
+        return None
+    why = f"{tiling.count} tiles, each summed over {choice.psum_axes} while the next runs: {why}"
+    return Decided(choice, (decision,) * tiling.count, tiling=tiling, tiles_why=why)
 
 
 # ----------------------------------------------------------------------------
-# What the partitioner calls.
+# What the partitioner calls, and who hears of it.
 # ----------------------------------------------------------------------------
 class Partitioned(NamedTuple):
-    """One call's choice, as the report shows it."""
+    """One call's choice and decisions, as the report shows it."""
     site: int
     x_shape: tuple
     w_shape: tuple
-    choice: Choice
-    ran_as: tuple   # what the fused ops ran as: (op, schedule, why) per library call
+    decided: Decided
     owner: int = 0  # the `overlap` that made the call (0: none)
+
+    @property
+    def choice(self) -> Choice:
+        return self.decided.choice
 
     @property
     def fused(self) -> int:
         """How many library calls (fused ops) it became."""
-        return sum(1 for op, schedule, _ in self.ran_as if schedule not in ("unfused", "none") and op != COMPOSED)
+        return self.decided.fused
 
     def line(self) -> str:
-        counts = {}
-        for entry in self.ran_as:
-            counts[entry] = counts.get(entry, 0) + 1
-        ran = "; ".join(f"{f'{n} x ' if n > 1 else ''}{op}: {schedule} ({why})"
-                        for (op, schedule, why), n in counts.items())
+        d = self.decided
+        if d.all_reduce is not None:
+            forward = d.all_reduce.forward
+            ran = f"matmul_all_reduce: {forward.schedule_name} ({forward.why})"
+            if forward.fused:
+                ran = f"{d.all_reduce.tiles} x matmul_reduce_scatter: {forward.schedule_name} ({forward.why})"
+        else:
+            counts = {}
+            for decision in d.calls:
+                counts[decision.describe()] = counts.get(decision.describe(), 0) + 1
+            ran = "; ".join(f"{f'{n} x ' if n > 1 else ''}{text}" for text, n in counts.items())
+            if d.tiling is not None:
+                ran = f"{ran}; composed: tiles ({d.tiles_why})"
         return (f"commfuse.matmul#{self.site} x{list(self.x_shape)} @ w{list(self.w_shape)}: "
                 f"{self.choice.describe()}" + (f"; ran as {ran}" if ran else ""))
 
@@ -630,25 +677,44 @@ class Traced(NamedTuple):
         return self.text
 
 
+# Each `overlap`'s report by owner id (it lives as long as its overlap), and
+# the lists of whoever watches every call (`watching`).
 _LOCK = threading.Lock()
-_LISTENERS: list = []  # weak references: a listener lives as long as its owner keeps it
+_REPORTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_WATCHERS: list = []
+_owners = itertools.count(1)
 
 
-def listen(callback):
-    """Calls `callback(Partitioned)` for every call partitioned from now on,
-    while `callback` is alive (held weakly): how ``overlap``'s report learns
-    what each call became."""
+def register(report) -> int:
+    """An owner id whose entries (`Partitioned`, `Traced`) go to
+    ``report.hear(entry)`` while `report` lives."""
     with _LOCK:
-        _LISTENERS.append(weakref.ref(callback))
+        owner = next(_owners)
+        _REPORTS[owner] = report
+    return owner
 
 
-def _record(entry: Partitioned):
+@contextlib.contextmanager
+def watching():
+    """A list that gets every `Partitioned` entry recorded while open, whoever made the call."""
+    seen: list = []
     with _LOCK:
-        _LISTENERS[:] = [ref for ref in _LISTENERS if ref() is not None]
-        listeners = [ref() for ref in _LISTENERS]
-    for callback in listeners:
-        if callback is not None:
-            callback(entry)
+        _WATCHERS.append(seen)
+    try:
+        yield seen
+    finally:
+        with _LOCK:
+            _WATCHERS.remove(seen)
+
+
+def _record(entry):
+    with _LOCK:
+        report = _REPORTS.get(entry.owner) if entry.owner else None
+        watchers = list(_WATCHERS) if isinstance(entry, Partitioned) else []
+    for seen in watchers:
+        seen.append(entry)
+    if report is not None:
+        report.hear(entry)
 
 
 def _sharding(mesh, spec: tuple):
@@ -664,19 +730,23 @@ def _specs(mesh, arg_shapes, result_shape):
 def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     x, w = arg_shapes
     x_spec, w_spec, out_spec = _specs(mesh, arg_shapes, result_shape)
-    choice = choose(dict(mesh.shape), x.shape, w.shape, x_spec, w_spec, out_spec)
-    ranks = math.prod(mesh.shape[a] for a in choice.axes)
+    sizes = dict(mesh.shape)
+    choice = choose(sizes, x.shape, w.shape, x_spec, w_spec, out_spec)
+    decided = decide_choice(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
+                            np.dtype(x.dtype), settings, sizes)
+    _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), decided, settings.policy.owner))
 
     def lower(x_local, w_local):
-        # Traced by the partitioner once this returns; what the fused ops
-        # decided (auto's pick) is known only then.
-        with _fused.collecting() as ran, _compat.auto_axes_scope():
-            out = run_choice(choice, x_local, w_local, settings, ranks)
-        _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), choice, tuple(ran), settings.owner))
-        return out
+        with _compat.auto_axes_scope():
+            return run_decided(decided, x_local, w_local, settings)
 
     return (mesh, lower, _sharding(mesh, choice.out_spec),
             (_sharding(mesh, choice.x_spec), _sharding(mesh, choice.w_spec)))
+
+
+def _local(shape, spec: tuple, sizes: dict) -> tuple:
+    """One device's shard of an array of `shape` sharded as `spec`."""
+    return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, spec))
 
 
 def _infer_from_operands(settings: Settings, mesh, arg_shapes, result_shape):

@@ -22,8 +22,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _abi, _auto, _checks, _fused, _varying
+from . import _abi, _checks, _fused, _op, _varying
+from ._decide import Policy, decide as decide_call
+from ._decision import Call, Decision
+from ._op import OpDecision
 
 OP = "matmul_all_reduce"
 
@@ -32,7 +36,7 @@ class _Settings(NamedTuple):
     axes: tuple
     ranks: int
     tiles: int
-    schedule: int
+    forward: Decision   # each chunk's fused reduce-scatter (or not fused: jax.lax's psum of the product)
     out_dtype: object
     fast_f32: bool
 
@@ -49,55 +53,75 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     "sequential") and all-gathered while the next chunk is reduce-scattered.
     ``schedule="unfused"`` is jax.lax's own ``psum`` of the product.
     """
-    axes, ranks = _checks.axis_group(OP, axis_name)
-    _checks.check_matmul_operands(OP, x, w)
-    code = _checks.check_schedule(OP, schedule)
-    if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
-        raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
-    fast = _checks.fast_f32(OP, precision)
-    x, w, out_dtype = _checks.promote(OP, x, w, preferred_element_type)
-    settings = settle(x.shape, w.shape, x.dtype, out_dtype, axes=axes, ranks=ranks, schedule=code, tiles=tiles,
-                      fast_f32=fast, schedule_name=schedule)
-    x, w = _varying.vary_together(x, w, axes)
-    if _fused.forward_mode(OP, x, w):
-        return forward(x, w, settings._replace(schedule=_abi.UNFUSED))
+    return run(decide(x, w, axis_name, schedule=schedule, tiles=tiles, precision=precision,
+                      preferred_element_type=preferred_element_type), x, w)
+
+
+def decide(x, w, axis_name, *, schedule="auto", tiles=None, precision=None, preferred_element_type=None,
+           policy: Policy = Policy()) -> OpDecision:
+    """What ``matmul_all_reduce(x, w, ...)`` runs as, from shapes (see `_op.OpDecision`)."""
+    def checked():
+        axes, ranks = _checks.axis_group(OP, axis_name)
+        _checks.check_matmul_operands(OP, x, w)
+        code = _checks.check_schedule(OP, schedule)
+        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
+            raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
+        fast = _checks.fast_f32(OP, precision)
+        dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
+        settings = settle(x.shape, w.shape, dtype, out_dtype, axes=axes, ranks=ranks, policy=policy.with_asked(code),
+                          tiles=tiles, fast_f32=fast)
+        static = _op.Static(axes, ranks, 0, policy.with_asked(code), out_dtype, fast, settings.forward)
+        return OpDecision(OP, static, (settings.forward,), settled={"settings": settings})
+
+    return _op.decided(OP, policy.strict, checked)
+
+
+def run(decision: OpDecision, x, w):
+    """``matmul_all_reduce`` of `x` and `w` as `decision` (made for their shapes) says."""
+    x, w = _op.prepared_operands(OP, x, w, decision)
+    settings = decision.settled["settings"]
+    if _op.forward_mode(x, w):
+        unfused = Decision(settings.forward.call, _abi.UNFUSED, "forward-mode differentiation", ())
+        return forward(x, w, settings._replace(forward=unfused))
     return _all_reduce(x, w, settings)
 
 
-def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, schedule: int, tiles, fast_f32: bool,
-           schedule_name: str, decline: bool = True) -> _Settings:
+def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Policy, tiles, fast_f32: bool) -> _Settings:
     """The settings one call runs with: the tiles (default: 4, or the most of
-    4, 2, 1 that divide the rows into a multiple of the axis size) and the
-    schedule (``auto`` resolved: unfused where nothing can be cut into a
-    ring's blocks or the cost model predicts no gain)."""
-    code = schedule
+    4, 2, 1 that divide the rows into a multiple of the axis size) and each
+    chunk's decision (``auto``: unfused where nothing can be cut into a
+    ring's blocks or the cost model predicts no gain; unfused, the whole op
+    is one psum rather than chunked gathers)."""
     rows = math.prod(x_shape[:-1])
     if tiles is None:
         tiles = next((t for t in (4, 2, 1) if rows % (t * ranks) == 0), None)
+    chunk = Call.of(_abi.Kind.MATMUL_REDUCE_SCATTER, ranks, 0, (rows // (tiles or 1), x_shape[-1]), w_shape, dtype,
+                    out_dtype)
+
+    def unfused(why):  # the whole op as jax.lax's psum of the product
+        return Decision(chunk, _abi.UNFUSED, why, (*x_shape[:-1], w_shape[-1]))
+
     if 0 in x_shape or 0 in w_shape:
         # Nothing to cut into a ring's blocks (and jax.lax all-gathers no
         # empty chunk): jax.lax's own psum of the product, empty or zeros.
-        code = _abi.UNFUSED
-        _fused.record_decision(OP, "unfused", "an operand has no elements")
-    elif code == _abi.UNFUSED:
-        _fused.record_decision(OP, "unfused", "as asked")
+        forward = unfused("an operand has no elements")
+    elif policy.asked == _abi.UNFUSED:
+        forward = unfused("as asked")
     elif tiles is None or rows % (tiles * ranks):
         t = f"T = tiles = {tiles}" if tiles is not None else "T = 1, 2 or 4"
         why = (f"x has {rows} rows (all dims but the last, x.shape={tuple(x_shape)}), and a ring over {ranks} "
                f"devices cuts them into {ranks} x T equal blocks ({t})")
-        if code != _abi.AUTO:
-            raise ValueError(f"commfuse.{OP}: {why} for schedule={schedule_name!r}")
-        code = _abi.UNFUSED  # "auto": nothing to cut into a ring's blocks
-        _fused.record_decision(OP, "unfused", f"auto: {why}")
-    if code == _abi.AUTO and ranks > 1:
-        # The cost model judges one chunk's reduce-scatter; unfused, the
-        # whole op is one psum rather than chunked gathers.
-        shapes = _abi.call_shapes(_abi.Kind.MATMUL_REDUCE_SCATTER, _abi.AUTO, ranks, 0,
-                                  (rows // tiles, x_shape[-1]), w_shape, dtype, out_dtype)
-        _, code, why = _auto.resolve(shapes, _fused.measure_call_overhead_s, decline=decline)
-        if code == _abi.UNFUSED:
-            _fused.record_decision(OP, "unfused", why)
-    return _Settings(tuple(axes), ranks, int(tiles or 1), code, out_dtype, fast_f32)
+        if policy.asked == _abi.AUTO:
+            forward = unfused(f"auto: {why}")
+        elif policy.strict:
+            raise ValueError(f"commfuse.{OP}: {why} for schedule={_abi.schedule_name(policy.asked)!r}")
+        else:
+            forward = unfused(f"schedule={_abi.schedule_name(policy.asked)!r} cannot run on these shards: {why}")
+    elif ranks == 1:
+        forward = unfused("one rank: nothing to reduce")
+    else:
+        forward = decide_call(chunk, policy)
+    return _Settings(tuple(axes), ranks, int(tiles or 1), forward, np.dtype(out_dtype), fast_f32)
 
 
 def _unfused(x, w, static):
@@ -122,17 +146,14 @@ def forward(x, w, static: _Settings):
     typed): chunked fused reduce-scatters, each chunk all-gathered while the
     next is reduce-scattered. Also the jit-level ``commfuse.matmul``'s
     lowering of this pattern."""
-    if static.schedule == _abi.UNFUSED or static.ranks == 1:
-        if static.ranks == 1:
-            _fused.record_decision(OP, "unfused", "one rank: nothing to reduce")
+    if not static.forward.fused:
         return _unfused(x, w, static)
     tiles = static.tiles
     flat = _fused.rows_2d(x)
     chunk = flat.shape[0] // tiles
     outs = []
     for c in range(tiles):
-        part = _fused.call(_abi.Kind.MATMUL_REDUCE_SCATTER, flat[c * chunk:(c + 1) * chunk], w,
-                           out_dtype=static.out_dtype, schedule=static.schedule, axes=static.axes, ranks=static.ranks,
+        part = _fused.bind(static.forward, flat[c * chunk:(c + 1) * chunk], w, axes=static.axes,
                            fast_f32=static.fast_f32)
         outs.append(_gather_invariant(part, static.axes))
     out = outs[0] if tiles == 1 else jnp.concatenate(outs, axis=0)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 
-from . import _checks, _fp8, _fused
+from . import _checks, _fp8, _fused, _op
 from ._abi import Kind
+from ._decide import Policy
+from ._op import OpDecision
 
 OP = "matmul_reduce_scatter"
 
@@ -43,21 +45,46 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     ``all_gather_matmul``: ``x_scale`` and ``w_scale`` float32 scalars,
     result ``preferred_element_type(x_scale * w_scale * (f32(x) @ f32(w)))``.
     """
-    axes, ranks = _checks.axis_group(OP, axis_name)
-    _checks.check_matmul_operands(OP, x, w)
-    kind, dimension, _, _ = layout(x.shape, w.shape, ranks, scatter_dimension, axis_name=axis_name)
-    code = _checks.check_schedule(OP, schedule, slices, tiles)
-    fp8 = _checks.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
-    if fp8 is not None:
-        if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
-            raise NotImplementedError(
-                f"commfuse.{OP}: fp8 operands are supported for a row scatter_dimension only, not the last dim")
-        _checks.check_precision(OP, precision)
-        return _fp8.fp8_call(kind, x, w, fp8, axes=axes, ranks=ranks, dimension=dimension,
-                               schedule=code)
-    x, w, static = _fused.static_of(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, schedule_code=code,
-                                    precision=precision, preferred_element_type=preferred_element_type)
-    if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
+    decision = decide(x, w, axis_name, scatter_dimension=scatter_dimension, schedule=schedule, slices=slices,
+                      tiles=tiles, precision=precision, preferred_element_type=preferred_element_type,
+                      x_scale=x_scale, w_scale=w_scale)
+    return run(decision, x, w)
+
+
+def decide(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, tiles=4, precision=None,
+           preferred_element_type=None, x_scale=None, w_scale=None, policy: Policy = Policy()) -> OpDecision:
+    """What ``matmul_reduce_scatter(x, w, ...)`` runs as, from the operands'
+    shapes and dtypes (arrays, tracers or ShapeDtypeStructs): raises on
+    arguments it refuses unless `policy` is not strict (then a refusal)."""
+    def checked():
+        axes, ranks = _checks.axis_group(OP, axis_name)
+        _checks.check_matmul_operands(OP, x, w)
+        kind, dimension, first, second = layout(x.shape, w.shape, ranks, scatter_dimension, axis_name=axis_name)
+        asked = policy.with_asked(_checks.check_schedule(OP, schedule, slices, tiles))
+        fp8 = _checks.fp8_scales(OP, x, w, x_scale, w_scale, preferred_element_type)
+        if fp8 is not None:
+            if kind == Kind.MATMUL_REDUCE_SCATTER_COLS:
+                raise NotImplementedError(
+                    f"commfuse.{OP}: fp8 operands are supported for a row scatter_dimension only, not the last dim")
+            _checks.check_precision(OP, precision)
+            return OpDecision(OP, _op.Static(axes, ranks, dimension, asked, fp8[2]), settled={"kind": kind, "fp8": fp8})
+        static = _op.settle(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, policy=asked, precision=precision,
+                            preferred_element_type=preferred_element_type)
+        dtype, _ = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
+        forward = _op.forward_call(kind, static, first, second, dtype)
+        return OpDecision(OP, static._replace(forward=forward), (forward,), settled={"kind": kind})
+
+    return _op.decided(OP, policy.strict, checked)
+
+
+def run(decision: OpDecision, x, w):
+    """``matmul_reduce_scatter`` of `x` and `w` as `decision` (made for their shapes) says."""
+    static, settled = decision.static, decision.settled
+    if "fp8" in settled:
+        return _fp8.fp8_call(settled["kind"], x, w, settled["fp8"], axes=static.axes, ranks=static.ranks,
+                             dimension=static.dimension, policy=static.policy)
+    x, w = _op.prepared_operands(OP, x, w, decision)
+    if settled["kind"] == Kind.MATMUL_REDUCE_SCATTER_COLS:
         out = _scatter_cols(_fused.rows_2d(x), w, static)
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
     return _scatter_rows(x, w, static)
@@ -81,23 +108,23 @@ def layout(x_shape, w_shape, ranks: int, scatter_dimension: int = 0, *, axis_nam
 def _scatter_rows_bwd(static, residuals, dy):
     x, w = residuals
     d = static.dimension
-    dx = _fused.call_static(Kind.ALL_GATHER_MATMUL, dy, w.T, static, out_dtype=x.dtype)
+    dx = _op.call_static(Kind.ALL_GATHER_MATMUL, dy, w.T, static, out_dtype=x.dtype)
     # dw = Σ_j x[block j]ᵀ @ dY_j: dY_j travels; x's block j is a column block of xᵀ.
-    dw = _fused.call_static(Kind.MATMUL_ALL_GATHER_CONTRACT, _fused.rows_2d(dy, d), _fused.rows_2d(x, d).T, static,
+    dw = _op.call_static(Kind.MATMUL_ALL_GATHER_CONTRACT, _fused.rows_2d(dy, d), _fused.rows_2d(x, d).T, static,
                             dimension=0, out_dtype=w.dtype)
     return dx, dw
 
 
-_scatter_rows = _fused.differentiable(Kind.MATMUL_REDUCE_SCATTER, _scatter_rows_bwd)
+_scatter_rows = _op.differentiable(Kind.MATMUL_REDUCE_SCATTER, _scatter_rows_bwd)
 
 
 def _scatter_cols_bwd(static, residuals, dy):
     x, w = residuals
     # dx = Σ_j dY_j @ w[:, cols j]ᵀ: dY_j travels, contracting with row block j of wᵀ.
-    dx = _fused.call_static(Kind.ALL_GATHER_MATMUL_CONTRACT, dy, w.T, static, dimension=0, out_dtype=x.dtype)
+    dx = _op.call_static(Kind.ALL_GATHER_MATMUL_CONTRACT, dy, w.T, static, dimension=0, out_dtype=x.dtype)
     # dw[:, cols j] = xᵀ @ dY_j: a column gather of dY.
-    dw = _fused.call_static(Kind.MATMUL_ALL_GATHER, dy, x.T, static, dimension=0, out_dtype=w.dtype)
+    dw = _op.call_static(Kind.MATMUL_ALL_GATHER, dy, x.T, static, dimension=0, out_dtype=w.dtype)
     return dx, dw
 
 
-_scatter_cols = _fused.differentiable(Kind.MATMUL_REDUCE_SCATTER_COLS, _scatter_cols_bwd, dimension=0)
+_scatter_cols = _op.differentiable(Kind.MATMUL_REDUCE_SCATTER_COLS, _scatter_cols_bwd, dimension=0)

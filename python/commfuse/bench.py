@@ -40,7 +40,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commfuse
-from commfuse import _abi, _all_gather_matmul, _auto, _matmul_reduce_scatter
+from commfuse import _abi, _all_gather_matmul, _matmul_reduce_scatter
+from commfuse._decide import Machine
 
 LINK_VAR = "COMMFUSE_CPU_LINK"
 LATENCY_US = 20.0
@@ -134,8 +135,8 @@ def _model(op, n, m, k, cols, dtype, spec, gflops):
 
 def _auto_ran(op, n, m, k, cols, dtype):
     """The schedule "auto" ran: what it resolves to at trace time, under the link in the environment now."""
-    spec = _auto.default_machine()
-    prepared = _abi.prepare(_shapes(op, n, m, k, cols, dtype), spec, _auto.machine_rate(spec))
+    machine = Machine.current()
+    prepared = _abi.prepare(_shapes(op, n, m, k, cols, dtype), machine.spec, machine.gemm_gflops)
     return prepared["plan"]["schedule"]
 
 

@@ -18,8 +18,9 @@ flattening (``_dot_form.DotForm``: several contracting dims, weights of rank
 > 2, either operand as ``x``), or a grouped matmul with up to 16 batches (one
 fused call per batch). A dot with a gather into it and a sum of its result
 over another axis may run as tiles that hide both (``_both_sides``).
-Everything else is evaluated unchanged. When a fused op refuses its operands at
-trace time, the original equations are kept and the reason is reported.
+Everything else is evaluated unchanged. Each candidate's fused op is decided
+from its shapes before anything is traced (`_op.OpDecision`): one it refuses,
+or ``auto`` declines, keeps the original equations, and the report says why.
 
 Bodies of ``jit``/``closed_call``/``checkpoint`` are interpreted in place, and
 ``cond``/``scan``/``while`` are rebuilt with ``lax.switch``/``lax.scan``/
@@ -41,19 +42,19 @@ traced in place.
 from __future__ import annotations
 
 import functools
-import itertools
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from .. import _fused, _matmul
+from .. import _abi, _matmul
+from .._decide import Machine, Policy
+from .._decision import Call, Decision
 from . import inplace
 from .interpret import interpret
 from .state import State
 
-__all__ = ["overlap"]
-
-_owners = itertools.count(1)
+__all__ = ["overlap", "Overlap"]
 
 
 # ----------------------------------------------------------------------------
@@ -120,7 +121,9 @@ def _layout(leaves):
     return layout
 
 
-def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=None):
+
+def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=None, machine: str | None = None,
+            decisions=None):
     """Returns ``fun`` with its shard_map collective/matmul pairs fused into commfuse ops.
 
     The result has ``fun``'s signature and results. Each call traces ``fun``
@@ -147,13 +150,18 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
     cost model's pick per op, which may be to leave a pair unfused where it
     predicts no gain), or any other schedule, which fuses every candidate it
     can (``"ring"``, ``"bidirectional"``, ...; ``"unfused"`` keeps them all as
-    they were).
+    they were). ``machine`` is the machine ``"auto"`` decides for (a preset
+    of ``commfuse.explain``; default: the one the program runs on).
+    ``decisions`` imposes decisions made outside (``Plan.decisions`` of
+    ``commfuse.plan``, or ``(call, schedule)`` pairs): a library call they
+    name runs as they say, the others as ``schedule`` says.
 
     ``report=True`` prints one line per rewrite, per collective left
     unchanged (with the reason) and per shard_map body without candidates;
     ``logger`` (a ``logging.Logger``) gets the same lines through
-    ``logger.info``. The returned function keeps the lines of its latest
-    trace in its ``last_report`` attribute.
+    ``logger.info``. The returned object keeps the lines of its latest
+    trace in ``last_report``, and the decisions behind them in
+    ``last_decisions``.
 
     What ``fun`` does besides returning values happens as without
     ``overlap``: in-place updates of its arguments (Flax NNX modules and
@@ -166,54 +174,172 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
     Composes with ``jax.jit``, ``nnx.jit`` (either way round) and ``jax.grad``.
     """
     if fun is None:
-        return functools.partial(overlap, schedule=schedule, report=report, logger=logger)
+        return functools.partial(overlap, schedule=schedule, report=report, logger=logger, machine=machine,
+                                 decisions=decisions)
     if not callable(fun):
         raise TypeError(f"commfuse.overlap: expected a callable, got {fun!r}")
-    if schedule not in _fused.SCHEDULES or schedule in _fused.CUT_SCHEDULES:
-        options = ", ".join(repr(s) for s in _fused.SCHEDULES if s not in _fused.CUT_SCHEDULES)
+    if schedule not in _abi.SCHEDULES or schedule in _abi.CUT_SCHEDULES:
+        options = ", ".join(repr(s) for s in _abi.SCHEDULES if s not in _abi.CUT_SCHEDULES)
         raise ValueError(f"commfuse.overlap: unknown schedule {schedule!r}; expected one of {options}")
+    spec = None
+    if machine is not None:
+        try:
+            spec = Machine.named(machine).spec
+        except ValueError as e:
+            raise ValueError(f"commfuse.overlap: machine: {e}") from None
+    return Overlap(fun, schedule, Policy(machine=spec, strict=False, imposed=_imposed(decisions)), report, logger)
 
-    jitted_cache: dict = {}
-    # The commfuse.matmul calls this function's traces made (forward, and the
-    # backward ones JAX's transpose of them makes) carry `owner`; the lines
-    # their partitioning reports while a call compiles them go to `compiling`.
-    owner = next(_owners)
-    compiling: list = []
 
-    def say(line):
-        if report:
+def _imposed(decisions) -> tuple:
+    """`decisions` as ``((Call, schedule code), ...)``: from `Decision`s,
+    a mapping or pairs of a `Call` and a schedule (name or code)."""
+    if decisions is None:
+        return ()
+    items = decisions.items() if isinstance(decisions, dict) else decisions
+    imposed = {}
+    for item in items:
+        if isinstance(item, Decision):
+            call, schedule = item.call, item.schedule
+        else:
+            try:
+                call, schedule = item
+            except (TypeError, ValueError):
+                raise TypeError(f"commfuse.overlap: decisions must hold Decisions or (call, schedule) pairs, got "
+                                f"{item!r}") from None
+        if not isinstance(call, Call):
+            raise TypeError(f"commfuse.overlap: decisions: {call!r} is not a library call (commfuse Call)")
+        code = _abi.SCHEDULES.get(schedule, schedule) if isinstance(schedule, str) else schedule
+        if not isinstance(code, int) or code == _abi.AUTO:
+            raise ValueError(f"commfuse.overlap: decisions: the schedule imposed on {call.describe()} must be one "
+                             f"a call runs (not 'auto'), got {schedule!r}")
+        imposed[call] = int(code)
+    return tuple(imposed.items())
+
+
+class _Compiled(NamedTuple):
+    """One jitted program of an `Overlap` (one argument signature) and what
+    its trace recorded: `state` (its report lines and decisions), `out_box`
+    (its results' structure and in-place updates), `by_layout` (each layout
+    it was compiled for: its report)."""
+    fn: object
+    state: State
+    out_box: list
+    by_layout: dict
+
+
+class Overlap:
+    """``overlap(fun)``: calls ``fun`` with its collective/matmul pairs
+    fused. It owns its compiled programs (one per argument signature, as
+    ``jax.jit(fun)`` keeps them) and its report: the lines of its latest
+    trace and compile (`last_report`), the decisions behind them
+    (`last_decisions`), and what each ``commfuse.matmul`` it made became once
+    partitioned (`last_partitioned`)."""
+
+    def __init__(self, fun, schedule: str, policy: Policy, report: bool, logger):
+        # Not `fun`'s __dict__: a jit or pmap object's own `lower` and `trace`
+        # there would show its program, not the rewritten one.
+        functools.update_wrapper(self, fun, updated=())
+        self._fun, self._schedule, self._print, self._logger = fun, schedule, report, logger
+        # The partitioner's entries of this object's products (its backward
+        # ones included, made later by JAX's transpose) come to `hear`.
+        self._policy = policy._replace(owner=_matmul.register(self))
+        self._cache: dict = {}
+        # Where a Python number among the arguments is traced rather than
+        # static: (treedef, leaf index) -> the first value seen there, or
+        # _TRACED / _STATIC once decided (`_traced_numbers`).
+        self._numbers: dict = {}
+        # The latest report: its trace's lines and decisions, and the
+        # partitioner's entries heard since (`_matmul.Partitioned`, `Traced`)
+        # with their lines.
+        self._lines: list = []
+        self._decisions: list = []
+        self._after: list = []
+        # Calls compiling now: each gathers the entries its compile makes.
+        self._compiling: list = []
+
+    def judge_at_partitioning(self) -> None:
+        """Judges each dot under ``jax.jit`` once its shardings are known
+        (the planner's products), rather than before partitioning from
+        global shapes (`_decide.decide_dot`)."""
+        self._policy = self._policy._replace(early=False)
+        self._cache.clear()
+
+    def __get__(self, instance, owner=None):
+        """As a method, bound to its instance (as the function it wraps would be)."""
+        return self if instance is None else functools.partial(self, instance)
+
+    # -- the report ----------------------------------------------------------
+    @property
+    def last_report(self) -> list:
+        return list(self._lines) + [line for line, _ in self._after]
+
+    @property
+    def last_partitioned(self) -> list:
+        return [entry for _, entry in self._after if isinstance(entry, _matmul.Partitioned)]
+
+    @property
+    def last_decisions(self) -> list:
+        """The latest trace's decisions: each fused op of its shard_map bodies
+        (`_op.OpDecision`), then each ``commfuse.matmul`` once partitioned
+        (`_matmul.Partitioned`, its decisions in ``.decided``)."""
+        return list(self._decisions) + self.last_partitioned
+
+    def _say(self, line: str) -> None:
+        if self._print:
             print(line)
-        if logger is not None:
-            logger.info(line)
+        if self._logger is not None:
+            self._logger.info(line)
 
-    def emit(lines, partitioned=()):
-        wrapper.last_report = list(lines)
-        wrapper.last_partitioned = list(partitioned)
-        for line in lines:
-            say(line)
+    def _show(self, lines, decisions, after) -> None:
+        self._lines, self._decisions, self._after = list(lines), list(decisions), list(after)
+        for line in self.last_report:
+            self._say(line)
 
-    def on_partitioned(entry):
-        if entry.owner != owner:
-            return
+    def hear(self, entry) -> None:
+        """An entry of the partitioner (`_matmul._record`) for one of this object's products."""
         where = "partitioned" if isinstance(entry, _matmul.Partitioned) else "backward"
-        line = f"overlap[{where}]: {entry.line()}"
-        partitioned = [entry] if isinstance(entry, _matmul.Partitioned) else []
-        if compiling:
-            compiling[-1][0].append(line)
-            compiling[-1][1].extend(partitioned)
-        else:  # compiled by the caller's jit, after this function's trace
-            if partitioned and any(p.site == entry.site for p in wrapper.last_partitioned):
-                # Compiled again (another layout of the same trace): this
-                # compile's lines replace the last one's.
-                wrapper.last_report = [ln for ln in wrapper.last_report if not ln.startswith("overlap[partitioned]")]
-                wrapper.last_partitioned = []
-            wrapper.last_report.append(line)
-            wrapper.last_partitioned.extend(partitioned)
-            say(line)
+        item = (f"overlap[{where}]: {entry.line()}", entry)
+        if self._compiling:
+            self._compiling[-1].append(item)
+            return
+        # Compiled by the caller's jit, after this object's trace.
+        if isinstance(entry, _matmul.Partitioned) and any(p.site == entry.site for p in self.last_partitioned):
+            # Compiled again (another layout of the same trace): this
+            # compile's entries replace the last one's.
+            self._after = [(line, e) for line, e in self._after if not isinstance(e, _matmul.Partitioned)]
+        self._after.append(item)
+        self._say(item[0])
 
-    def rewritten(treedef, static, ties, n_leaves, state, out_box, *dyn):
+    # -- calls ---------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        ties = inplace.alias_groups((args, kwargs), treedef)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) or _in_manual_context():
+            # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace
+            # in place; what the caller's trace left as Python values is static.
+            dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
+            static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
+            state, out_box = self._state(), [None, None, None]
+            outs = self._rewritten(treedef, static, ties, len(leaves), state, out_box, *dyn)
+            self._show(state.lines, state.decisions, [])
+            return self._finish(out_box, outs, (args, kwargs), treedef)
+        traced, newly = self._traced_numbers(treedef, leaves)
+        try:
+            return self._concrete(args, kwargs, leaves, treedef, ties, traced)
+        except _SHAPES_THE_PROGRAM:
+            if not newly:
+                raise
+            for j in newly:  # it shapes the program (a Python `if`, a size): static after all
+                self._numbers[(treedef, j)] = _STATIC
+            return self._concrete(args, kwargs, leaves, treedef, ties, traced - newly)
+
+    def _state(self) -> State:
+        return State(self._schedule, self._policy)
+
+    def _rewritten(self, treedef, static, ties, n_leaves, state, out_box, *dyn):
         """Traces ``fun`` and evaluates the rewritten program on ``dyn`` (the array leaves)."""
         static_at = {j: leaf for j, _, leaf in static}
+        fun = self._fun
 
         def flat_fun(*dyn_args):
             it = iter(dyn_args)
@@ -229,7 +355,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             return [leaf for leaf in out_leaves if _is_dynamic(leaf)] + updated
 
         closed = jax.make_jaxpr(flat_fun)(*dyn)
-        state.__init__(schedule, owner)
+        state.__init__(self._schedule, self._policy)
         manual = _in_manual_context()  # fun is (part of) a shard_map body itself
         outs = interpret(closed.jaxpr, list(closed.consts), list(dyn), state, "body" if manual else "", manual)
         if not state.shard_maps and not state.jit_dots and not manual:
@@ -238,7 +364,8 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         state.fresh = True
         return outs
 
-    def finish(out_box, outs, root, treedef):
+    @staticmethod
+    def _finish(out_box, outs, root, treedef):
         """``fun``'s results from the program's outputs, after writing its
         in-place updates back into the caller's arguments `root`."""
         out_tree, static_out, updates = out_box
@@ -251,12 +378,7 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         n = out_tree.num_leaves
         return jax.tree.unflatten(out_tree, [static_out[j] if j in static_out else next(it) for j in range(n)])
 
-    # Where a Python number among the arguments is traced rather than
-    # static: (treedef, leaf index) -> the first value seen there, or
-    # _TRACED / _STATIC once decided (`traced_numbers`).
-    numbers: dict = {}
-
-    def traced_numbers(treedef, leaves) -> tuple[set, set]:
+    def _traced_numbers(self, treedef, leaves) -> tuple[set, set]:
         """The positions of Python numbers to trace, and those among them
         traced from this call on. A number is static (a flag, a count that
         shapes the program) until its position takes a second value (a
@@ -267,38 +389,13 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
         for j, leaf in enumerate(leaves):
             if not _is_number(leaf):
                 continue
-            seen = numbers.setdefault((treedef, j), leaf)
+            seen = self._numbers.setdefault((treedef, j), leaf)
             if seen is not _TRACED and seen is not _STATIC and seen != leaf:
-                numbers[(treedef, j)] = _TRACED
+                self._numbers[(treedef, j)] = _TRACED
                 newly.add(j)
-        return {j for j in range(len(leaves)) if numbers.get((treedef, j)) is _TRACED}, newly
+        return {j for j in range(len(leaves)) if self._numbers.get((treedef, j)) is _TRACED}, newly
 
-    # Not `fun`'s __dict__: a jit or pmap object's own `lower` and `trace`
-    # there would show its program, not the rewritten one.
-    @functools.wraps(fun, updated=())
-    def wrapper(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        ties = inplace.alias_groups((args, kwargs), treedef)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) or _in_manual_context():
-            # Inside a trace (jit, grad, make_jaxpr, a shard_map body): trace
-            # in place; what the caller's trace left as Python values is static.
-            dyn = [leaf for leaf in leaves if _is_dynamic(leaf)]
-            static = tuple((j, type(leaf), leaf) for j, leaf in enumerate(leaves) if not _is_dynamic(leaf))
-            state, out_box = State(schedule, owner), [None, None, None]
-            outs = rewritten(treedef, static, ties, len(leaves), state, out_box, *dyn)
-            emit(state.lines)
-            return finish(out_box, outs, (args, kwargs), treedef)
-        traced, newly = traced_numbers(treedef, leaves)
-        try:
-            return concrete(args, kwargs, leaves, treedef, ties, traced)
-        except _SHAPES_THE_PROGRAM:
-            if not newly:
-                raise
-            for j in newly:  # it shapes the program (a Python `if`, a size): static after all
-                numbers[(treedef, j)] = _STATIC
-            return concrete(args, kwargs, leaves, treedef, ties, traced - newly)
-
-    def concrete(args, kwargs, leaves, treedef, ties, traced):
+    def _concrete(self, args, kwargs, leaves, treedef, ties, traced):
         """A call on concrete arguments: one jitted program per static part
         and per argument signature (what a trace of `fun` records, its
         results' structure and in-place updates, belongs to that trace
@@ -313,44 +410,38 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
             hash(key)
         except TypeError:  # unhashable static leaves: no reuse
             key = None
-        entry = jitted_cache.get(key) if key is not None else None
+        entry = self._cache.get(key) if key is not None else None
         if entry is None:
-            state, out_box = State(schedule, owner), [None, None, None]
+            state, out_box = self._state(), [None, None, None]
             state.fresh = False
-            fn = jax.jit(_named_like(fun, functools.partial(rewritten, treedef, static, ties, len(leaves), state,
-                                                            out_box)))
-            entry = (fn, state, out_box, {})
+            fn = jax.jit(_named_like(self._fun, functools.partial(self._rewritten, treedef, static, ties, len(leaves),
+                                                                  state, out_box)))
+            entry = _Compiled(fn, state, out_box, {})
             if key is not None:
-                if len(jitted_cache) >= 64:
-                    jitted_cache.pop(next(iter(jitted_cache)))
-                jitted_cache[key] = entry
-        fn, state, out_box, by_layout = entry
-        compiling.append(([], []))
+                if len(self._cache) >= 64:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[key] = entry
+        self._compiling.append([])
         try:
-            outs = fn(*dyn)
+            outs = entry.fn(*dyn)
         except _SHAPES_THE_PROGRAM:
             if key is not None:
-                jitted_cache.pop(key, None)
+                self._cache.pop(key, None)
             raise
         finally:
-            lines, partitioned = compiling.pop()
+            heard = self._compiling.pop()
         # One trace may serve several layouts of these shapes (explicit axes
         # trace each anew), and jit compiles each layout on its own: each
         # has its own report.
         layout = _layout(dyn)
-        if state.fresh or lines or partitioned:  # traced or compiled (again) by this call
+        state = entry.state
+        if state.fresh or heard:  # traced or compiled (again) by this call
             state.fresh = False
-            by_layout[layout] = (list(state.lines) + lines, partitioned)
-            emit(*by_layout[layout])
-        elif layout in by_layout:  # else: a layout JAX took for one it had compiled; the report stands
-            report, partitioned = by_layout[layout]
-            wrapper.last_report, wrapper.last_partitioned = list(report), list(partitioned)
-        return finish(out_box, outs, (args, kwargs), treedef)
+            entry.by_layout[layout] = (list(state.lines), list(state.decisions), heard)
+            self._show(*entry.by_layout[layout])
+        elif layout in entry.by_layout:  # else: a layout JAX took for one it had compiled; the report stands
+            lines, decisions, after = entry.by_layout[layout]
+            self._lines, self._decisions, self._after = list(lines), list(decisions), list(after)
+        return self._finish(entry.out_box, outs, (args, kwargs), treedef)
 
-    wrapper.last_report = []
-    # What each commfuse.matmul this function's latest trace made became
-    # once partitioned (`_matmul.Partitioned`: its `fused` library calls).
-    wrapper.last_partitioned = []
-    wrapper._on_partitioned = on_partitioned  # held here: the partitioner's listeners are weak
-    _matmul.listen(on_partitioned)
-    return wrapper
+

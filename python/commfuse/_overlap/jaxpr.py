@@ -8,7 +8,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from .. import _compat, _varying
+from .. import (_all_gather_matmul, _all_to_all, _compat, _matmul_all_gather, _matmul_all_reduce,
+               _matmul_reduce_scatter, _varying)
 from .._dot_form import Unsupported
 
 ALL_GATHER = "all_gather"
@@ -131,15 +132,14 @@ def static_reason(eqn) -> str | None:
 
 # The fused ops the rewrite makes, by name (one table, not names looked up in strings).
 def fused_ops() -> dict:
-    from .. import _all_gather_matmul, _all_to_all, _matmul_all_gather, _matmul_all_reduce, _matmul_reduce_scatter
-
+    """Each fused op's name -> (its `decide`, from shapes, and its `run` of a decision)."""
     return {
-        "all_gather_matmul": _all_gather_matmul.all_gather_matmul,
-        "matmul_all_gather": _matmul_all_gather.matmul_all_gather,
-        "matmul_reduce_scatter": _matmul_reduce_scatter.matmul_reduce_scatter,
-        "matmul_all_reduce": _matmul_all_reduce.matmul_all_reduce,
-        "all_to_all_matmul": _all_to_all.all_to_all_matmul,
-        "matmul_all_to_all": _all_to_all.matmul_all_to_all,
+        "all_gather_matmul": (_all_gather_matmul.decide, _all_gather_matmul.run),
+        "matmul_all_gather": (_matmul_all_gather.decide, _matmul_all_gather.run),
+        "matmul_reduce_scatter": (_matmul_reduce_scatter.decide, _matmul_reduce_scatter.run),
+        "matmul_all_reduce": (_matmul_all_reduce.decide, _matmul_all_reduce.run),
+        "all_to_all_matmul": (_all_to_all.decide_all_to_all_matmul, _all_to_all.run_all_to_all_matmul),
+        "matmul_all_to_all": (_all_to_all.decide_matmul_all_to_all, _all_to_all.run_matmul_all_to_all),
     }
 
 

@@ -117,8 +117,8 @@ def _matmul_of(eqn, operands, dimension_numbers, state: State):
     p = eqn.params
     return _matmul.dot_general(*operands, dimension_numbers, precision=p.get("precision"),
                                preferred_element_type=p.get("preferred_element_type"),
-                               out_sharding=p.get("out_sharding"), schedule=state.schedule, owner=state.owner,
-                               decide_early=True)
+                               out_sharding=p.get("out_sharding"), policy=state.policy,
+                               decide_early=state.policy.early)
 
 
 def _fused_line(eqn, operands, dimension_numbers, site, state: State, here: str, note: str = ""):

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from .. import _both_sides as both_sides
-from .. import _compat, _fused
+from .. import _compat
 from .._dot_form import BatchedDot, DotForm, Unsupported
 from . import regroup, rowwise, variance
 from .jaxpr import (
@@ -505,42 +505,42 @@ class Rewriter:
         gather_axes = axes_of(gather.params["axis_name"])
         sum_axes = collective_axes(coll)
         op_name = "all_gather_matmul" if role == "x" else "matmul_all_gather"
-        op = fused_ops()[op_name]
+        decide, run = fused_ops()[op_name]
         x_side = k if role == "x" else 1 - k
-        try:
-            with _fused.collecting() as ran:
-                parts = []
-                for t in range(tiling.count):
-                    a_t = tiling.tile(a, t)
-                    gathered = list(a_t.shape)
-                    gathered[g] *= plan["ranks"]
-                    shapes = (tuple(gathered), other.shape) if k == 0 else (other.shape, tuple(gathered))
-                    form = DotForm(shapes[0], shapes[1], dot.params["dimension_numbers"], x_side,
-                                   dot.params.get("precision"), dot.params.get("preferred_element_type"))
-                    dim = form.x_dim(g) if role == "x" else form.w_dim(g)
-                    x, w = (a_t, other) if role == "x" else (other, a_t)
-                    y = form.finish(op(form.prep_x(x), form.prep_w(w), gather_axes, gather_dimension=dim,
-                                       schedule=self.state.schedule, **form.kwargs))
-                    if perm != sorted(perm):
-                        y = y.transpose(perm)
-                    if coll.primitive.name in REDUCE_SCATTER:
-                        y = jax.lax.psum_scatter(y, sum_axes, scatter_dimension=coll.params["scatter_dimension"],
-                                                 tiled=True)
-                    else:
-                        y = jax.lax.psum(y, sum_axes)
-                    parts.append(y)
-            out = match_vma(tiling.combine(parts), coll.outvars[0].aval)
-        except Exception as e:  # noqa: BLE001 - keep the candidates one side at a time
-            self.reasons[f_out.coll].append(f"the tiled composition raised {type(e).__name__}: {e}")
+
+        def tile_form(a_t):
+            gathered = list(a_t.shape)
+            gathered[g] *= plan["ranks"]
+            shapes = (tuple(gathered), other.shape) if k == 0 else (other.shape, tuple(gathered))
+            form = DotForm(shapes[0], shapes[1], dot.params["dimension_numbers"], x_side,
+                           dot.params.get("precision"), dot.params.get("preferred_element_type"))
+            return form, (form.x_dim(g) if role == "x" else form.w_dim(g))
+
+        # Every tile has the same shapes: one decision serves them all.
+        a_0 = jax.eval_shape(lambda v: tiling.tile(v, 0), _struct(a))
+        form, dim = tile_form(a_0)
+        x0, w0 = (a_0, _struct(other)) if role == "x" else (_struct(other), a_0)
+        decision = decide(_laid_out(form.prep_x, x0), _laid_out(form.prep_w, w0), gather_axes, gather_dimension=dim,
+                          schedule=self.state.schedule, policy=self.state.policy, **form.kwargs)
+        if not decision.fused:
+            self.reasons[f_out.coll].append(f"kept as written: the tiles would run unfused ({decision.why})")
             return False
-        want = coll.outvars[0].aval
-        if tuple(out.shape) != tuple(want.shape) or np.dtype(out.dtype) != np.dtype(want.dtype):
-            self.reasons[f_out.coll].append(f"the tiled composition gave {fmt(out)} where {fmt(want)} was expected")
-            return False
-        how = "; ".join(dict.fromkeys(why for _, _, why in ran))
-        if _declined(ran):
-            self.reasons[f_out.coll].append(f"kept as written: the tiles would run unfused ({how})")
-            return False
+        parts = []
+        for t in range(tiling.count):
+            a_t = tiling.tile(a, t)
+            x, w = (a_t, other) if role == "x" else (other, a_t)
+            y = form.finish(run(decision, form.prep_x(x), form.prep_w(w)))
+            if perm != sorted(perm):
+                y = y.transpose(perm)
+            if coll.primitive.name in REDUCE_SCATTER:
+                y = jax.lax.psum_scatter(y, sum_axes, scatter_dimension=coll.params["scatter_dimension"], tiled=True)
+            else:
+                y = jax.lax.psum(y, sum_axes)
+            parts.append(y)
+        out = match_vma(tiling.combine(parts), coll.outvars[0].aval)
+        _check_result(out, coll.outvars[0].aval, op_name)
+        how = decision.why
+        self.state.decisions.extend([decision] * tiling.count)
         self.write(coll.outvars[0], out)
         self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
         self.replaced.add(f_out.coll)
@@ -581,40 +581,43 @@ class Rewriter:
         return True
 
     def _attempt(self, f: Fusion, op_name, products: "Products", kwargs, target, pair, finish=None):
-        """Calls the fused op once per product; returns the result in the
-        original layout, or None (reason recorded)."""
-        op = fused_ops()[op_name]
-        kwargs = {**kwargs, "schedule": self.state.schedule}
+        """Decides the fused op's calls, one per product, from their shapes
+        (`_op.OpDecision`); binds them only where every one is fused and
+        returns the result in the original layout, else None (the reason
+        recorded, nothing traced)."""
+        decide, run = fused_ops()[op_name]
         form = products.form
-        try:
-            with _fused.collecting() as ran:
-                ys = [products.after(form.finish(op(form.prep_x(x), form.prep_w(w), **kwargs, **extra,
-                                                    **form.kwargs)))
-                      for x, w, extra in products.calls]
-            y = products.combine(ys)
-            if finish is not None:
-                y = finish(y)
-            out = match_vma(y, target.aval)
-        except Exception as e:  # noqa: BLE001 - the fused op refused; keep the original equations
-            self.reasons[f.coll].append(f"commfuse.{op_name} raised {type(e).__name__}: {e}")
+        if _compat.traced_by("jvp", *(a for x, w, _ in products.calls for a in (x, w))):
+            self.reasons[f.coll].append(f"kept as written: commfuse.{op_name} would run unfused (forward-mode "
+                                        f"differentiation (jax.jvp, jacfwd): jax.lax's collective and dot)")
             return None
-        want = target.aval
-        if tuple(out.shape) != tuple(want.shape) or np.dtype(out.dtype) != np.dtype(want.dtype):
-            self.reasons[f.coll].append(
-                f"commfuse.{op_name} gave {fmt(out)} where {fmt(want)} was expected (not rewritten)")
+        decisions = [decide(_laid_out(form.prep_x, x), _laid_out(form.prep_w, w), **kwargs, **extra, **form.kwargs,
+                            schedule=self.state.schedule, policy=self.state.policy)
+                     for x, w, extra in products.calls]
+        refused = next((d.refused for d in decisions if d.refused is not None), None)
+        if refused is not None:
+            self.reasons[f.coll].append(refused)
             return None
-        x, w, extra = products.calls[0]
-        args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, **extra}.items())
-        how = "; ".join(dict.fromkeys(why for _, _, why in ran))
-        if _declined(ran):
-            # Nothing fused: the equations stay as the program wrote them (what
-            # was traced here is dead code), so a declining `auto` changes nothing.
+        how = "; ".join(dict.fromkeys(d.why for d in decisions))
+        if not all(d.fused for d in decisions):
+            # Nothing is traced: the equations stay as the program wrote them,
+            # so a declining `auto` changes nothing.
             self.reasons[f.coll].append(f"kept as written: commfuse.{op_name} would run unfused ({how})")
             return None
+        ys = [products.after(form.finish(run(d, form.prep_x(x), form.prep_w(w))))
+              for d, (x, w, _) in zip(decisions, products.calls)]
+        y = products.combine(ys)
+        if finish is not None:
+            y = finish(y)
+        out = match_vma(y, target.aval)
+        want = target.aval
+        _check_result(out, want, op_name)
+        x, w, extra = products.calls[0]
+        args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, "schedule": self.state.schedule, **extra}.items())
         times = f"{len(products.calls)} x " if len(products.calls) > 1 else ""
+        self.state.decisions.extend(decisions)
         self.done[f.coll].append(f"overlap[{self.where}]: rewrote {pair} -> {times}commfuse.{op_name}(x: {fmt(x)}, "
-                                 f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}{products.notes}"
-                                 + (f": {how}" if how else ""))
+                                 f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}{products.notes}: {how}")
         return out
 
     def _forms(self, dot, x_side: int, f: Fusion | None = None):
@@ -841,10 +844,22 @@ def _widens_to_f32(eqn) -> bool:
     return dst == np.float32 and src.kind in "fV" and src.itemsize == 2
 
 
-def _declined(ran: list) -> bool:
-    """Whether none of the library calls a fusion attempt made runs fused
-    (auto declined them, "unfused" was asked, or nothing was left to do)."""
-    return bool(ran) and all(schedule in ("unfused", "none") for _, schedule, _ in ran)
+def _struct(value) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(value.shape), value.dtype)
+
+
+def _laid_out(prep, value) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of `prep(value)` (a `DotForm` layout), computed
+    without tracing anything into the body."""
+    return jax.eval_shape(prep, _struct(value))
+
+
+def _check_result(out, want, op_name: str) -> None:
+    """A fused op's result has the shape and dtype of what it replaces, by
+    construction; a difference is a bug, raised (the shard_map is then kept
+    as written, the error reported)."""
+    if tuple(out.shape) != tuple(want.shape) or np.dtype(out.dtype) != np.dtype(want.dtype):
+        raise AssertionError(f"commfuse.{op_name} gave {fmt(out)} where {fmt(want)} was expected")
 
 
 @dataclass

@@ -5,19 +5,26 @@ at all."""
 
 from __future__ import annotations
 
+from .._abi import SCHEDULES
+from .._decide import Policy
 from .jaxpr import CANDIDATES, DOT, OTHER_COLLECTIVES, subjaxprs
 
 
 class State:
-    def __init__(self, schedule: str = "auto", owner: int = 0):
+    def __init__(self, schedule: str = "auto", policy: Policy = Policy(strict=False)):
         self.lines: list[str] = []
         self.shard_maps = 0
-        # Given to every fused op the rewrite makes ("auto": the cost model's
-        # pick, which may be to run the collective and the dot unfused).
+        # The schedule asked of every fused op the rewrite makes ("auto": the
+        # cost model's pick, which may be to run the collective and the dot
+        # unfused), and the policy their decisions are made under: never
+        # strict (a candidate an op refuses stays as written, with the
+        # reason), its owner the `overlap` whose report hears of the
+        # partitioned products (its backward ones included, made later by
+        # JAX's transpose).
         self.schedule = schedule
-        # The `overlap` whose report hears of the partitioned products (its
-        # backward ones included, made later by JAX's transpose).
-        self.owner = owner
+        self.policy = policy._replace(asked=SCHEDULES[schedule], strict=False)
+        # The decisions (`_op.OpDecision`) of the fused ops the rewrite made, in order.
+        self.decisions: list = []
         # The commfuse.matmul calls made outside shard_map bodies (their
         # partitioning is reported once the program is compiled).
         self.matmul_sites: set = set()

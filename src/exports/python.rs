@@ -1,5 +1,6 @@
 //! The plain C functions Python calls through ctypes (`python/commfuse/_native.py`,
-//! `_abi.py`): the trace-time `prepare`, the contract's tables, settings,
+//! `_abi.py`, `_planner/price.py`): the trace-time `prepare`, the pricing of
+//! a compiled step, the contract's tables, settings,
 //! tracing, and the CUDA libraries. Each catches panics; none crosses the ABI.
 
 use std::panic::catch_unwind;
@@ -25,6 +26,26 @@ pub unsafe extern "C" fn commfuse_prepare(request: *const std::ffi::c_char, out:
     });
     // SAFETY: forwarded contract.
     unsafe { answer(result, "panic while preparing the call", out, out_len) }
+}
+
+/// Prices one device's compiled program on a machine (`sim::step::price_json`;
+/// `request` is a NUL-terminated JSON object): answers as `commfuse_prepare` does.
+///
+/// # Safety
+/// `request` must be a NUL-terminated string and `out` a writable buffer of
+/// `out_len` bytes (or null).
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_price_step(request: *const std::ffi::c_char, out: *mut u8, out_len: usize) -> i64 {
+    let result = catch_unwind(|| {
+        if request.is_null() {
+            return Err("null request".to_string());
+        }
+        // SAFETY: the caller passes a NUL-terminated string.
+        let request = unsafe { std::ffi::CStr::from_ptr(request) }.to_str().map_err(|e| e.to_string())?;
+        crate::sim::step::price_json(request).map_err(|e| e.to_string())
+    });
+    // SAFETY: forwarded contract.
+    unsafe { answer(result, "panic while pricing the step", out, out_len) }
 }
 
 /// The contract's tables (`abi::tables`) as JSON, written as

@@ -16,6 +16,7 @@ pub mod engine;
 pub mod explain;
 pub mod gemm_waves;
 pub mod model;
+pub mod step;
 #[cfg(test)]
 mod tests;
 
@@ -106,6 +107,23 @@ impl Compute {
     }
 }
 
+/// Several nodes of `devices_per_node` devices each: inside a node the
+/// devices talk over `Machine::link`, between nodes over `link` (each
+/// device's own share of the network, per direction).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Network {
+    pub devices_per_node: usize,
+    pub link: Link,
+}
+
+impl Network {
+    /// InfiniBand NDR with one adapter per device: 400 Gb/s = 50 GB/s per
+    /// direction (a ConnectX-7 port, NVIDIA's datasheet); ~10 us per message
+    /// (an estimate: NCCL's inter-node latency over IB, proxy thread and
+    /// switch hops included, sits between a few us and tens of us).
+    pub const NDR_PER_DEVICE: Link = Link { bytes_per_s: 50e9, latency_s: 10e-6, topology: Topology::Switch };
+}
+
 /// A machine: N identical devices, their GEMM rate, and their links.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Machine {
@@ -116,10 +134,12 @@ pub struct Machine {
     /// devices shares `p` processors, as host threads share a CPU's cores;
     /// `None`: each device computes on its own (a GPU per device).
     pub shared_processors: Option<f64>,
+    /// The network between nodes (`None`: one node, every device on `link`).
+    pub network: Option<Network>,
 }
 
 /// The preset names `Machine::preset` knows.
-pub const PRESETS: [&str; 4] = ["cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie"];
+pub const PRESETS: [&str; 5] = ["cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie", "h100_cluster"];
 
 impl Machine {
     /// H100 SXM5 80GB on NVLink 4 through NVSwitch (a DGX/HGX H100).
@@ -157,6 +177,7 @@ impl Machine {
             },
             link: Link { bytes_per_s: 450e9, latency_s: 8e-6, topology: Topology::Switch },
             shared_processors: None,
+            network: None,
         }
     }
 
@@ -168,6 +189,26 @@ impl Machine {
         m.name = "h200_nvlink".into();
         m.compute.memory_bytes_per_s = 4.8e12;
         m
+    }
+
+    /// DGX H100 nodes (`h100_nvlink`: 8 H100 SXM5 on NVLink 4 through
+    /// NVSwitch) joined by InfiniBand NDR. A DGX H100 has one single-port
+    /// ConnectX-7 (400 Gb/s NDR) per GPU for the compute fabric (NVIDIA DGX
+    /// H100 user guide): 50 GB/s per GPU and direction across nodes
+    /// ([`Network::NDR_PER_DEVICE`]), a ninth of NVLink's 450.
+    pub fn h100_cluster() -> Machine {
+        let mut m = Machine::h100_nvlink();
+        m.name = "h100_cluster".into();
+        m.network = Some(Network { devices_per_node: 8, link: Network::NDR_PER_DEVICE });
+        m
+    }
+
+    /// The machine with every transfer on the network: what a group of
+    /// devices spanning nodes sees (its slowest hop). `None` on a machine
+    /// without a network.
+    pub fn across_nodes(&self) -> Option<Machine> {
+        let network = self.network?;
+        Some(Machine { link: network.link, ..self.clone() })
     }
 
     /// H100 PCIe 80GB in a host without NVLink bridges: transfers cross PCIe.
@@ -194,6 +235,7 @@ impl Machine {
             },
             link: Link { bytes_per_s: 64e9, latency_s: 15e-6, topology: Topology::Switch },
             shared_processors: None,
+            network: None,
         }
     }
 
@@ -220,6 +262,7 @@ impl Machine {
             },
             link: Link { bytes_per_s: 10e9, latency_s: 10e-6, topology: Topology::Switch },
             shared_processors: Some(cores.max(1) as f64),
+            network: None,
         }
     }
 
@@ -230,6 +273,7 @@ impl Machine {
             "h100_nvlink" => Machine::h100_nvlink(),
             "h200_nvlink" => Machine::h200_nvlink(),
             "h100_pcie" => Machine::h100_pcie(),
+            "h100_cluster" => Machine::h100_cluster(),
             _ => return None,
         };
         if let Some(g) = gemm_gflops.filter(|g| g.is_finite() && *g > 0.0) {
@@ -244,7 +288,12 @@ impl Machine {
 
     /// `name` or `name:key=value,...` with keys `gbytes_per_s`, `latency_us`,
     /// `topology` (switch|ring), `gemm_gflops`, `mem_gbytes_per_s`: a preset
-    /// with overrides (the link keys are those of `COMMFUSE_CPU_LINK`).
+    /// with overrides (the link keys are those of `COMMFUSE_CPU_LINK`); and
+    /// the network between nodes: `gpus_per_node` (devices per node),
+    /// `net_gbytes_per_s`, `net_latency_us` (per device and direction). A
+    /// machine without a network gets one from `gpus_per_node`, with
+    /// InfiniBand NDR's figures ([`Network::NDR_PER_DEVICE`]) unless the
+    /// `net_` keys say otherwise.
     pub fn from_spec(spec: &str, gemm_gflops: Option<f64>, cores: usize) -> Result<Machine> {
         let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
         let name = name.trim();
@@ -268,7 +317,7 @@ impl Machine {
         }
         let mut machine = Machine::preset(name, gflops, cores)
             .ok_or_else(|| bad(format!("unknown machine {name:?}; expected one of {}", PRESETS.join(", "))))?;
-        for (key, value) in fields {
+        for &(key, value) in &fields {
             match key {
                 "gemm_gflops" => {}
                 "gbytes_per_s" => {
@@ -284,12 +333,36 @@ impl Machine {
                         _ => return Err(bad(format!("unknown topology {value:?}; expected switch or ring"))),
                     }
                 }
+                "gpus_per_node" => {
+                    let devices = match value.parse::<usize>() {
+                        Ok(d) if d >= 1 => d,
+                        _ => return Err(bad(format!("`{key}` must be a whole number >= 1, got {value:?}"))),
+                    };
+                    let link = machine.network.map_or(Network::NDR_PER_DEVICE, |n| n.link);
+                    machine.network = Some(Network { devices_per_node: devices, link });
+                }
+                "net_gbytes_per_s" | "net_latency_us" => {}
                 _ => {
                     return Err(bad(format!(
                         "unknown key {key:?}; expected gbytes_per_s, latency_us, topology, gemm_gflops, \
-                         mem_gbytes_per_s"
+                         mem_gbytes_per_s, gpus_per_node, net_gbytes_per_s, net_latency_us"
                     )))
                 }
+            }
+        }
+        // The network's figures apply once `gpus_per_node` has made one, in any order.
+        for (key, value) in fields {
+            let network = match key {
+                "net_gbytes_per_s" | "net_latency_us" => machine.network.as_mut().ok_or_else(|| {
+                    bad(format!("`{key}` describes the network between nodes: give `gpus_per_node` too"))
+                })?,
+                _ => continue,
+            };
+            let v = number(key, value)?;
+            if key == "net_gbytes_per_s" {
+                network.link.bytes_per_s = if v > 0.0 { v * 1e9 } else { f64::INFINITY };
+            } else {
+                network.link.latency_s = v * 1e-6;
             }
         }
         Ok(machine)

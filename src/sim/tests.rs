@@ -19,6 +19,7 @@ fn synthetic(flops: f64, bytes_per_s: f64, latency_s: f64, topology: Topology) -
         },
         link: Link { bytes_per_s, latency_s, topology },
         shared_processors: None,
+        network: None,
     }
 }
 

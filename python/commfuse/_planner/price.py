@@ -1,0 +1,102 @@
+"""The predicted time of a compiled step on a machine, per device: the
+program read from its HLO text (``hlo.py``) and priced by the library's
+cost model (``src/sim/step.rs``, through ``commfuse_price_step``)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+from dataclasses import dataclass
+
+from .._abi import _ask
+from .._native import lib
+from . import hlo
+
+lib.commfuse_price_step.restype = ctypes.c_int64
+lib.commfuse_price_step.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+
+COLLECTIVES = ("async", "blocking")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One device's step on a machine, in seconds.
+
+    ``total_s``: the step; ``compute_s``: the compute lane's work (GEMMs,
+    memory work, the compute of fused ops); ``comm_s``: communication
+    (collectives, the communication of fused ops); ``exposed_comm_s``:
+    ``total_s - compute_s``, what the step waits for communication;
+    ``by_kind``: seconds of ``gemm``, ``memory``, ``collective`` and
+    ``fused`` ops. ``collectives`` and ``collective_bytes``: per XLA
+    collective kind (``"all-gather"``, ...), how many run in one step and
+    their bytes (one device's larger of operand and result), loop bodies
+    counted once per trip; ``fused_ops``: commfuse ops run in one step.
+    ``warnings``: what the reading of the program had to guess."""
+    total_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    by_kind: dict
+    collectives: dict
+    collective_bytes: dict
+    fused_ops: int
+    warnings: tuple
+
+
+def price(hlo_text: str, machine: str, *, gemm_gflops: float | None = None, devices_per_node: int | None = None,
+          collectives: str = "async") -> Priced:
+    """The predicted step of the compiled program in `hlo_text`
+    (``compiled.as_text()``) on `machine` (``"h100_nvlink"``,
+    ``"h100_cluster"``, ``"cpu_here:gbytes_per_s=0.5"``, ...: see
+    ``sim::Machine::from_spec``).
+
+    `gemm_gflops`: a measured GEMM rate (``cpu_here``'s single-thread rate;
+    None: the machine's own figure). `devices_per_node`: where nodes end,
+    for which groups cross them (None: the machine's ``gpus_per_node``, one
+    node if it has none). `collectives`: ``"async"``, XLA's collectives
+    overlap independent compute (as on GPUs), or ``"blocking"``, they hold
+    the device (XLA's CPU runtime). A program compiled for CPU devices and
+    priced for a GPU machine drops what only changes precision or layout
+    (`hlo.parse`'s `fold_layout`)."""
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
+    if devices_per_node is None:
+        devices_per_node = machine_devices_per_node(machine)
+    program = hlo.parse(hlo_text, devices_per_node=devices_per_node, fold_layout=not machine.startswith("cpu"))
+    answer = price_ops(program.ops, machine, gemm_gflops=gemm_gflops, collectives=collectives,
+                       devices=program.devices)
+    calls = answer["collective_calls"]
+    return Priced(
+        total_s=answer["total_s"],
+        compute_s=answer["compute_s"],
+        comm_s=answer["comm_s"],
+        exposed_comm_s=answer["exposed_comm_s"],
+        by_kind=dict(answer["by_kind"]),
+        collectives={kind: c["count"] for kind, c in calls.items()},
+        collective_bytes={kind: c["bytes"] for kind, c in calls.items()},
+        fused_ops=answer["fused_ops"],
+        warnings=tuple(program.warnings),
+    )
+
+
+def price_ops(ops: list, machine: str, *, gemm_gflops: float | None = None, collectives: str = "async",
+              devices: int | None = None, timeline: bool = False) -> dict:
+    """The library's answer for a request of `ops` (``src/sim/step.rs``):
+    ``total_s``, ``compute_s``, ``comm_s``, ``exposed_comm_s``, ``by_kind``,
+    ``collective_calls`` (kind -> ``{"count", "bytes"}``), ``fused_ops``,
+    ``machine`` (``{"name", "devices_per_node"}``) and, with `timeline`,
+    ``timeline`` (each top-level op's ``start_s`` and ``end_s``).
+    ValueError with the library's reason for a request it refuses."""
+    request = {"machine": machine, "collectives": collectives, "timeline": timeline, "ops": ops}
+    if gemm_gflops is not None:
+        request["gemm_gflops"] = float(gemm_gflops)
+    if devices is not None:
+        request["devices"] = int(devices)
+    return json.loads(_ask(lib.commfuse_price_step, json.dumps(request).encode()))
+
+
+@functools.lru_cache(maxsize=64)
+def machine_devices_per_node(machine: str) -> int | None:
+    """The devices per node of `machine` (its network's), None for one node."""
+    return price_ops([], machine)["machine"]["devices_per_node"]

@@ -27,6 +27,7 @@ from ._matmul_all_reduce import matmul_all_reduce
 from ._matmul_reduce_scatter import matmul_reduce_scatter
 from ._native import LIBRARY_PATH, cuda_libraries, set_timeout_ms as _set_timeout_ms, set_transport as _set_transport
 from ._overlap import overlap
+from ._planner import Plan, constrain, plan, remat_policy
 from ._reshard import PendingReshard, reshard, reshard_start
 from ._trace import trace
 
@@ -48,6 +49,10 @@ __all__ = [
     "trace",
     "explain",
     "checkpoint_policy",
+    "plan",
+    "Plan",
+    "remat_policy",
+    "constrain",
     "configure",
     "cuda_libraries",
     "reference",

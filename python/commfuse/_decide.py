@@ -35,6 +35,7 @@ import jax
 from . import _abi, _calibration, _fused
 from ._decision import Call, Decision, as_asked, empty_decision, with_answer
 from ._native import lib
+from ._placement import ACROSS_PROCESSES
 
 MACHINES = ("cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie", "h100_cluster")
 MACHINE_VAR = "COMMFUSE_MACHINE"
@@ -153,7 +154,8 @@ class Policy(NamedTuple):
     partitioning), 0: none; `early`: whether a dot under ``jax.jit`` is
     judged before partitioning (`decide_dot`: one declined stays XLA's own
     dot, as written) or only once its shardings are known (the planner's
-    way, which has them)."""
+    way, which has them); `spanning`: the mesh axes whose groups span
+    processes on CPU devices, where a call over them runs unfused."""
     asked: int = _abi.AUTO
     machine: str | None = None
     decline: bool = True
@@ -161,6 +163,8 @@ class Policy(NamedTuple):
     imposed: tuple = ()
     owner: int = 0
     early: bool = True
+    # Mesh axes whose groups span processes on CPU devices (`_placement.spanning_axes`).
+    spanning: frozenset = frozenset()
 
     def resolved_machine(self) -> Machine:
         return Machine(self.machine) if self.machine is not None else Machine.current()
@@ -169,12 +173,17 @@ class Policy(NamedTuple):
         return self._replace(asked=int(asked))
 
 
-def decide(call: Call, policy: Policy = Policy()) -> Decision:
-    """What `call` runs as under `policy`: a decision imposed for it, the
-    schedule asked for, or "auto"'s judgement (see the module's doc)."""
+def decide(call: Call, policy: Policy = Policy(), axes=()) -> Decision:
+    """What `call` (over mesh `axes`) runs as under `policy`: a decision
+    imposed for it, the schedule asked for, or "auto"'s judgement (see the
+    module's doc); jax.lax's collective and dot where its group spans
+    processes on CPU devices, whatever was asked."""
     empty = empty_decision(call)
     if empty is not None:
         return empty
+    spanning = sorted(set(axes) & policy.spanning)
+    if spanning:
+        return as_asked(call, _abi.UNFUSED, ACROSS_PROCESSES.format(axes=tuple(spanning)))
     imposed = dict(policy.imposed).get(call)
     if imposed is not None:
         return _asked(call, imposed, "imposed by the plan", policy.strict)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from functools import partial
 
 import jax
@@ -21,6 +22,7 @@ from jax.interpreters import batching, mlir
 from . import _abi, _compat, _native, _nccl_id
 from ._checks import check_elements
 from ._decision import NONE, Call, Decision, as_asked
+from ._placement import ACROSS_PROCESSES, spanning_axes
 from ._unfused import empty_result, unfused
 from ._varying import vma_checked
 
@@ -151,7 +153,27 @@ def _lower_cpu(ctx, x, w, *scales, kind, workspace, **params):
     if scales:  # fp8 traced where a GPU exists, lowered for CPU devices
         raise TypeError(
             f"commfuse ({kind.name.lower()}): fp8 operands need CUDA devices (sm_90+); this mesh is on CPU")
+    spanning = sorted(set(params["axes"]) & spanning_axes(_lowering_mesh(kind, ctx)))
+    if spanning:
+        # Its peers are in other processes, which the CPU backend's transport
+        # cannot reach: jax.lax's collective and dot (XLA's own collectives,
+        # over gloo or MPI), said once per op and axes.
+        _say_across_processes(kind, tuple(spanning))
+        return mlir.lower_fun(partial(_unfused_call, kind=kind, **params), multiple_results=False)(ctx, x, w)
     return _lower_target(_native.CPU_TARGET, ctx, x, w, kind=kind, workspace_bytes=workspace[0], **params)
+
+
+def _unfused_call(x, w, *, kind, out_dtype, axes, ranks, dimension, fast_f32, **_):
+    return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension, fast_f32=fast_f32)
+
+
+_SAID: set = set()
+
+
+def _say_across_processes(kind, axes: tuple) -> None:
+    if (kind, axes) not in _SAID:
+        _SAID.add((kind, axes))
+        warnings.warn(f"commfuse ({kind.name.lower()}): {ACROSS_PROCESSES.format(axes=axes)}", stacklevel=2)
 
 
 def _lower_cuda(ctx, x, w, *scales, kind, axes, fast_f32, workspace, **params):

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
 from ._decide import Policy, decide, decide_dot, mesh_of_trace
+from ._placement import spanning_axes
 from ._decision import Call, Decision
 from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
@@ -533,7 +534,8 @@ def decide_choice(choice: Choice, x_shape, w_shape, dtype, settings: Settings, s
                               math.prod(sizes[a] for a in choice.psum_axes))
         if tiled is not None:
             return tiled
-    return Decided(choice, (decide(_call_of(choice, choice.kind, x_shape, w_shape, dtype, settings, ranks), policy),))
+    call = _call_of(choice, choice.kind, x_shape, w_shape, dtype, settings, ranks)
+    return Decided(choice, (decide(call, policy, choice.axes),))
 
 
 def _call_of(choice: Choice, kind, x_shape, w_shape, dtype, settings: Settings, ranks: int) -> Call:
@@ -623,7 +625,7 @@ def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, r
     tile_shape = list(operand)
     tile_shape[tiling.dim] //= tiling.count
     shapes = (tuple(tile_shape), w_shape) if side == 0 else (x_shape, tuple(tile_shape))
-    decision = decide(_call_of(choice, choice.kind, *shapes, dtype, settings, ranks), settings.policy)
+    decision = decide(_call_of(choice, choice.kind, *shapes, dtype, settings, ranks), settings.policy, choice.axes)
     if not decision.fused:
         return None
     why = f"{tiling.count} tiles, each summed over {choice.psum_axes} while the next runs: {why}"
@@ -732,6 +734,7 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     x_spec, w_spec, out_spec = _specs(mesh, arg_shapes, result_shape)
     sizes = dict(mesh.shape)
     choice = choose(sizes, x.shape, w.shape, x_spec, w_spec, out_spec)
+    settings = settings._replace(policy=settings.policy._replace(spanning=spanning_axes(mesh)))
     decided = decide_choice(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
                             np.dtype(x.dtype), settings, sizes)
     _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), decided, settings.policy.owner))

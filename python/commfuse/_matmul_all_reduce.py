@@ -120,7 +120,7 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
     elif ranks == 1:
         forward = unfused("one rank: nothing to reduce")
     else:
-        forward = decide_call(chunk, policy)
+        forward = decide_call(chunk, policy, axes)
     return _Settings(tuple(axes), ranks, int(tiles or 1), forward, np.dtype(out_dtype), fast_f32)
 
 

@@ -82,7 +82,8 @@ def decided(op: str, strict: bool, decide_op) -> OpDecision:
 def forward_call(kind, static: Static, x_shape, w_shape, dtype, *, dimension=None) -> Decision:
     """The decision of the forward library call of kind `kind` on operands of these shapes."""
     d = static.dimension if dimension is None else dimension
-    return decide(Call.of(kind, static.ranks, d, x_shape, w_shape, dtype, static.out_dtype), static.policy)
+    return decide(Call.of(kind, static.ranks, d, x_shape, w_shape, dtype, static.out_dtype), static.policy,
+                  static.axes)
 
 
 def prepared_operands(op: str, x, w, decision: OpDecision, preferred_element_type=None):
@@ -99,7 +100,8 @@ def call(kind, x, w, static: Static, *, dimension=None, out_dtype=None, decision
     d = static.dimension if dimension is None else dimension
     out_dtype = static.out_dtype if out_dtype is None else out_dtype
     if decision is None or decision.call != Call.of(kind, static.ranks, d, x.shape, w.shape, x.dtype, out_dtype):
-        decision = decide(Call.of(kind, static.ranks, d, x.shape, w.shape, x.dtype, out_dtype), static.policy)
+        decision = decide(Call.of(kind, static.ranks, d, x.shape, w.shape, x.dtype, out_dtype), static.policy,
+                          static.axes)
     return _fused.bind(decision, x, w, axes=static.axes, scales=scales, fast_f32=static.fast_f32)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import warnings
 import weakref
 
 import jax
@@ -80,8 +81,6 @@ def _check(x, sharding, schedule):
         sharding.shard_shape(x.shape)
     except Exception as e:  # JAX says which dim does not divide
         raise ValueError(f"commfuse.reshard: `sharding` {sharding.spec} does not fit `x` of shape {x.shape}: {e}") from e
-    if not x.is_fully_addressable or not sharding.is_fully_addressable:
-        raise NotImplementedError("commfuse.reshard: every device of both meshes must be in this process")
 
 
 class PendingReshard:
@@ -185,6 +184,13 @@ def _plan(x, sharding, schedule):
         return _DEVICE_PUT
     platforms = {d.platform for d in union}
     program = _CpuProgram if platforms == {"cpu"} else _CudaProgram
+    if program is _CpuProgram and any(d.process_index != jax.process_index() for d in union):
+        # The CPU backend's transport lives inside one process: XLA's own
+        # transfers (gloo or MPI) carry a move that spans processes.
+        if schedule != "auto":
+            warnings.warn(f"commfuse.reshard(schedule={schedule!r}): the meshes span processes, and the CPU "
+                          f"backend's transport lives inside one process: jax.device_put moves it", stacklevel=3)
+        return _DEVICE_PUT
     why = _why_not_cuda(src_devices, dst_devices, platforms) if program is _CudaProgram else None
     if why is not None:
         if schedule == "auto":

@@ -10,6 +10,7 @@ import jax
 from jax.extend import core as jcore
 
 from .. import _compat, _fused
+from .._placement import spanning_axes
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, collective_axes, describe_collective, is_literal
 from .jaxpr import shard_map_call, subjaxprs, vma
 from .jitdots import Regrouping
@@ -159,12 +160,18 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
     def body_fn(*args):
         return tuple(interpret(body, consts, args, state, here, True))
 
+    # The axes whose groups span processes (CPU devices of a multi-process
+    # job): their candidates are decided unfused, and say why.
+    outer = state.policy
+    state.policy = outer._replace(spanning=spanning_axes(eqn.params.get("mesh")))
     try:
         return shard_map_call(eqn.params, body_fn, invals)
     except Exception as e:  # noqa: BLE001 - never worse than the original program
         del state.lines[mark:]
         state.lines.append(f"overlap[{here}]: shard_map left unchanged: {type(e).__name__}: {e}")
         return bind_eqn(eqn, invals)
+    finally:
+        state.policy = outer
 
 
 def _eval_remat(params, invals, state, where, manual):

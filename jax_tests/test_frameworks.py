@@ -11,7 +11,7 @@ each program should get (``EXPECTED``).
 Fused ops are counted per product. In programs sharded by ``jax.jit``
 (NNX, MaxText, Equinox, decode): the ``commfuse.matmul`` calls that ran
 fused once partitioned (what ``overlap``'s ``overlap[partitioned]`` report
-lines say, heard through ``commfuse._matmul.listen`` as
+lines say, gathered by ``commfuse._matmul.watching()`` as
 ``test_jit_programs`` does), checked against the
 ``commfuse_collective_matmul`` custom calls of the compiled program (at
 least one per fused product: an all-reduce runs as one call per row chunk,

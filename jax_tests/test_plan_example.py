@@ -23,5 +23,8 @@ def test_the_planned_step_trains_as_the_plain_step_within_the_limit(tmp_path):
                   key=lambda row: row["predicted_s"])
     assert fastest["memory_bytes"] > limit_mib * 2**20
     assert not any(row["fits"] and row["predicted_s"] < plan.predicted_step_s for row in plan.candidates)
+    # The plan runs fused (its FSDP gathers consume the weights piece by
+    # piece: that is what fits), its decisions imposed through the step.
+    assert plan.fused and any(d.fused for d in plan.decisions), plan
     np.testing.assert_allclose(planned, plain, rtol=1e-5)
     assert plain[-1] < plain[0]

@@ -107,6 +107,12 @@ _CHILD = textwrap.dedent("""
     moved = commfuse.reshard(xm, NamedSharding(mesh, P(None, "tp")))
     assert moved.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 2)
     close("reshard across processes", whole(moved), x)
+    try:
+        commfuse.reshard(xm, NamedSharding(mesh, P(None, "tp")), schedule="direct")
+    except NotImplementedError as e:
+        assert "span processes" in str(e), e
+    else:
+        raise AssertionError("an explicit reshard schedule across processes ran")
     jax.distributed.shutdown()
     print("DONE", flush=True)
 """)

@@ -13,7 +13,7 @@ so at these sizes it may keep products unfused where ``ring`` fuses them.
 Fused products are counted as ``jax_tests/test_frameworks.py`` counts them:
 in programs sharded by ``jax.jit`` (NNX, MaxText, Equinox, decode), the
 ``commfuse.matmul`` calls that ran fused once partitioned, heard through
-``commfuse._matmul.listen`` while the first step compiles (afresh:
+``commfuse._matmul.watching()`` while the first step compiles (afresh:
 ``jax.clear_caches()`` first; a later step that compiles again, for the new
 state's types, is not counted twice); in shard_map programs (TP+SP, MoE), the ``]: rewrote `` lines of the
 overlap'd function's ``last_report``.

@@ -111,6 +111,8 @@ lib.commfuse_prepare.restype = ctypes.c_int64
 lib.commfuse_prepare.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_abi_tables.restype = ctypes.c_int64
 lib.commfuse_abi_tables.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+lib.commfuse_price_step.restype = ctypes.c_int64
+lib.commfuse_price_step.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
 
 
 def _ask(function, *args) -> str:
@@ -158,6 +160,21 @@ def _prepare(call: CallShapes, machine: str | None, gemm_gflops: float | None, e
 
 
 _prepare_cached = functools.lru_cache(maxsize=4096)(_prepare)
+
+
+def price_step(request: dict) -> dict:
+    """The library's price of one device's program (``src/sim/step.rs``;
+    `request` as it documents), ValueError with its reason for a request it
+    refuses."""
+    return json.loads(_ask(lib.commfuse_price_step, json.dumps(request).encode()))
+
+
+@functools.lru_cache(maxsize=64)
+def machine_summary(machine: str) -> dict:
+    """What the library makes of a machine description: ``{"name",
+    "devices_per_node"}`` (None: one node); ValueError naming what it
+    refuses in `machine`."""
+    return price_step({"machine": machine, "ops": []})["machine"]
 
 
 def tables() -> dict:

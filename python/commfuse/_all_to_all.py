@@ -45,11 +45,10 @@ def _decide(op, x, w, axis_name, split_dimension, concat_dimension, schedule, pr
                 f"commfuse.{op}: split_dimension {split} has size {size}, which is not divisible by the size "
                 f"{ranks} of axis {axis_name!r}")
         asked = policy.with_asked(_checks.check_schedule(op, schedule))
-        static = _op.settle(op, x, w, axes=axes, ranks=ranks, dimension=0, policy=asked, precision=precision,
-                            preferred_element_type=preferred_element_type)
+        static, dtype = _op.settle(op, x, w, axes=axes, ranks=ranks, dimension=0, policy=asked,
+                                   precision=precision, preferred_element_type=preferred_element_type)
         layout = layout_all_to_all_matmul if op == A2A_MM else layout_matmul_all_to_all
         kind, _, first, second = layout(x.shape, w.shape, ranks, split, concat)
-        dtype, _ = _checks.promoted_dtypes(op, x.dtype, w.dtype, preferred_element_type)
         forward = _op.forward_call(kind, static, first, second, dtype)
         return OpDecision(op, static._replace(forward=forward), (forward,), settled={"dims": (split, concat)})
 
@@ -101,7 +100,7 @@ def run_all_to_all_matmul(decision: OpDecision, x, w):
     x, w = _op.prepared_operands(A2A_MM, x, w, decision)
     dims, static = decision.settled["dims"], decision.static
     if _op.forward_mode(x, w):
-        return _a2a_matmul_impl(x, w, dims, _unfused(static))
+        return _a2a_matmul_impl(x, w, dims, _op.unfused(static))
     return _a2a_matmul(x, w, dims, static)
 
 
@@ -109,13 +108,8 @@ def run_matmul_all_to_all(decision: OpDecision, x, w):
     x, w = _op.prepared_operands(MM_A2A, x, w, decision)
     dims, static = decision.settled["dims"], decision.static
     if _op.forward_mode(x, w):
-        return _matmul_a2a_impl(x, w, dims, _unfused(static))
+        return _matmul_a2a_impl(x, w, dims, _op.unfused(static))
     return _matmul_a2a(x, w, dims, static)
-
-
-def _unfused(static):
-    """`static` for jax.lax's own collective and dot (forward-mode differentiation)."""
-    return static._replace(policy=static.policy.with_asked(_fused.UNFUSED), forward=None)
 
 
 def layout_all_to_all_matmul(x_shape, w_shape, ranks: int, split_dimension: int, concat_dimension: int) -> tuple:

@@ -76,14 +76,16 @@ def find_tiling(operand_shape, gather_dim: int, free_dims: list, out_dim_of, sca
 
 
 def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind: str, n_reduce: int,
-           reduce_x_shape, reduce_w_shape, tiles: int, dtype, machine: Machine | None = None) -> tuple[str, str]:
+           reduce_x_shape, reduce_w_shape, tiles: int, dtype, machine: Machine | None = None,
+           decline: bool = True) -> tuple[str, str]:
     """("gather" | "reduce" | "tiles", why): the fastest of the three ways by
     the cost model: `op` is the gather's fused op on the whole operands
     (one device's shapes), `reduce_kind` the sum's ("psum" or
     "psum_scatter", over `n_reduce` ranks) on the dot as the reduce side's
     fused op takes it. The sum's time alone is its reduce-scatter's
     transfers (twice that for a psum: reduce-scatter, then all-gather), on
-    `machine` (None: the one the program runs on)."""
+    `machine` (None: the one the program runs on); a fused call's fixed cost
+    counts where "auto" may `decline` to fuse."""
     machine = machine or Machine.current()
     gather = _explain.predict(op, x_shape, w_shape, n_gather, dimension=dimension, dtype=dtype, machine=machine.spec)
     reduce = _explain.predict("matmul_reduce_scatter", reduce_x_shape, reduce_w_shape, n_reduce, dtype=dtype,
@@ -91,7 +93,7 @@ def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind
     t_c, t_g = gather["t_compute"], gather["t_comm"]
     t_r = reduce["t_comm"] * (2 if reduce_kind == "psum" else 1)
     fixed = 0.0
-    if may_decline():
+    if decline and may_decline():
         fixed = machine.call_overhead_s(n_gather)
     times = {
         "gather": max(t_c, t_g) + t_r + fixed,

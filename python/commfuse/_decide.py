@@ -35,7 +35,7 @@ import jax
 from . import _abi, _calibration, _fused
 from ._decision import Call, Decision, as_asked, empty_decision, with_answer
 from ._native import lib
-from ._placement import ACROSS_PROCESSES
+from ._placement import ACROSS_PROCESSES, crossing_axes, spanning_axes
 
 MACHINES = ("cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie", "h100_cluster")
 MACHINE_VAR = "COMMFUSE_MACHINE"
@@ -99,6 +99,18 @@ class Machine:
             return cls(f"cpu_here:{link}")
         return cls(spec)
 
+    def across_nodes(self) -> "Machine":
+        """This machine as a group spanning its nodes sees it: its network as the link."""
+        return Machine(self.spec + ("," if ":" in self.spec else ":") + "across_nodes=1")
+
+    @classmethod
+    def checked(cls, spec: str) -> "Machine":
+        """`named(spec)`, its overrides checked by the library now (ValueError
+        naming what it refuses), not when a call is first decided."""
+        machine = cls.named(spec)
+        _abi.machine_summary(machine.spec)
+        return machine
+
     @property
     def is_cpu(self) -> bool:
         return self.spec.startswith("cpu_here")
@@ -155,7 +167,9 @@ class Policy(NamedTuple):
     judged before partitioning (`decide_dot`: one declined stays XLA's own
     dot, as written) or only once its shardings are known (the planner's
     way, which has them); `spanning`: the mesh axes whose groups span
-    processes on CPU devices, where a call over them runs unfused."""
+    processes on CPU devices, where a call over them runs unfused;
+    `crossing`: those whose groups span nodes of the machine, where a
+    call's transfers cross its network."""
     asked: int = _abi.AUTO
     machine: str | None = None
     decline: bool = True
@@ -163,11 +177,22 @@ class Policy(NamedTuple):
     imposed: tuple = ()
     owner: int = 0
     early: bool = True
-    # Mesh axes whose groups span processes on CPU devices (`_placement.spanning_axes`).
+    # Mesh axes whose groups span processes on CPU devices, and nodes of
+    # the machine (`_placement.spanning_axes`, `crossing_axes`).
     spanning: frozenset = frozenset()
+    crossing: frozenset = frozenset()
 
-    def resolved_machine(self) -> Machine:
-        return Machine(self.machine) if self.machine is not None else Machine.current()
+    def resolved_machine(self, axes=()) -> Machine:
+        """The machine a call over mesh `axes` is decided for: the policy's
+        (or the current one), its network's where the group spans nodes."""
+        machine = Machine(self.machine) if self.machine is not None else Machine.current()
+        return machine.across_nodes() if set(axes) & self.crossing else machine
+
+    def placed(self, mesh) -> "Policy":
+        """This policy for calls over `mesh`: the axes whose groups span
+        processes (CPU devices) or nodes of the machine."""
+        per_node = _abi.machine_summary(self.resolved_machine().spec)["devices_per_node"]
+        return self._replace(spanning=spanning_axes(mesh), crossing=crossing_axes(mesh, per_node))
 
     def with_asked(self, asked: int) -> "Policy":
         return self._replace(asked=int(asked))
@@ -191,12 +216,16 @@ def decide(call: Call, policy: Policy = Policy(), axes=()) -> Decision:
         return _asked(call, policy.asked, "as asked", policy.strict)
     if call.dtype in _abi.FP8_CODES:
         return as_asked(call, _abi.AUTO, "fp8: the library's own rule")
-    machine = policy.resolved_machine()
-    return _auto(call, machine, policy.decline and may_decline())
+    try:
+        return _judged(call, policy.resolved_machine(axes), policy.decline and may_decline())
+    except ValueError as e:
+        if policy.strict:
+            raise
+        return as_asked(call, _abi.UNFUSED, f"unfused: the cost model cannot judge it ({e})")
 
 
 @functools.lru_cache(maxsize=4096)
-def _auto(call: Call, machine: Machine, decline: bool) -> Decision:
+def _judged(call: Call, machine: Machine, decline: bool) -> Decision:
     prepared = machine.prepare(call.shapes(_abi.AUTO))
     code, why = judge(prepared, call.ranks, machine, decline)
     return with_answer(call, code, why, prepared)

@@ -64,7 +64,8 @@ class Decision:
     empty problem), and `why`. `out_shape` and `workspace` (bytes on the
     CPU and CUDA backends) are the library's answer for that schedule;
     `recut`: a sliced or tiled schedule run on x's rows laid out as a
-    matrix. `predicted` holds the cost model's seconds for the fused pick
+    matrix (its workspace is the flattened call's, decided when it runs).
+    `predicted` holds the cost model's seconds for the fused pick
     and the unoverlapped baseline where it timed them."""
     call: Call
     schedule: int
@@ -114,22 +115,17 @@ def with_answer(call: Call, schedule: int, why: str, prepared: dict) -> Decision
     return Decision(call, schedule, why, tuple(prepared["out"]), workspace, False, predicted)
 
 
-def _empty(call: Call) -> Decision:
-    """An operand without elements: nothing to multiply or move (the result
-    is zeros, or jax.lax's all_to_all of empty blocks)."""
+def empty_decision(call: Call) -> Decision | None:
+    """The decision for a call with an operand without elements (then so
+    is its result), else None: nothing to multiply or move. The result is
+    zeros, as jax.lax's dot gives for an empty contraction; jax.lax's
+    all_to_all takes empty blocks (and its gradient keeps the operands JAX
+    needs to lower it), so those kinds run it unfused."""
+    if not call.empty:
+        return None
     out = tuple(_abi.prepare(call.shapes(_abi.UNFUSED))["out"])
     schedule = _abi.UNFUSED if call.kind in ALL_TO_ALL_KINDS else NONE
     return Decision(call, schedule, "an operand or the result has no elements", out)
-
-
-def empty_decision(call: Call) -> Decision | None:
-    """The decision for a call with no elements in an operand or its result, else None."""
-    if call.empty:
-        return _empty(call)
-    out = tuple(_abi.prepare(call.shapes(_abi.UNFUSED))["out"])
-    if 0 in out:
-        return Decision(call, NONE, "an operand or the result has no elements", out)
-    return None
 
 
 def _workspace(prepared: dict) -> tuple:

@@ -58,10 +58,12 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     ``x_shape`` and ``w_shape`` are one device's operands as the op takes them
     (``op(x, w, axis)`` inside ``shard_map``); ``dimension`` is the gathered or
     scattered dim. ``machine`` names a preset: ``"h100_nvlink"``,
-    ``"h200_nvlink"``, ``"h100_pcie"``, or ``"cpu_here"`` (this host's CPU
-    devices; the link model in ``COMMFUSE_CPU_LINK`` applies, and
-    ``gemm_gflops``, a measured single-thread GEMM rate, calibrates it). A
-    preset may carry overrides: ``"h100_pcie:gbytes_per_s=50,latency_us=10"``.
+    ``"h200_nvlink"``, ``"h100_pcie"``, ``"h100_cluster"`` (nodes of 8; a
+    group inside one: ``"h100_cluster:across_nodes=1"`` for one spanning
+    nodes), or ``"cpu_here"`` (this host's CPU devices; the link model in
+    ``COMMFUSE_CPU_LINK`` applies, and ``gemm_gflops``, a measured
+    single-thread GEMM rate, calibrates it). A preset may carry overrides:
+    ``"h100_pcie:gbytes_per_s=50,latency_us=10"``.
 
     Returns a dict: ``memory`` (bytes: ``workspace_cpu`` and
     ``workspace_cuda``, what XLA gives the call on each backend;
@@ -94,7 +96,7 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
         raise ValueError(f"commfuse.explain: unsupported dtype {name}; expected one of "
                          f"{', '.join(d.name for d in _abi.DTYPE_CODES)}")
     try:
-        target = Machine.named(machine)
+        target = Machine.checked(machine)
     except ValueError as e:
         raise ValueError(f"commfuse.explain: {e}") from None
     if gemm_gflops is not None and not float(gemm_gflops) > 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ._abi import Kind
 from ._op import Static, call
@@ -14,6 +16,7 @@ from ._varying import vary_together
 def fp8_call(kind: "Kind", x, w, scales, *, axes, ranks: int, dimension: int, policy):
     """One fused op on fp8 operands (checked by `fp8_scales`): forward only."""
     x_scale, w_scale, out_dtype = scales
+    x_scale, w_scale = (jnp.asarray(s, np.float32) for s in (x_scale, w_scale))  # a Python number, or f32
     x, w = vary_together(x, w, axes)
     return _fp8_op(Kind(kind), x, w, x_scale, w_scale, Static(tuple(axes), ranks, dimension, policy, out_dtype))
 

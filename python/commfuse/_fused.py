@@ -80,6 +80,9 @@ def bind(decision: Decision, x, w, *, axes, scales=(), fast_f32: bool = True):
     `scales`: ``(x_scale, w_scale)`` with fp8 operands; `fast_f32`: float32
     GEMMs may use TF32 on GPUs."""
     call = decision.call
+    if (tuple(x.shape), tuple(w.shape), np.dtype(x.dtype)) != (call.x, call.w, call.dtype):
+        raise AssertionError(f"commfuse: a decision for {call.describe()} bound to operands x{list(x.shape)} "
+                             f"w{list(w.shape)} ({np.dtype(x.dtype).name})")
     if decision.recut:
         # Slices are chunks of contiguous rows: a cut call on other rows
         # runs on x with the row dim leading.
@@ -299,7 +302,7 @@ def checkpoint_policy(policy):
 
 def _is_fused(prim, params) -> bool:
     """Whether a policy's equation is a fused op: the primitive, or the
-    ``custom_vjp_call`` around one (the differentiable form `differentiable` makes)."""
+    ``custom_vjp_call`` around one (the differentiable form `_op.differentiable` makes)."""
     if prim is _PRIMITIVE:
         return True
     if not prim.name.startswith("custom_vjp"):
@@ -308,7 +311,7 @@ def _is_fused(prim, params) -> bool:
     body = getattr(body, "jaxpr", body)
     if body is None:
         return False
-    # One fused op and its layout (`differentiable`'s form), not a user's function holding one among other work.
+    # One fused op and its layout (`_op.differentiable`'s form), not a user's function holding one among other work.
     names = [e.primitive.name for e in body.eqns]
     return sum(e.primitive is _PRIMITIVE for e in body.eqns) == 1 and "dot_general" not in names \
         and not any(n.startswith("custom_") or n in ("pjit", "jit", "while", "scan", "cond") for n in names)

@@ -51,7 +51,6 @@ from jax.sharding import PartitionSpec as P
 
 from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
 from ._decide import Policy, decide, decide_dot, mesh_of_trace
-from ._placement import spanning_axes
 from ._decision import Call, Decision
 from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
@@ -614,10 +613,11 @@ def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, r
     n = w_shape[1] * (ranks if choice.kind == Kind.MATMUL_ALL_GATHER else 1)
     if choice.kind == Kind.ALL_GATHER_MATMUL:
         rows *= ranks
-    machine = settings.policy.resolved_machine()
+    machine = settings.policy.resolved_machine(choice.axes + choice.psum_axes)
     try:
         way, why = _both_sides.choose(op, tuple(x_shape), tuple(w_shape), ranks, g, "psum", n_reduce, (rows, k),
-                                      (k, n), tiling.count, np.dtype(settings.out_dtype), machine)
+                                      (k, n), tiling.count, np.dtype(settings.out_dtype), machine,
+                                      settings.policy.decline)
     except (ValueError, TypeError, KeyError):
         return None
     if way != "tiles":
@@ -734,7 +734,7 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     x_spec, w_spec, out_spec = _specs(mesh, arg_shapes, result_shape)
     sizes = dict(mesh.shape)
     choice = choose(sizes, x.shape, w.shape, x_spec, w_spec, out_spec)
-    settings = settings._replace(policy=settings.policy._replace(spanning=spanning_axes(mesh)))
+    settings = settings._replace(policy=settings.policy.placed(mesh))
     decided = decide_choice(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
                             np.dtype(x.dtype), settings, sizes)
     _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), decided, settings.policy.owner))

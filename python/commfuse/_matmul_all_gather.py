@@ -46,9 +46,8 @@ def decide(x, w, axis_name, *, gather_dimension=1, schedule="auto", precision=No
         kind, _, first, second = layout(x.shape, w.shape, ranks, gather_dimension)
         _checks.check_matmul_operands(OP, x, w, w_factor=ranks if kind == Kind.MATMUL_ALL_GATHER_CONTRACT else 1)
         asked = policy.with_asked(_checks.check_schedule(OP, schedule))
-        static = _op.settle(OP, x, w, axes=axes, ranks=ranks, dimension=0, policy=asked, precision=precision,
-                            preferred_element_type=preferred_element_type)
-        dtype, _ = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
+        static, dtype = _op.settle(OP, x, w, axes=axes, ranks=ranks, dimension=0, policy=asked,
+                                   precision=precision, preferred_element_type=preferred_element_type)
         forward = _op.forward_call(kind, static, first, second, dtype)
         return OpDecision(OP, static._replace(forward=forward), (forward,), settled={"kind": kind})
 

@@ -48,7 +48,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, schedule="aut
     decision = decide(x, w, axis_name, scatter_dimension=scatter_dimension, schedule=schedule, slices=slices,
                       tiles=tiles, precision=precision, preferred_element_type=preferred_element_type,
                       x_scale=x_scale, w_scale=w_scale)
-    return run(decision, x, w)
+    return run(decision, x, w, x_scale, w_scale)
 
 
 def decide(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, tiles=4, precision=None,
@@ -67,22 +67,24 @@ def decide(x, w, axis_name, *, scatter_dimension=0, schedule="auto", slices=4, t
                 raise NotImplementedError(
                     f"commfuse.{OP}: fp8 operands are supported for a row scatter_dimension only, not the last dim")
             _checks.check_precision(OP, precision)
-            return OpDecision(OP, _op.Static(axes, ranks, dimension, asked, fp8[2]), settled={"kind": kind, "fp8": fp8})
-        static = _op.settle(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, policy=asked, precision=precision,
-                            preferred_element_type=preferred_element_type)
-        dtype, _ = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
+            static = _op.Static(axes, ranks, dimension, asked, fp8[2])
+            forward = _op.forward_call(kind, static, first, second, x.dtype)
+            return OpDecision(OP, static, (forward,), settled={"kind": kind, "fp8": True})
+        static, dtype = _op.settle(OP, x, w, axes=axes, ranks=ranks, dimension=dimension, policy=asked,
+                                   precision=precision, preferred_element_type=preferred_element_type)
         forward = _op.forward_call(kind, static, first, second, dtype)
         return OpDecision(OP, static._replace(forward=forward), (forward,), settled={"kind": kind})
 
     return _op.decided(OP, policy.strict, checked)
 
 
-def run(decision: OpDecision, x, w):
-    """``matmul_reduce_scatter`` of `x` and `w` as `decision` (made for their shapes) says."""
+def run(decision: OpDecision, x, w, x_scale=None, w_scale=None):
+    """``matmul_reduce_scatter`` of `x` and `w` (and fp8 operands' scales) as `decision`
+    (made for their shapes) says."""
     static, settled = decision.static, decision.settled
-    if "fp8" in settled:
-        return _fp8.fp8_call(settled["kind"], x, w, settled["fp8"], axes=static.axes, ranks=static.ranks,
-                             dimension=static.dimension, policy=static.policy)
+    if settled.get("fp8"):
+        return _fp8.fp8_call(settled["kind"], x, w, (x_scale, w_scale, static.out_dtype), axes=static.axes,
+                             ranks=static.ranks, dimension=static.dimension, policy=static.policy)
     x, w = _op.prepared_operands(OP, x, w, decision)
     if settled["kind"] == Kind.MATMUL_REDUCE_SCATTER_COLS:
         out = _scatter_cols(_fused.rows_2d(x), w, static)

@@ -60,12 +60,13 @@ class OpDecision:
 
 
 def settle(op: str, x, w, *, axes, ranks: int, dimension: int, policy: Policy, precision,
-           preferred_element_type) -> Static:
+           preferred_element_type) -> tuple[Static, np.dtype]:
     """The common tail of every op's checks (on shapes: arrays, tracers or
-    ShapeDtypeStructs): precision, the promoted dtypes, the static arguments."""
+    ShapeDtypeStructs): precision and the promoted dtypes; the static
+    arguments, and the operands' dtype once promoted."""
     fast = fast_f32(op, precision)
-    _, out_dtype = promoted_dtypes(op, x.dtype, w.dtype, preferred_element_type)
-    return Static(tuple(axes), ranks, dimension, policy, out_dtype, fast)
+    dtype, out_dtype = promoted_dtypes(op, x.dtype, w.dtype, preferred_element_type)
+    return Static(tuple(axes), ranks, dimension, policy, out_dtype, fast), dtype
 
 
 def decided(op: str, strict: bool, decide_op) -> OpDecision:
@@ -86,9 +87,9 @@ def forward_call(kind, static: Static, x_shape, w_shape, dtype, *, dimension=Non
                   static.axes)
 
 
-def prepared_operands(op: str, x, w, decision: OpDecision, preferred_element_type=None):
+def prepared_operands(op: str, x, w, decision: OpDecision):
     """`x` and `w` promoted and typed as varying together, for binding."""
-    dtype, _ = promoted_dtypes(op, x.dtype, w.dtype, preferred_element_type)
+    dtype, _ = promoted_dtypes(op, x.dtype, w.dtype, None)
     return vary_together(x.astype(dtype), w.astype(dtype), decision.static.axes)
 
 
@@ -99,9 +100,11 @@ def call(kind, x, w, static: Static, *, dimension=None, out_dtype=None, decision
     policy; then bound (`_fused.bind`)."""
     d = static.dimension if dimension is None else dimension
     out_dtype = static.out_dtype if out_dtype is None else out_dtype
-    if decision is None or decision.call != Call.of(kind, static.ranks, d, x.shape, w.shape, x.dtype, out_dtype):
-        decision = decide(Call.of(kind, static.ranks, d, x.shape, w.shape, x.dtype, out_dtype), static.policy,
-                          static.axes)
+    this = Call.of(kind, static.ranks, d, x.shape, w.shape, x.dtype, out_dtype)
+    if decision is None:
+        decision = decide(this, static.policy, static.axes)
+    elif decision.call != this:  # the decision made before binding is for these operands, by construction
+        raise AssertionError(f"commfuse: the decision for {decision.call.describe()} bound to {this.describe()}")
     return _fused.bind(decision, x, w, axes=static.axes, scales=scales, fast_f32=static.fast_f32)
 
 
@@ -129,11 +132,16 @@ def differentiable(kind, backward, *, dimension=None):
 
     def forward_or_reverse(x, w, static: Static):
         if forward_mode(x, w):
-            unfused = static._replace(policy=static.policy.with_asked(_abi.UNFUSED), forward=None)
-            return call_static(kind, x, w, unfused, dimension=dimension, forward=True)
+            return call_static(kind, x, w, unfused(static), dimension=dimension, forward=True)
         return op(x, w, static)
 
     return forward_or_reverse
+
+
+def unfused(static: Static) -> Static:
+    """`static` running jax.lax's own collective and dot, whatever was asked
+    or imposed (forward-mode differentiation, which a custom_vjp cannot take)."""
+    return static._replace(policy=static.policy._replace(asked=_abi.UNFUSED, imposed=()), forward=None)
 
 
 def forward_mode(x, w) -> bool:

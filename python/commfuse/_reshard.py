@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-import warnings
 import weakref
 
 import jax
@@ -187,10 +186,11 @@ def _plan(x, sharding, schedule):
     if program is _CpuProgram and any(d.process_index != jax.process_index() for d in union):
         # The CPU backend's transport lives inside one process: XLA's own
         # transfers (gloo or MPI) carry a move that spans processes.
-        if schedule != "auto":
-            warnings.warn(f"commfuse.reshard(schedule={schedule!r}): the meshes span processes, and the CPU "
-                          f"backend's transport lives inside one process: jax.device_put moves it", stacklevel=3)
-        return _DEVICE_PUT
+        if schedule == "auto":
+            return _DEVICE_PUT
+        raise NotImplementedError(
+            f"commfuse.reshard(schedule={schedule!r}): the meshes span processes, and the CPU backend's transport "
+            f"lives inside one process (schedule='auto' falls back to jax.device_put)")
     why = _why_not_cuda(src_devices, dst_devices, platforms) if program is _CudaProgram else None
     if why is not None:
         if schedule == "auto":

@@ -48,7 +48,6 @@ import numpy as np
 import commfuse
 from commfuse import _abi
 from commfuse._decide import Machine
-from commfuse._decision import NONE
 from commfuse._planner import corpus, hooks
 from commfuse._planner.evaluate import Step, evaluate, layout_of, make_mesh
 from commfuse._planner.plan import GIB
@@ -99,10 +98,8 @@ class Runner:
             # The plan's decisions, but what it leaves unfused runs exposed
             # through the link model as the plain layouts do (jax.lax's own
             # collective would move at memory speed here, unthrottled).
-            exposed = [(d.call, SEQUENTIAL if d.schedule == _abi.UNFUSED else d.schedule) for d in decisions
-                       if d.schedule != NONE]
+            exposed = [(d.call, SEQUENTIAL if d.schedule == _abi.UNFUSED else d.schedule) for d in decisions]
             fn = commfuse.overlap(step.fn, schedule="sequential", machine="cpu_here", decisions=exposed)
-            fn.judge_at_partitioning()
         else:
             fn = commfuse.overlap(step.fn, schedule="sequential")
         with hooks.tracing(layout_of(candidate, mesh)):
@@ -209,14 +206,23 @@ def _step_of(case) -> Step:
 
 
 def binding_limit(free) -> int:
-    """A memory limit that binds: below the fastest candidate's memory, above
-    the smallest baseline's (so that some baseline fits)."""
-    fastest = min((e for e in free.evaluations.values() if e.ok), key=lambda e: e.predicted_s)
-    smallest = min(row["memory_bytes"] for pair in free.baselines.values() for row in pair.values()
-                   if row["error"] is None)
-    if smallest >= fastest.memory_bytes:
-        return int(fastest.memory_bytes * 0.98)  # every baseline needs as much: the limit cannot bind below it
-    return int((smallest + fastest.memory_bytes) / 2)
+    """A memory limit that binds: below what the fastest candidate needs,
+    at or above what some baseline needs, and, where one exists, one under
+    which the fastest candidate that fits is no baseline (the largest such):
+    the case where the plan must beat every baseline that fits."""
+    ok = sorted((e for e in free.evaluations.values() if e.ok), key=lambda e: e.predicted_s)
+    baseline_labels = {row["label"] for pair in free.baselines.values() for row in pair.values()}
+    fastest = ok[0]
+    levels = sorted({e.memory_bytes for e in ok if e.memory_bytes < fastest.memory_bytes}, reverse=True)
+    fallback = None
+    for limit in levels:
+        fitting = [e for e in ok if e.memory_bytes <= limit]
+        if not any(e.candidate.label() in baseline_labels for e in fitting):
+            continue
+        fallback = fallback or limit
+        if fitting[0].candidate.label() not in baseline_labels:
+            return limit
+    return fallback if fallback is not None else fastest.memory_bytes
 
 
 def report(rows: list, log) -> None:
@@ -253,7 +259,8 @@ H100_MEMORY = 80 * GIB
 def predict_one(size: str, devices: int, machine: str, out: str) -> int:
     """Plans llama_jax `size` for `devices` of `machine` (this process must
     see that many devices) and writes the plan's JSON to `out`."""
-    case = corpus.build("llama_jax", size, abstract=True)
+    # One sequence of 4096 tokens per GPU: 8 per step on 8 GPUs, 64 on 64.
+    case = corpus.build("llama_jax", size, abstract=True, batch=devices)
     plan = commfuse.plan(case.step, *case.args, devices=devices, machine=machine, memory_limit=H100_MEMORY,
                          log=lambda line: print(line, flush=True))
     print(plan)
@@ -279,8 +286,8 @@ def predict_gpus(out_dir: str) -> int:
         plan = commfuse.Plan.from_json(path)
         results.append((size, devices, machine, plan, time.perf_counter() - start))
     print("\nPredictions (the cost model on programs compiled for CPU devices; memory from XLA's CPU buffer "
-          "assignment, an estimate for a GPU's), bf16 Llama-3 training steps of 8 x 4096 tokens, adamw, 80 GiB "
-          "per GPU:")
+          "assignment, an estimate for a GPU's), bf16 Llama-3 training steps of one 4096-token sequence per GPU, "
+          "adamw, 80 GiB per GPU:")
     print(f"  {'model':<6} {'GPUs':>4} {'machine':<13} {'plan':<44} {'step s':>7} {'GiB':>6}  "
           f"{'vs TP+SP':>9} {'vs FSDP':>9}  planned in")
     for size, devices, machine, plan, seconds in results:

@@ -341,17 +341,26 @@ impl Machine {
                     let link = machine.network.map_or(Network::NDR_PER_DEVICE, |n| n.link);
                     machine.network = Some(Network { devices_per_node: devices, link });
                 }
-                "net_gbytes_per_s" | "net_latency_us" => {}
+                "net_gbytes_per_s" | "net_latency_us" | "across_nodes" => {}
                 _ => {
                     return Err(bad(format!(
                         "unknown key {key:?}; expected gbytes_per_s, latency_us, topology, gemm_gflops, \
-                         mem_gbytes_per_s, gpus_per_node, net_gbytes_per_s, net_latency_us"
+                         mem_gbytes_per_s, gpus_per_node, net_gbytes_per_s, net_latency_us, across_nodes"
                     )))
                 }
             }
         }
         // The network's figures apply once `gpus_per_node` has made one, in any order.
+        let mut across = false;
         for (key, value) in fields {
+            if key == "across_nodes" {
+                across = match value {
+                    "1" | "true" => true,
+                    "0" | "false" => false,
+                    _ => return Err(bad(format!("`across_nodes` must be 1 or 0, got {value:?}"))),
+                };
+                continue;
+            }
             let network = match key {
                 "net_gbytes_per_s" | "net_latency_us" => machine.network.as_mut().ok_or_else(|| {
                     bad(format!("`{key}` describes the network between nodes: give `gpus_per_node` too"))
@@ -364,6 +373,12 @@ impl Machine {
             } else {
                 network.link.latency_s = v * 1e-6;
             }
+        }
+        if across {
+            // A group whose devices span nodes: its transfers cross the network.
+            return machine
+                .across_nodes()
+                .ok_or_else(|| bad("`across_nodes` needs a network between nodes (`gpus_per_node`)".into()));
         }
         Ok(machine)
     }

@@ -805,6 +805,15 @@ mod tests {
         let e = Machine::from_spec("h100_nvlink:gpus_per_node=0", None, 2).unwrap_err().to_string();
         assert!(e.contains("whole number"), "{e}");
         let e = Machine::from_spec("h100_nvlink:nodes=2", None, 2).unwrap_err().to_string();
-        assert!(e.contains("net_latency_us"), "{e}");
+        assert!(e.contains("net_latency_us") && e.contains("across_nodes"), "{e}");
+        // `across_nodes=1`: the machine a group spanning nodes sees, its link the network's.
+        let across = Machine::from_spec("h100_cluster:across_nodes=1", None, 2).unwrap();
+        assert_eq!(across.link, cluster.network.unwrap().link);
+        assert_eq!(across, cluster.across_nodes().unwrap());
+        assert_eq!(Machine::from_spec("h100_cluster:across_nodes=0", None, 2).unwrap(), cluster);
+        let e = Machine::from_spec("h100_nvlink:across_nodes=1", None, 2).unwrap_err().to_string();
+        assert!(e.contains("gpus_per_node"), "{e}");
+        let e = Machine::from_spec("h100_cluster:across_nodes=yes", None, 2).unwrap_err().to_string();
+        assert!(e.contains("1 or 0"), "{e}");
     }
 }

@@ -42,6 +42,7 @@ traced in place.
 from __future__ import annotations
 
 import functools
+import types
 from typing import NamedTuple
 
 import jax
@@ -49,7 +50,8 @@ import numpy as np
 
 from .. import _abi, _matmul
 from .._decide import Machine, Policy
-from .._decision import Call, Decision
+from .._decision import NONE, Call, Decision
+from .._op import OpDecision
 from . import inplace
 from .interpret import interpret
 from .state import State
@@ -153,8 +155,10 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
     they were). ``machine`` is the machine ``"auto"`` decides for (a preset
     of ``commfuse.explain``; default: the one the program runs on).
     ``decisions`` imposes decisions made outside (``Plan.decisions`` of
-    ``commfuse.plan``, or ``(call, schedule)`` pairs): a library call they
-    name runs as they say, the others as ``schedule`` says.
+    ``commfuse.plan``, another overlap's ``last_decisions``, or ``(call,
+    schedule)`` pairs): a library call they name runs as they say, the
+    others as ``schedule`` says; with them (even none), each dot under
+    ``jax.jit`` is decided once its shardings are known, as a plan's were.
 
     ``report=True`` prints one line per rewrite, per collective left
     unchanged (with the reason) and per shard_map body without candidates;
@@ -184,36 +188,67 @@ def overlap(fun=None, *, schedule: str = "auto", report: bool = False, logger=No
     spec = None
     if machine is not None:
         try:
-            spec = Machine.named(machine).spec
+            spec = Machine.checked(machine).spec
         except ValueError as e:
             raise ValueError(f"commfuse.overlap: machine: {e}") from None
-    return Overlap(fun, schedule, Policy(machine=spec, strict=False, imposed=_imposed(decisions)), report, logger)
+    # Decisions made elsewhere (a plan's) were made on the products' known
+    # shardings: with them, dots under jit are decided once partitioned too.
+    policy = Policy(machine=spec, strict=False, imposed=_imposed(decisions), early=decisions is None)
+    return Overlap(fun, schedule, policy, report, logger)
+
+
+def library_decisions(decisions) -> list:
+    """The library calls' `Decision`s among `decisions` (an overlap's
+    `last_decisions`: `OpDecision`s and `Partitioned` entries, or
+    `Decision`s), in order; calls with nothing to run left out."""
+    calls = []
+    for d in decisions:
+        if isinstance(d, OpDecision):
+            calls.extend(d.calls)
+        elif isinstance(d, _matmul.Partitioned):
+            calls.extend(d.decided.calls)
+        elif isinstance(d, Decision):
+            calls.append(d)
+        else:
+            raise TypeError(f"commfuse.overlap: decisions must hold decisions (a plan's, or an overlap's "
+                            f"last_decisions) or (call, schedule) pairs, got {d!r}")
+    return [c for c in calls if c.schedule != NONE]
 
 
 def _imposed(decisions) -> tuple:
-    """`decisions` as ``((Call, schedule code), ...)``: from `Decision`s,
-    a mapping or pairs of a `Call` and a schedule (name or code)."""
+    """`decisions` as ``((Call, schedule code), ...)``: from decisions (see
+    `library_decisions`), a mapping of calls to schedules, or ``(call,
+    schedule)`` pairs, a schedule a name or a code the library runs."""
     if decisions is None:
         return ()
-    items = decisions.items() if isinstance(decisions, dict) else decisions
+    if isinstance(decisions, dict):
+        pairs = list(decisions.items())
+    else:
+        pairs, others = [], []
+        for item in decisions:
+            is_pair = type(item) is tuple and len(item) == 2 and isinstance(item[0], Call)
+            (pairs if is_pair else others).append(item)
+        pairs += [(d.call, d.schedule) for d in library_decisions(others)]
     imposed = {}
-    for item in items:
-        if isinstance(item, Decision):
-            call, schedule = item.call, item.schedule
-        else:
-            try:
-                call, schedule = item
-            except (TypeError, ValueError):
-                raise TypeError(f"commfuse.overlap: decisions must hold Decisions or (call, schedule) pairs, got "
-                                f"{item!r}") from None
+    for call, schedule in pairs:
         if not isinstance(call, Call):
             raise TypeError(f"commfuse.overlap: decisions: {call!r} is not a library call (commfuse Call)")
-        code = _abi.SCHEDULES.get(schedule, schedule) if isinstance(schedule, str) else schedule
-        if not isinstance(code, int) or code == _abi.AUTO:
+        code = _abi.SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
+        if isinstance(code, (bool, np.bool_)) or not isinstance(code, (int, np.integer)) or not _runs(int(code)):
             raise ValueError(f"commfuse.overlap: decisions: the schedule imposed on {call.describe()} must be one "
-                             f"a call runs (not 'auto'), got {schedule!r}")
+                             f"a call runs (a schedule name but 'auto', or its code), got {schedule!r}")
+        if imposed.get(call, int(code)) != int(code):
+            raise ValueError(f"commfuse.overlap: decisions: {call.describe()} is imposed both "
+                             f"{_abi.schedule_name(imposed[call])} and {_abi.schedule_name(int(code))}")
         imposed[call] = int(code)
     return tuple(imposed.items())
+
+
+def _runs(code: int) -> bool:
+    """Whether a call can run under schedule `code` (not "auto": a choice, not a schedule)."""
+    base = code & 0xFF
+    known = base in _abi.SCHEDULES.values() and base != _abi.AUTO
+    return known and (bool(_abi.cut_schedule(code)) == (_abi.chunks_of(code) > 0))
 
 
 class _Compiled(NamedTuple):
@@ -257,16 +292,10 @@ class Overlap:
         # Calls compiling now: each gathers the entries its compile makes.
         self._compiling: list = []
 
-    def judge_at_partitioning(self) -> None:
-        """Judges each dot under ``jax.jit`` once its shardings are known
-        (the planner's products), rather than before partitioning from
-        global shapes (`_decide.decide_dot`)."""
-        self._policy = self._policy._replace(early=False)
-        self._cache.clear()
-
     def __get__(self, instance, owner=None):
-        """As a method, bound to its instance (as the function it wraps would be)."""
-        return self if instance is None else functools.partial(self, instance)
+        """As a method, bound to its instance (as the function it wraps would
+        be: its report still reachable through the bound method)."""
+        return self if instance is None else types.MethodType(self, instance)
 
     # -- the report ----------------------------------------------------------
     @property

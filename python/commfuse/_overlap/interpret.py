@@ -10,7 +10,6 @@ import jax
 from jax.extend import core as jcore
 
 from .. import _compat, _fused
-from .._placement import spanning_axes
 from .jaxpr import CALLS, CANDIDATES, DOT, REMAT, bind_eqn, closed, collective_axes, describe_collective, is_literal
 from .jaxpr import shard_map_call, subjaxprs, vma
 from .jitdots import Regrouping
@@ -81,11 +80,11 @@ def eval_eqn(eqn, invals, *, state: State, where: str, manual: bool):
     if name in REMAT and "jaxpr" in params:
         rebuild = _eval_remat
     if rebuild is not None:
-        mark = len(state.lines)
+        mark = state.mark()
         try:
             return rebuild(params, invals, state, here, manual)
         except Exception as e:  # noqa: BLE001 - never worse than the original program
-            del state.lines[mark:]
+            state.undo(mark)
             for sub in subs:
                 _report_untouched(sub, state, here, f"{name} left unchanged: {type(e).__name__}: {e}")
             return bind_eqn(eqn, invals)
@@ -154,20 +153,21 @@ def _eval_shard_map(eqn, invals, state: State, where: str):
     if not state.needs_work(body, True):
         state.lines.append(f"overlap[{here}]: no collective in this body; nothing to fuse")
         return bind_eqn(eqn, invals)
-    mark = len(state.lines)
+    mark = state.mark()
     variance.fill(body, [variance.spec_axes(s) for s in eqn.params.get("in_specs", ())], state.axes)
 
     def body_fn(*args):
         return tuple(interpret(body, consts, args, state, here, True))
 
     # The axes whose groups span processes (CPU devices of a multi-process
-    # job): their candidates are decided unfused, and say why.
+    # job: their candidates are decided unfused, and say why) or nodes of
+    # the machine (decided on its network).
     outer = state.policy
-    state.policy = outer._replace(spanning=spanning_axes(eqn.params.get("mesh")))
+    state.policy = outer.placed(eqn.params.get("mesh"))
     try:
         return shard_map_call(eqn.params, body_fn, invals)
     except Exception as e:  # noqa: BLE001 - never worse than the original program
-        del state.lines[mark:]
+        state.undo(mark)
         state.lines.append(f"overlap[{here}]: shard_map left unchanged: {type(e).__name__}: {e}")
         return bind_eqn(eqn, invals)
     finally:

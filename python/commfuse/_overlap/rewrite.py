@@ -466,10 +466,12 @@ class Rewriter:
         (x_local if role == "x" else w_local)[flat_dim] //= ranks
         n_reduce = int(np.prod([jax.lax.axis_size(a) for a in collective_axes(coll)]))
         dtype = np.dtype(dot.outvars[0].aval.dtype)
+        policy = self.state.policy
+        machine = policy.resolved_machine(collective_axes(gather) + collective_axes(coll))
         try:
             way, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
                                          "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk), (kk, n),
-                                         tiling.count, dtype)
+                                         tiling.count, dtype, machine, policy.decline)
         except (ValueError, TypeError, KeyError) as e:
             return f"the cost model cannot time it ({e})"
         return {"way": way, "why": why, "tiling": tiling, "role": role, "ranks": ranks}
@@ -482,6 +484,16 @@ class Rewriter:
             if eqns[j].primitive.name in _TRANSPOSES:
                 perm = [perm[q] for q in eqns[j].params["permutation"]]
         return perm
+
+    def _forward_mode(self, coll: int, op_name: str, *values) -> bool:
+        """Whether `values` are differentiated forward (``jax.jvp``,
+        ``jacfwd``), which a fused op's custom_vjp cannot take: the pair
+        then stays as written, and the report says why."""
+        if not _compat.traced_by("jvp", *values):
+            return False
+        self.reasons[coll].append(f"kept as written: commfuse.{op_name} would run unfused (forward-mode "
+                                  f"differentiation (jax.jvp, jacfwd): jax.lax's collective and dot)")
+        return True
 
     def _fuse_both(self, both: "_Both") -> bool:
         """The tiled composition (`both_sides`): T fused gather-and-multiply
@@ -505,6 +517,8 @@ class Rewriter:
         gather_axes = axes_of(gather.params["axis_name"])
         sum_axes = collective_axes(coll)
         op_name = "all_gather_matmul" if role == "x" else "matmul_all_gather"
+        if self._forward_mode(f_out.coll, op_name, a, other):
+            return False
         decide, run = fused_ops()[op_name]
         x_side = k if role == "x" else 1 - k
 
@@ -522,6 +536,7 @@ class Rewriter:
         x0, w0 = (a_0, _struct(other)) if role == "x" else (_struct(other), a_0)
         decision = decide(_laid_out(form.prep_x, x0), _laid_out(form.prep_w, w0), gather_axes, gather_dimension=dim,
                           schedule=self.state.schedule, policy=self.state.policy, **form.kwargs)
+        self.state.decisions.extend([decision] * tiling.count)
         if not decision.fused:
             self.reasons[f_out.coll].append(f"kept as written: the tiles would run unfused ({decision.why})")
             return False
@@ -540,7 +555,6 @@ class Rewriter:
         out = match_vma(tiling.combine(parts), coll.outvars[0].aval)
         _check_result(out, coll.outvars[0].aval, op_name)
         how = decision.why
-        self.state.decisions.extend([decision] * tiling.count)
         self.write(coll.outvars[0], out)
         self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
         self.replaced.add(f_out.coll)
@@ -587,13 +601,12 @@ class Rewriter:
         recorded, nothing traced)."""
         decide, run = fused_ops()[op_name]
         form = products.form
-        if _compat.traced_by("jvp", *(a for x, w, _ in products.calls for a in (x, w))):
-            self.reasons[f.coll].append(f"kept as written: commfuse.{op_name} would run unfused (forward-mode "
-                                        f"differentiation (jax.jvp, jacfwd): jax.lax's collective and dot)")
+        if self._forward_mode(f.coll, op_name, *(a for x, w, _ in products.calls for a in (x, w))):
             return None
         decisions = [decide(_laid_out(form.prep_x, x), _laid_out(form.prep_w, w), **kwargs, **extra, **form.kwargs,
                             schedule=self.state.schedule, policy=self.state.policy)
                      for x, w, extra in products.calls]
+        self.state.decisions.extend(decisions)  # accepted or not: the report is the decisions
         refused = next((d.refused for d in decisions if d.refused is not None), None)
         if refused is not None:
             self.reasons[f.coll].append(refused)
@@ -615,7 +628,6 @@ class Rewriter:
         x, w, extra = products.calls[0]
         args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, "schedule": self.state.schedule, **extra}.items())
         times = f"{len(products.calls)} x " if len(products.calls) > 1 else ""
-        self.state.decisions.extend(decisions)
         self.done[f.coll].append(f"overlap[{self.where}]: rewrote {pair} -> {times}commfuse.{op_name}(x: {fmt(x)}, "
                                  f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}{products.notes}: {how}")
         return out

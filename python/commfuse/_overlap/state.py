@@ -36,6 +36,16 @@ class State:
         self.policies: list = []
         self._memo: dict = {}
 
+    def mark(self) -> tuple:
+        """Where the report stands now (`undo` goes back to it)."""
+        return len(self.lines), len(self.decisions)
+
+    def undo(self, mark: tuple) -> None:
+        """Forgets the lines and decisions since `mark`: what a body left as
+        written (a rewrite that failed) did not make."""
+        del self.lines[mark[0]:]
+        del self.decisions[mark[1]:]
+
     def needs_work(self, jaxpr, manual: bool) -> bool:
         """Whether interpreting ``jaxpr`` (rather than binding it unchanged) can
         rewrite or report anything: it holds a shard_map, or, inside one

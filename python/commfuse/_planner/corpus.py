@@ -89,19 +89,20 @@ class Case:
     loss: Callable | None = None
 
 
-def build(family: str, size: str = "test", *, abstract: bool = False, seed: int = 0) -> Case:
+def build(family: str, size: str = "test", *, abstract: bool = False, seed: int = 0, batch: int | None = None) -> Case:
     """The `Case` of `family` (one of `FAMILIES`) at `size`: "test" (tiny:
     tens of ms a step on a CPU), "bench" (~10M parameters, 16 x 128 tokens:
     seconds a step on a 2-core host; parameters plus adam state outweigh
     the activations), "measure" (~1.3M parameters, 16 x 64 tokens: about
     0.2 s a step, `commfuse.bench_plan`'s), and for llama_jax also "8b" and
-    "70b" (always abstract)."""
+    "70b" (always abstract). `batch` replaces the size's global batch
+    (sequences per step)."""
     if family not in _BUILDERS:
         raise ValueError(f"commfuse corpus: unknown family {family!r}; families are {FAMILIES}")
     configs, builder = _BUILDERS[family]
     if size not in configs:
         raise ValueError(f"commfuse corpus: {family} has no size {size!r}; sizes are {tuple(configs)}")
-    cfg = configs[size]
+    cfg = configs[size] if batch is None else dataclasses.replace(configs[size], batch=int(batch))
     return builder(cfg, f"{family}/{size}", abstract or size in _ABSTRACT_ONLY, seed)
 
 

@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from .. import _decision
-from .._decision import Decision
-from .._matmul import Partitioned
-from .._op import OpDecision
-from .._overlap import overlap
+from .._overlap import library_decisions, overlap
 from . import hooks
 from .logical import Names, sharding_specs
 from .price import price
@@ -41,7 +37,6 @@ class Step:
     treedef: object
     names: list[Names]
     donate: tuple
-    arg_of: list = field(default_factory=list)
 
     def abstract(self, mesh, rules) -> tuple[list, list]:
         """The arguments as ShapeDtypeStructs sharded over `mesh` by `rules`, and their specs."""
@@ -95,15 +90,15 @@ def layout_of(candidate: Candidate, mesh) -> hooks.Layout:
     return hooks.Layout(mesh, candidate.rules(), candidate.remat)
 
 
-def program(step: Step, candidate: Candidate, machine_spec: str, imposed=None):
-    """The function compiled for `candidate`: the step, or the step through
-    ``overlap`` deciding for the target machine (with `imposed` decisions)."""
+def program(fn, candidate: Candidate, machine_spec: str, imposed=None):
+    """The function compiled for `candidate`: the step `fn`, or `fn`
+    through ``overlap`` deciding for the target machine (with `imposed`
+    decisions)."""
     if not candidate.fused:
-        return step.fn, None
-    # The shardings are known when each product is partitioned: each is
-    # judged then (not before, as under a user's own jit).
-    ov = overlap(step.fn, schedule="auto", machine=machine_spec, decisions=imposed)
-    ov.judge_at_partitioning()
+        return fn, None
+    # Decisions given (even none): each product is judged once partitioned,
+    # its shardings known (not before, as under a user's own jit).
+    ov = overlap(fn, schedule="auto", machine=machine_spec, decisions=imposed or [])
     return ov, ov
 
 
@@ -116,7 +111,7 @@ def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gf
     try:
         structs, _ = step.abstract(mesh, candidate.rules())
         args = jax.tree_util.tree_unflatten(step.treedef, structs)
-        fn, ov = program(step, candidate, machine)
+        fn, ov = program(step.fn, candidate, machine)
         with hooks.tracing(layout_of(candidate, mesh)):
             lowered = jax.jit(fn, donate_argnums=step.donate).lower(*args)
             compiled = lowered.compile(compiler_options=COMPILE_OPTIONS)
@@ -139,14 +134,3 @@ def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gf
     if keep_hlo:
         out.hlo = text
     return out
-
-
-def library_decisions(decisions) -> list[Decision]:
-    """The library calls' decisions among an overlap's (`Overlap.last_decisions`)."""
-    calls: list[Decision] = []
-    for d in decisions:
-        if isinstance(d, OpDecision):
-            calls.extend(d.calls)
-        elif isinstance(d, Partitioned):
-            calls.extend(d.decided.calls)
-    return [c for c in calls if isinstance(c, _decision.Decision)]

@@ -119,7 +119,6 @@ def remat_policy(default: str = "nothing"):
         name = layout.remat if layout is not None and layout.remat is not None else default
         return _POLICIES[name](prim, *avals, **params)
 
-    policy.commfuse_default = default
     return policy
 
 

@@ -142,9 +142,12 @@ class Plan:
         """`step` jitted for the plan: its arguments sharded (and donated) as
         the plan says, traced under the plan's rules and remat policy, and,
         where the plan is fused, through ``overlap`` with the plan's
-        decisions imposed. Call it with arguments placed by `shard`."""
+        decisions imposed. Call it with arguments placed by `shard`. Its
+        first call for each argument signature traces and compiles the step,
+        clearing JAX's caches first (their traces are not keyed on the
+        plan's rules: a body traced under other rules would be reused)."""
         mesh = mesh or self.make_mesh()
-        fn, _ = program(Step(step, [], None, [], self.donate), self.candidate, self.machine, imposed=self.decisions)
+        fn, _ = program(step, self.candidate, self.machine, imposed=self.decisions)
         jitted = jax.jit(fn, donate_argnums=self.donate)
         layout = layout_of(self.candidate, mesh)
         compiled: dict = {}
@@ -258,8 +261,9 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
     devices under the link model); `axes`: the mesh axes; `remat`: the
     policies of ``commfuse.remat_policy`` to try; `top`: how many of the
     fastest layouts to refine; `log(line)` hears progress; `cache`: a dict
-    of evaluations to reuse between plans of the same step and machine
-    (planning again under another memory limit compiles nothing twice).
+    of evaluations to reuse between plans of the same step (planning again
+    under another memory limit compiles nothing twice; kept apart by
+    machine, devices and axes).
     The returned plan's ``evaluations`` (not saved) holds every candidate's
     `Evaluation`."""
     start = time.perf_counter()
@@ -274,15 +278,23 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
         raise ValueError(f"commfuse.plan: memory_limit must be a positive number of bytes or None, got "
                          f"{memory_limit!r}")
     try:
-        target = Machine.named(machine)
+        target = Machine.checked(machine)
     except ValueError as e:
         raise ValueError(f"commfuse.plan: machine: {e}") from None
-    axes = tuple(axes)
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
+        raise ValueError(f"commfuse.plan: axes must name distinct mesh axes, got {axes!r}")
     unknown = [r for r in remat if r not in hooks.REMAT_POLICIES]
     if unknown:
         raise ValueError(f"commfuse.plan: remat {unknown} not among {hooks.REMAT_POLICIES}")
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"commfuse.plan: top must be a positive int, got {top!r}")
     if not example_args:
         raise ValueError("commfuse.plan: give the step's example arguments (arrays or jax.ShapeDtypeStructs)")
+    batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    if any(not isinstance(a, int) or not -len(example_args) <= a < len(example_args) for a in batch_argnums):
+        raise ValueError(f"commfuse.plan: batch_argnums {batch_argnums!r} must index the {len(example_args)} "
+                         f"example arguments")
 
     names = logical.names_of(step, example_args, batch_argnums=batch_argnums)
     leaves, _, treedef = logical.leaves_with_names(example_args)
@@ -294,7 +306,10 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
     per_node = 8 if target.spec.startswith("h100_cluster") else None
     collectives = "blocking" if target.is_cpu else "async"
     notes = _name_notes(names)
-    evaluated: dict = {} if cache is None else cache
+    # A shared cache holds evaluations of several plans: of this step, on
+    # this machine and this many devices, keyed by candidate.
+    shared = {} if cache is None else cache.setdefault((target.spec, devices, axes), {})
+    evaluated: dict = shared
     skipped: dict = {}
 
     seen: list = []  # the candidates of this plan, in the order judged
@@ -368,8 +383,7 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
                          "; ".join(f"{e.candidate.label()}: {e.error}" for e in pool_rows[:4]))
     if not fits(winner):
         notes.append(f"no candidate fits {size_text(memory_limit)}: the plan is the fastest of those that do not")
-    # The imposed decisions: the winner's own, or (plain) none.
-    decisions = winner.decisions if winner.candidate.fused else []
+    decisions = winner.decisions  # a plain winner's are none
     mesh = make_mesh(winner.candidate, pool)
     specs = [[list(e) if isinstance(e, tuple) else e for e in spec]
              for spec in the_step.abstract(mesh, winner.candidate.rules())[1]]

@@ -4,17 +4,10 @@ cost model (``src/sim/step.rs``, through ``commfuse_price_step``)."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import json
 from dataclasses import dataclass
 
-from .._abi import _ask
-from .._native import lib
+from .. import _abi
 from . import hlo
-
-lib.commfuse_price_step.restype = ctypes.c_int64
-lib.commfuse_price_step.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
 
 COLLECTIVES = ("async", "blocking")
 
@@ -93,10 +86,9 @@ def price_ops(ops: list, machine: str, *, gemm_gflops: float | None = None, coll
         request["gemm_gflops"] = float(gemm_gflops)
     if devices is not None:
         request["devices"] = int(devices)
-    return json.loads(_ask(lib.commfuse_price_step, json.dumps(request).encode()))
+    return _abi.price_step(request)
 
 
-@functools.lru_cache(maxsize=64)
 def machine_devices_per_node(machine: str) -> int | None:
     """The devices per node of `machine` (its network's), None for one node."""
-    return price_ops([], machine)["machine"]["devices_per_node"]
+    return _abi.machine_summary(machine)["devices_per_node"]

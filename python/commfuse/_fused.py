@@ -135,7 +135,8 @@ def measure_call_overhead_s(n: int) -> float:
         out.block_until_ready()
         return (time.perf_counter() - start) / 20
 
-    ring = as_asked(Call.of(Kind.MATMUL_REDUCE_SCATTER, n, 0, x.shape, w.shape, np.float32, np.float32),
+    # Each device's shards: x's columns and w's rows split over the n devices.
+    ring = as_asked(Call.of(Kind.MATMUL_REDUCE_SCATTER, n, 0, (8 * n, 8), (8, 8), np.float32, np.float32),
                     SCHEDULES["ring"])
     fused = compiled(lambda a, b: bind(ring, a, b, axes=("i",)))
     plain = compiled(lambda a, b: jax.lax.psum_scatter(a @ b, "i", tiled=True))

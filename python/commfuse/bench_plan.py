@@ -340,8 +340,45 @@ def main(argv=None) -> int:
         writer.writerows(rows)
     with open(os.path.join(args.out, "bench_plan.json"), "w") as f:
         json.dump({"rows": rows, "spearman": rho, "jax": jax.__version__}, f, indent=1)
+    with open(os.path.join(args.out, "bench_plan.md"), "w") as f:
+        f.write(markdown(rows))
     plot(rows, os.path.join(args.out, "bench_plan.png"))
     return 0
+
+
+def markdown(rows: list) -> str:
+    """The summary tables for docs/planning.md: per family and link, the
+    plans against the best baselines that fit, measured, and the rank
+    correlations; then every candidate."""
+    out = ["| family | link GB/s (FSDP comm / compute) | plan (no limit) | measured ms | best baseline | "
+           "measured ms | x | limit MiB | plan under it | measured ms | best baseline that fits | measured ms | x "
+           "| Spearman | Spearman, XLA's own at the link |", "|" + "---|" * 15]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["family"], r["link_gbytes_per_s"], r["link_ratio"]), []).append(r)
+    for (family, gbps, ratio), mine in groups.items():
+        cells = [family, f"{gbps:.3g} ({ratio}x)"]
+        for which in ("free", "bound"):
+            plan = next((r for r in mine if which in r["plan"]), None)
+            fitting = [r for r in mine if r["baseline"] and (which == "free" or r["fits_limit"])]
+            best = min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+            if which == "bound":
+                cells.append(f"{mine[0]['limit_mib']:.1f}")
+            cells += [plan["label"] if plan else "-", f"{plan['measured_ms']:.0f}" if plan else "-",
+                      f"{best['baseline']} ({best['label'].split(', ')[-1]})" if best else "-",
+                      f"{best['measured_ms']:.0f}" if best else "-",
+                      f"{best['measured_ms'] / plan['measured_ms']:.2f}" if plan and best else "-"]
+        cells.append(f"{spearman([r['predicted_ms'] for r in mine], [r['measured_ms'] for r in mine]):.2f}")
+        cells.append(f"{spearman([r['predicted_ms'] for r in mine], [r['adjusted_ms'] for r in mine]):.2f}")
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "| family | link | candidate | baseline | predicted ms | measured ms | XLA's own MB | +link ms | "
+                "MiB planned | MiB ran |", "|" + "---|" * 10]
+    for r in sorted(rows, key=lambda r: (r["family"], r["link_ratio"], r["measured_ms"])):
+        mark = " (plan)" if r["plan"] else ""
+        out.append(f"| {r['family']} | {r['link_ratio']}x | {r['label']}{mark} | {r['baseline']} | "
+                   f"{r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | {r['xla_mb']:.2f} | {r['adjusted_ms']:.0f} | "
+                   f"{r['planned_mib']:.1f} | {r['ran_mib']:.1f} |")
+    return "\n".join(out) + "\n"
 
 
 def plot(rows: list, path: str) -> None:

@@ -24,7 +24,7 @@
 //!  "ops": [{"deps": [], "gemm": {"batch": 1, "m": 8, "k": 64, "n": 128, "input": "bfloat16", "output": "bfloat16"}},
 //!          {"deps": [0], "memory": {"bytes": 4096}},
 //!          {"deps": [], "collective": {"kind": "all-gather", "bytes": 32768, "ranks": 8, "crosses_nodes": false}},
-//!          {"deps": [1, 2], "fused": {"call": {<abi::CallShapes>}, "crosses_nodes": false}},
+//!          {"deps": [1, 2], "fused": {"call": {<abi::CallShapes>}, "crosses_nodes": false, "overhead_s": 1.6e-5}},
 //!          {"deps": [3], "loop": {"trip_count": 4, "ops": [<ops; deps index this list>]}},
 //!          {"deps": [4], "conditional": {"branches": [[<ops>], [<ops>]]}}]}
 //! ```
@@ -175,6 +175,11 @@ pub struct Fused {
     pub call: CallShapes,
     #[serde(default)]
     pub crosses_nodes: bool,
+    /// What a fused call costs beyond its plan on this machine, whatever
+    /// its size (launching it, handing it to the backend's threads): the
+    /// fixed cost `auto` weighs too (Python measures it on CPU devices).
+    #[serde(default)]
+    pub overhead_s: f64,
 }
 
 /// A while loop: its body (deps index the body's own list) runs `trip_count` times.
@@ -421,8 +426,15 @@ impl Pricer {
                     }
                 }
                 Cost::Fused(f) => {
-                    let (t, compute, comm) = self.fused_s(f)?;
-                    tally.compute_s += compute;
+                    if !(f.overhead_s.is_finite() && f.overhead_s >= 0.0) {
+                        return Err(Error::InvalidArgument(format!(
+                            "op {i}: a fused op's overhead_s must be a non-negative number, got {}",
+                            f.overhead_s
+                        )));
+                    }
+                    let (plan_s, compute, comm) = self.fused_s(f)?;
+                    let t = plan_s + f.overhead_s;
+                    tally.compute_s += compute + f.overhead_s;
                     tally.comm_s += comm;
                     tally.by_kind.fused += t;
                     tally.fused_ops += 1;
@@ -781,6 +793,17 @@ mod tests {
         let body = json!([all_gather(&[], u64::MAX, 2, false)]);
         let r = priced(json!({"machine": m, "ops": [{"loop": {"trip_count": u64::MAX, "ops": body}}]})).unwrap();
         assert_eq!(r["collective_calls"]["all-gather"]["bytes"], u64::MAX);
+    }
+
+    #[test]
+    fn a_fused_ops_fixed_cost_adds_to_its_plan() {
+        let op = |overhead: f64| json!({"fused": {"call": call(1), "overhead_s": overhead}});
+        let plain = priced(json!({"machine": "h100_nvlink", "ops": [op(0.0)]})).unwrap();
+        let with = priced(json!({"machine": "h100_nvlink", "ops": [op(1e-3)]})).unwrap();
+        let gap = with["total_s"].as_f64().unwrap() - plain["total_s"].as_f64().unwrap();
+        assert!((gap - 1e-3).abs() < 1e-12, "{gap}");
+        let e = priced(json!({"machine": "h100_nvlink", "ops": [op(-1.0)]})).unwrap_err().to_string();
+        assert!(e.contains("overhead_s"), "{e}");
     }
 
     #[test]

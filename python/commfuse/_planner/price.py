@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import _abi
+from .._decide import Machine
 from . import hlo
 
 COLLECTIVES = ("async", "blocking")
@@ -49,14 +50,16 @@ def price(hlo_text: str, machine: str, *, gemm_gflops: float | None = None, devi
     for which groups cross them (None: the machine's ``gpus_per_node``, one
     node if it has none). `collectives`: ``"async"``, XLA's collectives
     overlap independent compute (as on GPUs), or ``"blocking"``, they hold
-    the device (XLA's CPU runtime). A program compiled for CPU devices and
-    priced for a GPU machine drops what only changes precision or layout
-    (`hlo.parse`'s `fold_layout`)."""
+    the device (XLA's CPU runtime). Each fused op costs its plan's time
+    and a fused call's fixed cost (`_charge_fixed_costs`). A program
+    compiled for CPU devices and priced for a GPU machine drops what only
+    changes precision or layout (`hlo.parse`'s `fold_layout`)."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
     if devices_per_node is None:
         devices_per_node = machine_devices_per_node(machine)
     program = hlo.parse(hlo_text, devices_per_node=devices_per_node, fold_layout=not machine.startswith("cpu"))
+    _charge_fixed_costs(program.ops, machine)
     answer = price_ops(program.ops, machine, gemm_gflops=gemm_gflops, collectives=collectives,
                        devices=program.devices)
     calls = answer["collective_calls"]
@@ -87,6 +90,22 @@ def price_ops(ops: list, machine: str, *, gemm_gflops: float | None = None, coll
     if devices is not None:
         request["devices"] = int(devices)
     return _abi.price_step(request)
+
+
+def _charge_fixed_costs(ops: list, machine: str) -> None:
+    """Gives each fused op of `ops` (loop bodies and branches too) the fixed
+    cost of a fused call on `machine`, as `auto` weighs it: measured on this
+    host's CPU devices for ``cpu_here`` (without the link model: its
+    transfers are the plan's, priced already), the GPU presets' figure else."""
+    base = Machine("cpu_here") if machine.startswith("cpu_here") else Machine(machine)
+    for op in ops:
+        if "fused" in op:
+            op["fused"]["overhead_s"] = base.call_overhead_s(int(op["fused"]["call"]["ranks"]))
+        elif "loop" in op:
+            _charge_fixed_costs(op["loop"]["ops"], machine)
+        elif "conditional" in op:
+            for branch in op["conditional"]["branches"]:
+                _charge_fixed_costs(branch, machine)
 
 
 def machine_devices_per_node(machine: str) -> int | None:

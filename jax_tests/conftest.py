@@ -90,6 +90,48 @@ def pytest_runtest_setup(item):
         pytest.fail("COMMFUSE_REQUIRE_GPU=1 but JAX sees no GPU", pytrace=False)
 
 
+# The skips a machine without a GPU expects. Any other (a package missing,
+# a module that cannot be imported) would hide part of the suite quietly:
+# it fails the run, unless COMMFUSE_ALLOW_SKIPS=1 (a partial environment).
+_EXPECTED_SKIPS = ("no GPU visible to JAX", "needs a CUDA build of the library")
+_UNEXPECTED_SKIPS: list = []
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _note_skip(report):
+    if report.skipped and not any(why in _skip_reason(report) for why in _EXPECTED_SKIPS):
+        _UNEXPECTED_SKIPS.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+
+def pytest_runtest_logreport(report):
+    _note_skip(report)
+
+
+def pytest_collectreport(report):
+    _note_skip(report)
+
+
+def pytest_report_header(config):
+    jaxlib = getattr(jax.lib, "__version__", "?")
+    return f"commfuse tests: jax {jax.__version__}, jaxlib {jaxlib}, {NUM_HOST_DEVICES} CPU devices"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNEXPECTED_SKIPS:
+        terminalreporter.section("unexpected skips (they fail the run; COMMFUSE_ALLOW_SKIPS=1 lets them pass)")
+        for line in _UNEXPECTED_SKIPS:
+            terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _UNEXPECTED_SKIPS and os.environ.get("COMMFUSE_ALLOW_SKIPS") != "1" and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # --------------------------------------------------------------------------
 # Meshes and devices
 # --------------------------------------------------------------------------

@@ -62,6 +62,26 @@ def test_flax_names_are_read_and_optimizer_state_takes_them():
     assert names[-1] == logical.Names(("batch", None), "batch")
 
 
+def test_nnx_sharding_metadata_is_read():
+    nnx = pytest.importorskip("flax.nnx")
+    with nnx.use_eager_sharding(False):
+        layer = nnx.Linear(16, 32, rngs=nnx.Rngs(0),
+                           kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+                           bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)))
+    _, state = nnx.split(layer)
+    batch = jnp.ones((8, 16))
+
+    def step(state, x):
+        return jnp.sum(x @ state["kernel"].value + state["bias"].value)
+
+    names = logical.names_of(step, (state, batch))
+    leaves, _, _ = logical.leaves_with_names((state, batch))
+    by_shape = {np.shape(leaf): n for leaf, n in zip(leaves, names)}
+    assert by_shape[(16, 32)] == logical.Names(("embed", "mlp"), "flax")
+    assert by_shape[(32,)] == logical.Names(("mlp",), "flax")
+    assert by_shape[(8, 16)] == logical.Names(("batch", None), "batch")
+
+
 def test_plain_jax_parameters_are_named_by_how_the_dots_use_them():
     """Llama's projections without names: q, k, v and the MLP's gate and up
     are column-parallel, o and down row-parallel, the embedding (gathered

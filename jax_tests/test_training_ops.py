@@ -31,8 +31,10 @@ from conftest import (
     lax_all_gather_matmul,
     lax_matmul_reduce_scatter,
     mesh1d,
+    place,
     rand,
     run_sharded,
+    sharded_fn,
 )
 
 F32, BF16 = np.float32, jnp.bfloat16
@@ -437,6 +439,9 @@ VMAP_SUPPORTED = [
 @pytest.mark.parametrize("in_axis", [0, 1, -1])
 @pytest.mark.parametrize("case", VMAP_SUPPORTED, ids=[c[0] for c in VMAP_SUPPORTED])
 def test_vmap_supported(case, in_axis):
+    """vmap over x of the row ops stays fused (its batch becomes a leading
+    dim of x): the same numbers as jax.lax's, and the fused op in the
+    compiled program (a fallback to jax.lax would pass the numbers alone)."""
     _, op, ref, kw, x_shape, w_shape = case
     n, batch = 4, 3
     nd = len(x_shape) + 1
@@ -447,8 +452,14 @@ def test_vmap_supported(case, in_axis):
         xb_shape = (batch,) + x_shape
     else:
         xb_shape = x_shape[:axis] + (batch,) + x_shape[axis:]
-    _vmap_compare(lambda u, v: op(u, v, "x", **kw), lambda u, v: ref(u, v, "x", **kw),
+    fused = lambda u, v: op(u, v, "x", schedule="ring", **kw)  # noqa: E731 - fused whatever auto would judge
+    _vmap_compare(fused, lambda u, v: ref(u, v, "x", **kw),
                   n, xb_shape, w_shape, in_axis, seed=zlib.crc32(case[0].encode()) % 1000 + axis)
+    mesh = mesh1d(n)
+    batched = jax.vmap(fused, in_axes=(in_axis, None))
+    xs, ws = (place(np.zeros((n * s[0],) + tuple(s[1:]), F32), mesh, P("x")) for s in (xb_shape, w_shape))
+    text = sharded_fn(batched, mesh, [P("x")] * 2).lower(xs, ws).compile().as_text()
+    assert "commfuse_collective_matmul_cpu" in text, "vmap ran jax.lax's collective and dot, not the fused op"
 
 
 def test_vmap_nested():

@@ -26,8 +26,17 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python312" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
-"$venv/bin/python" -m pip install --quiet ".[test]"
-"$venv/bin/python" -c "import jax, sys; print(f'newest JAX: jax {jax.__version__} on Python {sys.version.split()[0]}')"
+# --upgrade: a venv kept from an earlier run gets the newest JAX pip has now,
+# not the one it had then.
+"$venv/bin/python" -m pip install --quiet --upgrade ".[test]"
+"$venv/bin/python" - <<'EOF'
+import sys
+import jax
+print(f"newest JAX: jax {jax.__version__} on Python {sys.version.split()[0]}")
+major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+if (major, minor) < (0, 12):
+    sys.exit(f"scripts/pytest_newest_jax.sh: pip gave jax {jax.__version__}; this run tests jax 0.12 or newer")
+EOF
 # Run from the tests' directory's parent with the installed package (not the
 # source tree) on the path, as a user would have it.
 exec "$venv/bin/python" -m pytest "$@"

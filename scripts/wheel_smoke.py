@@ -31,8 +31,11 @@ assert "site-packages" in lib.parts, f"commfuse loaded {lib}, not the installed 
 mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 x = jax.random.normal(jax.random.key(0), (32, 16))
 w = jax.random.normal(jax.random.key(1), (16, 8))
-f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x"), mesh=mesh,
+# A schedule asked for (auto would rightly leave a product this small to jax.lax): the
+# installed library's fused op runs.
+f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule="ring"), mesh=mesh,
                           in_specs=(P("x", None), P()), out_specs=P("x")))
+assert "commfuse_collective_matmul_cpu" in f.lower(x, w).compile().as_text(), "no fused op in the program"
 # Every device holds the whole product: four copies, stacked.
 for block in np.asarray(f(x, w)).reshape(4, 32, 8):
     np.testing.assert_allclose(block, np.asarray(x @ w), rtol=1e-5, atol=1e-5)

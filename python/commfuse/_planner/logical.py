@@ -2,7 +2,8 @@
 rules give them.
 
 Where the framework carries names (Flax Linen's ``nn.with_logical_partitioning``
-boxes, kept through optax's state), they are read (`names_of`); elsewhere
+boxes, kept through optax's state; an NNX ``State``'s sharding metadata,
+``nnx.with_partitioning``), they are read (`names_of`); elsewhere
 each parameter's dims are named by how the step's dots use it (`infer`): a
 weight that a dot contracts along the model dim and whose result feeds
 attention's batched products or widens the model dim is column-parallel
@@ -45,20 +46,40 @@ def _is_box(x) -> bool:
 
 
 def leaves_with_names(args) -> tuple[list, list, object]:
-    """(flat leaves, their Flax names or None, treedef) of `args`, flattened
-    as ``jax.jit`` flattens them (a Flax box holds one leaf)."""
-    boxed, _ = jax.tree_util.tree_flatten(args, is_leaf=_is_box)
+    """(flat leaves, their Flax names or None, treedef) of the tuple `args`,
+    flattened as ``jax.jit`` flattens them: Linen's boxes (each holds one
+    leaf) and NNX states' sharding metadata read."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     names = []
-    for item in boxed:
-        if _is_box(item):
-            inner = jax.tree_util.tree_leaves(item)
-            names.extend([tuple(item.names)] * len(inner))
-        else:
-            names.append(None)
+    for arg in args:
+        names.extend(_flax_names(arg))
     if len(names) != len(leaves):  # a box holding several leaves: names unknown
         names = [None] * len(leaves)
     return leaves, names, treedef
+
+
+def _flax_names(arg) -> list:
+    """Each leaf's logical names in one argument, as Flax carries them (None: none)."""
+    nnx = _nnx()
+    if nnx is not None and isinstance(arg, nnx.State):
+        specs = jax.tree_util.tree_leaves(nnx.get_partition_spec(arg),
+                                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        return [tuple(spec) if len(spec) else None for spec in specs]
+    names = []
+    for item in jax.tree_util.tree_flatten(arg, is_leaf=_is_box)[0]:
+        if _is_box(item):
+            names.extend([tuple(item.names)] * len(jax.tree_util.tree_leaves(item)))
+        else:
+            names.append(None)
+    return names
+
+
+def _nnx():
+    try:
+        from flax import nnx
+    except ImportError:  # Flax is optional
+        return None
+    return nnx
 
 
 def names_of(step, args, *, batch_argnums=(-1,)) -> list[Names]:

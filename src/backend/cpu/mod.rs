@@ -596,13 +596,24 @@ mod tests {
     use crate::group::Group;
     use crate::plan::{Lane, Schedule};
     use crate::problem::OpKind;
+    use std::sync::Condvar;
     use std::time::Duration;
 
-    /// Keeps what the backend says it copied, and when each compute step ran.
+    /// Keeps what the backend says it copied, and when each compute step
+    /// ran; counts its rank's products into `products` (shared by the ranks).
     #[derive(Default)]
     struct Watch {
         copies: Mutex<Option<Copies>>,
         computed: Mutex<Vec<(crate::plan::Step, Instant, Instant)>>,
+        products: Option<(Arc<Products>, usize)>,
+    }
+
+    /// How many products each rank has finished, waited on by a rank that
+    /// starts only after the others' first few (`run_ranks`).
+    #[derive(Default)]
+    struct Products {
+        done: Mutex<HashMap<usize, usize>>,
+        changed: Condvar,
     }
 
     struct LaneWatch<'w>(Option<&'w Watch>);
@@ -613,6 +624,10 @@ mod tests {
         fn step_done(&self, step: &crate::plan::Step, started: Instant, ended: Instant) {
             if let Some(watch) = self.0 {
                 watch.computed.lock().unwrap().push((step.clone(), started, ended));
+                if let (Some((products, rank)), crate::plan::Action::Matmul { .. }) = (&watch.products, &step.action) {
+                    *products.done.lock().unwrap().entry(*rank).or_default() += 1;
+                    products.changed.notify_all();
+                }
             }
         }
     }
@@ -634,15 +649,17 @@ mod tests {
         out: Vec<u8>,
     }
 
-    /// Runs `kind` over `n` ranks on f32 operands of the given dims, rank
-    /// `late.0` starting `late.1` after the others.
+    /// Runs `kind` over `n` ranks on f32 operands of the given dims; with
+    /// `late = Some((rank, products))`, `rank` starts only once each other
+    /// rank has finished `products` products (or, should they never, after
+    /// 20 s: what a test of their order then sees).
     fn run_ranks(
         kind: OpKind,
         schedule: Schedule,
         n: usize,
         dims: [&[i64]; 3],
         site: i64,
-        late: (usize, Duration),
+        late: Option<(usize, usize)>,
     ) -> Vec<RankRun> {
         run_ranks_as(kind, schedule, n, dims, site, late, Lanes::ByWork)
     }
@@ -653,9 +670,11 @@ mod tests {
         n: usize,
         dims: [&[i64]; 3],
         site: i64,
-        late: (usize, Duration),
+        late: Option<(usize, usize)>,
         lanes: Lanes,
     ) -> Vec<RankRun> {
+        let products = Arc::new(Products::default());
+        let products = &products;
         std::thread::scope(|scope| {
             let ranks: Vec<_> = (0..n)
                 .map(|rank| {
@@ -679,12 +698,21 @@ mod tests {
                             timeout: Duration::from_secs(20),
                             interrupts: crate::config::interrupts(),
                         };
-                        if rank == late.0 {
-                            std::thread::sleep(late.1);
+                        let mut watch = Watch::default();
+                        match late {
+                            Some((late_rank, wanted)) if late_rank == rank => {
+                                let done = products.done.lock().unwrap();
+                                let behind = |done: &mut HashMap<usize, usize>| {
+                                    (0..n).any(|r| r != rank && done.get(&r).copied().unwrap_or(0) < wanted)
+                                };
+                                let wait = Duration::from_secs(20);
+                                drop(products.changed.wait_timeout_while(done, wait, behind).unwrap());
+                            }
+                            Some(_) => watch.products = Some((Arc::clone(products), rank)),
+                            None => {}
                         }
                         let started = Instant::now();
                         let endpoint = Endpoint::join(key, info);
-                        let watch = Watch::default();
                         let buffers = Buffers { x: &xb, w: &wb, out: &mut ob, workspace };
                         run(&problem, &plan, buffers, &endpoint, Some(&watch), lanes).unwrap();
                         let copies = watch.copies.lock().unwrap().expect("the run reports its copies");
@@ -698,7 +726,7 @@ mod tests {
     }
 
     fn copies(kind: OpKind, schedule: Schedule, n: usize, dims: [&[i64]; 3], site: i64) -> Vec<Copies> {
-        run_ranks(kind, schedule, n, dims, site, (0, Duration::ZERO)).into_iter().map(|r| r.copies).collect()
+        run_ranks(kind, schedule, n, dims, site, None).into_iter().map(|r| r.copies).collect()
     }
 
     #[test]
@@ -738,7 +766,7 @@ mod tests {
             for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {
                 site += 2;
                 let runs = |lanes, site| {
-                    run_ranks_as(kind, schedule, n as usize, dims, site, (0, Duration::ZERO), lanes)
+                    run_ranks_as(kind, schedule, n as usize, dims, site, None, lanes)
                         .into_iter()
                         .map(|r| r.out)
                         .collect::<Vec<_>>()
@@ -768,14 +796,15 @@ mod tests {
 
     #[test]
     fn a_late_peer_does_not_stall_the_ring_scatter_gemms_of_the_others() {
-        // Rank 1 starts 300 ms late. Every other rank computes its first
-        // three partials (the run-ahead) before rank 1 has even started,
-        // although from its second step on each rank's chain needs rank 1's sums.
+        // Rank 1 starts only once the others have computed three partials
+        // each (the run-ahead), although from its second step on each
+        // rank's chain needs rank 1's sums: were they to wait for it, it
+        // would start after 20 s and their partials after it. Order, not
+        // time: no clock reading is compared with a duration.
         // (Big enough to run on lanes: smaller calls run in plan order.)
         let (n, rows, k, cols) = (4, 128, 256, 128);
         let dims: [&[i64]; 3] = [&[(n * rows) as i64, k as i64], &[k as i64, cols as i64], &[rows as i64, cols as i64]];
-        let late = Duration::from_millis(300);
-        let runs = run_ranks(OpKind::MatmulReduceScatter, Schedule::Ring, n, dims, 7300, (1, late));
+        let runs = run_ranks(OpKind::MatmulReduceScatter, Schedule::Ring, n, dims, 7300, Some((1, 3)));
         let late_start = runs[1].started;
         for (rank, run) in runs.iter().enumerate().filter(|(r, _)| *r != 1) {
             let products: Vec<Instant> = run

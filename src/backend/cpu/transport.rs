@@ -775,13 +775,17 @@ mod tests {
         assert!(!lock(registry()).contains_key(&key(4)), "every rank came and went");
     }
 
-    /// Posts `sends` (from, to) of `bytes` each at once over a fresh group of
-    /// `n` devices under `link`, and returns when each receive completed.
-    fn timed_sends(link: &str, group: Vec<i64>, sends: &[(usize, usize)], bytes: usize) -> Vec<Duration> {
-        timed_sends_at(link, group, None, sends, bytes)
+    /// Posts `sends` (from, to) of `bytes` each, all ready at one instant,
+    /// over a fresh group of devices under `link`, receives each, and
+    /// returns each message's modelled transit: its arrival stamp less the
+    /// instant it was ready. Checks that no receive returned before its
+    /// message's arrival. Order and accounting, not wall-clock time: how
+    /// long the host took to get here is not measured.
+    fn modelled_sends(link: &str, group: Vec<i64>, sends: &[(usize, usize)], bytes: usize) -> Vec<Duration> {
+        modelled_sends_at(link, group, None, sends, bytes)
     }
 
-    fn timed_sends_at(
+    fn modelled_sends_at(
         link: &str,
         group: Vec<i64>,
         positions: Option<LinkPositions>,
@@ -808,25 +812,26 @@ mod tests {
             .collect();
         let data = vec![7u8; bytes];
         let cancelled = AtomicBool::new(false);
-        let start = Instant::now();
+        let ready = Instant::now();
         for (i, &(from, to)) in sends.iter().enumerate() {
-            ends[from].send_copy(to, tag(i), &data, Instant::now());
+            ends[from].send_copy(to, tag(i), &data, ready);
         }
         let mut dst = vec![0u8; bytes];
         let mut times = vec![];
         for (i, &(from, to)) in sends.iter().enumerate() {
             let wait = Wait::unwatched(&cancelled);
-            ends[to].recv_into(from, tag(i), &mut dst, &wait).unwrap();
-            times.push(start.elapsed());
+            let arrived = ends[to].recv_into(from, tag(i), &mut dst, &wait).unwrap();
+            assert!(Instant::now() >= arrived, "message {i} was received before its modelled arrival");
+            times.push(arrived - ready);
             assert!(dst.iter().all(|&b| b == 7));
         }
         times
     }
 
-    fn within(measured: Duration, model_ms: f64, label: &str) {
-        let ms = measured.as_secs_f64() * 1e3;
-        eprintln!("{label}: measured {ms:.2} ms, model {model_ms:.2} ms ({:+.1}%)", (ms / model_ms - 1.0) * 100.0);
-        assert!((ms - model_ms).abs() <= 0.1 * model_ms, "{label}: {ms:.2} ms vs model {model_ms:.2} ms");
+    /// A modelled transit is the model's arithmetic (to a microsecond).
+    fn modelled(transit: Duration, model_ms: f64, label: &str) {
+        let ms = transit.as_secs_f64() * 1e3;
+        assert!((ms - model_ms).abs() <= 1e-3, "{label}: modelled {ms:.4} ms, expected {model_ms:.2} ms");
     }
 
     // 400 kB at 0.005 GB/s is 80 ms; the latency adds 10 ms. Small messages
@@ -836,8 +841,8 @@ mod tests {
 
     #[test]
     fn a_throttled_transfer_takes_latency_plus_bytes_over_bandwidth() {
-        let t = timed_sends(LINK, vec![3000, 3001], &[(0, 1)], BYTES);
-        within(t[0], 90.0, "one transfer");
+        let t = modelled_sends(LINK, vec![3000, 3001], &[(0, 1)], BYTES);
+        modelled(t[0], 90.0, "one transfer");
     }
 
     #[test]
@@ -860,28 +865,28 @@ mod tests {
     fn ranks_on_one_device_share_its_ports() {
         // Ranks 0 and 2 are device 3100: their sends to device 3101 share its out port.
         let positions = LinkPositions { devices: vec![3100, 3101], of_rank: vec![0, 1, 0] };
-        let t = timed_sends_at(LINK, vec![3100, 3101, 3100], Some(positions), &[(0, 1), (2, 1)], BYTES);
-        within(t[1], 170.0, "two transfers through one out port");
+        let t = modelled_sends_at(LINK, vec![3100, 3101, 3100], Some(positions), &[(0, 1), (2, 1)], BYTES);
+        modelled(t[1].max(t[0]), 170.0, "two transfers through one out port");
     }
 
     #[test]
     fn two_transfers_sharing_a_switch_port_take_twice_as_long() {
         // Into one device from two peers: its in port is shared.
-        let t = timed_sends(LINK, vec![3100, 3101, 3102], &[(0, 2), (1, 2)], BYTES);
-        within(t[1].max(t[0]), 170.0, "two into one port");
+        let t = modelled_sends(LINK, vec![3110, 3111, 3112], &[(0, 2), (1, 2)], BYTES);
+        modelled(t[1].max(t[0]), 170.0, "two into one port");
         // Out of one device to two peers: its out port is shared.
-        let t = timed_sends(LINK, vec![3200, 3201, 3202], &[(0, 1), (0, 2)], BYTES);
-        within(t[1].max(t[0]), 170.0, "two out of one port");
+        let t = modelled_sends(LINK, vec![3200, 3201, 3202], &[(0, 1), (0, 2)], BYTES);
+        modelled(t[1].max(t[0]), 170.0, "two out of one port");
     }
 
     #[test]
     fn a_ring_sends_to_both_neighbours_at_full_bandwidth_each() {
         let ring = format!("{LINK},topology=ring");
-        let t = timed_sends(&ring, vec![3300, 3301, 3302, 3303], &[(0, 1), (0, 3)], BYTES);
-        within(t[1].max(t[0]), 90.0, "ring, both neighbours");
+        let t = modelled_sends(&ring, vec![3300, 3301, 3302, 3303], &[(0, 1), (0, 3)], BYTES);
+        modelled(t[1].max(t[0]), 90.0, "ring, both neighbours");
         // Under a switch the same two share the out port.
-        let t = timed_sends(LINK, vec![3400, 3401, 3402, 3403], &[(0, 1), (0, 3)], BYTES);
-        within(t[1].max(t[0]), 170.0, "switch, both neighbours");
+        let t = modelled_sends(LINK, vec![3400, 3401, 3402, 3403], &[(0, 1), (0, 3)], BYTES);
+        modelled(t[1].max(t[0]), 170.0, "switch, both neighbours");
     }
 
     #[test]
@@ -905,8 +910,8 @@ mod tests {
         let cancelled = AtomicBool::new(false);
         let wait = Wait::unwatched(&cancelled);
         let arrived = b.recv_into(0, tag(0), &mut vec![0u8; BYTES], &wait).unwrap();
-        within(arrived - ready, 90.0, "arrival after ready");
-        within(Instant::now() - ready, 90.0, "receive after ready");
+        modelled(arrived - ready, 90.0, "arrival after ready");
+        assert!(Instant::now() >= arrived, "received before it arrived");
     }
 
     #[test]

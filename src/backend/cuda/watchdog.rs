@@ -278,6 +278,11 @@ impl<S: EventSource> Core<S> {
         self.polls.load(Ordering::Relaxed)
     }
 
+    /// Whether the thread waits for a submission, nothing pending (for tests).
+    pub fn is_parked(&self) -> bool {
+        lock(&self.state).parked
+    }
+
     /// One poll at time `now`: takes the newly submitted calls, drops the
     /// finished ones, expires the groups of calls that made no progress for
     /// their timeout or were interrupted, retries the aborts that were busy.
@@ -834,26 +839,33 @@ mod tests {
     /// call is, parked again once it completed; stopped on drop.
     #[test]
     fn the_thread_parks_when_nothing_is_pending_and_polls_at_an_interval_otherwise() {
+        // Order, not timing: each state is waited for (bounded), and what a
+        // state forbids (a parked thread polling, polls faster than the
+        // interval) cannot happen however slowly the host runs the thread.
+        let until = |what: &str, done: &dyn Fn() -> bool| {
+            let t = Instant::now();
+            while !done() {
+                assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+                std::thread::sleep(POLL_INTERVAL);
+            }
+        };
         let dog = Watchdog::start(Fake::default()).unwrap();
+        until("the idle thread never parked", &|| dog.is_parked());
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(dog.polls(), 0, "an idle watchdog never polls");
 
         let group = FakeGroup::new(&[0, 1], &[Some(1), Some(1)]);
+        let start = Instant::now();
         dog.submit(watch(0, 0, &group, 0, 0));
-        let window = Duration::from_millis(200);
-        std::thread::sleep(window);
-        let polls = dog.polls();
+        until("a pending call was not polled", &|| dog.polls() >= 3);
+        let (polls, window) = (dog.polls(), start.elapsed());
         let most = (window.as_millis() / POLL_INTERVAL.as_millis()) as u64 + 5;
-        assert!((3..=most).contains(&polls), "{polls} polls in {window:?} (interval {POLL_INTERVAL:?})");
+        assert!(polls <= most, "{polls} polls in {window:?}: faster than every {POLL_INTERVAL:?}");
 
         dog.source().complete(0);
         dog.source().complete(1);
-        let t = Instant::now();
-        while dog.take_event(0).is_none() {
-            assert!(t.elapsed() < Duration::from_secs(10), "the completed call was never dropped");
-            std::thread::sleep(POLL_INTERVAL);
-        }
-        std::thread::sleep(Duration::from_millis(20));
+        until("the completed call was never dropped", &|| dog.take_event(0).is_some());
+        until("the thread did not park once nothing was pending", &|| dog.is_parked());
         let parked = dog.polls();
         let queries = dog.source().queries.load(Ordering::SeqCst);
         std::thread::sleep(Duration::from_millis(60));

@@ -303,7 +303,7 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
     the_step = Step(step, leaves, treedef, names, tuple(a for a in range(n_args) if a not in batch))
     pool = jax.devices()[:devices]
     gemm_gflops = target.gemm_gflops
-    per_node = 8 if target.spec.startswith("h100_cluster") else None
+    per_node = _abi.machine_summary(target.spec)["devices_per_node"]
     collectives = "blocking" if target.is_cpu else "async"
     notes = _name_notes(names)
     # A shared cache holds evaluations of several plans: of this step, on

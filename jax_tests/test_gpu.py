@@ -171,14 +171,18 @@ os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[3]
 import jax, jax.numpy as jnp, numpy as np
 jax.distributed.initialize("127.0.0.1:" + sys.argv[2], num_processes=2, process_id=pid)
 import commfuse
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
+# Every process takes part in making JAX's clients (they exchange their
+# topologies); only then may the second one leave without calling the op.
+jax.devices()
 if pid == 1:
     sys.exit(0)  # never arrives
 commfuse.configure(timeout_s=3.0)
 mesh = jax.make_mesh((2,), ("x",))
-f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x"), mesh=mesh,
+f = jax.jit(jax.shard_map(lambda a, b: commfuse.all_gather_matmul(a, b, "x", schedule="ring"), mesh=mesh,
                           in_specs=(P("x"), P()), out_specs=P("x")))
-x = jnp.ones((128, 64)); w = jnp.ones((64, 32))
+x = jax.make_array_from_callback((128, 64), NamedSharding(mesh, P("x")), lambda i: np.ones((128, 64), np.float32)[i])
+w = jax.make_array_from_callback((64, 32), NamedSharding(mesh, P()), lambda i: np.ones((64, 32), np.float32)[i])
 try:
     f(x, w).block_until_ready()
 except Exception as e:

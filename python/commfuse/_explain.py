@@ -73,8 +73,10 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     the whole product), ``schedules`` (name -> predicted seconds), ``choice`` (the
     fastest fused schedule), ``decision`` (what ``schedule="auto"`` runs: the
     choice, or ``"unfused"`` where the predicted gain is below a fused call's
-    fixed cost) and ``decision_reason``, ``t_compute``, ``t_comm``,
-    ``floor`` = max(T_compute, T_comm),
+    fixed cost) and ``decision_reason``, ``t_compute`` (the per-peer pieces'
+    GEMMs and sums, no communication), ``t_gemm`` (the local product as one
+    GEMM, what the unfused form multiplies), ``t_comm``, ``floor`` =
+    max(t_gemm, t_comm): the pieces' last-wave loss shows as distance to it,
     ``machine`` (its figures), ``plan`` (rank 0's steps per lane with their
     predicted start and end) and ``transport`` (how the ranks' blocks would
     move: ``"host"`` between CPU devices; on GPUs of one process ``"copies"``,
@@ -155,10 +157,13 @@ def _print(r: dict, x: tuple, w: tuple) -> None:
     lines = [f"commfuse.explain: {r['op']} x{list(x)} w{list(w)} over n={r['n']} ({r['dtype']}) on {m['name']} "
              f"({m['peak_flops'] * m['efficiency'] / 1e12:.3g} TFLOP/s, {m['link_bytes_per_s'] / 1e9:.3g} GB/s "
              f"{m['topology']}, {m['latency_s'] * 1e6:.3g} us)"]
+    # "chosen" only where auto runs it: where auto declines, the mark says so.
+    chosen = "  <- chosen" if r["decision"] == r["choice"] else "  <- fastest fused (auto runs unfused)"
     for name, t in r["schedules"].items():
-        mark = "  <- chosen" if name == r["choice"] else ""
+        mark = chosen if name == r["choice"] else ""
         lines.append(f"  {name:<14} {us(t):>12}  {t / r['floor']:.2f}x floor{mark}")
-    lines.append(f"  floor = max(T_compute {us(r['t_compute'])}, T_comm {us(r['t_comm'])}) = {us(r['floor'])}")
+    lines.append(f"  floor = max(one whole GEMM {us(r['t_gemm'])}, T_comm {us(r['t_comm'])}) = {us(r['floor'])}; "
+                 f"the per-peer pieces' compute T_compute = {us(r['t_compute'])}")
     lines.append(f"  schedule='auto' runs: {r['decision_reason']}")
     lines.append(f"  transfers: {_TRANSPORTS[r['transport']]}")
     mem, kib = r["memory"], lambda b: f"{b / 1024:.0f} KiB"

@@ -37,7 +37,7 @@ fn number(v: f64) -> Value {
 /// What `commfuse.explain` returns for `problem` over `n` ranks on
 /// `machine`, given the model's `choice`: the machine, every candidate
 /// schedule's predicted seconds (and its compute-only and comm-only parts),
-/// T_compute, T_comm, the floor, the fastest candidate, what
+/// T_compute (the pieces), one whole GEMM, T_comm, the floor, the fastest candidate, what
 /// `schedule="auto"` picks (`auto_pick`), and rank 0's plan under it (steps
 /// per lane with their predicted start and end).
 pub fn explain(problem: &Problem, n: usize, machine: &Machine, choice: &Choice) -> Result<Value> {
@@ -88,6 +88,7 @@ pub fn explain(problem: &Problem, n: usize, machine: &Machine, choice: &Choice) 
         "fastest": choice.best.to_string(),
         "choice": auto.to_string(),
         "t_compute": number(choice.t_compute),
+        "t_gemm": number(choice.t_gemm),
         "t_comm": number(choice.t_comm),
         "floor": number(choice.floor()),
         "plan": {"rank": 0, "compute": lane(Lane::Compute), "comm": lane(Lane::Comm)},

@@ -122,8 +122,12 @@ pub struct Choice {
     pub best: Schedule,
     /// (schedule, predicted seconds), in `candidates` order.
     pub predictions: Vec<(Schedule, f64)>,
-    /// The least compute-only time of any candidate (no communication).
+    /// The least compute-only time of any candidate (no communication):
+    /// the per-peer pieces' GEMMs and sums.
     pub t_compute: f64,
+    /// The op's local product as one GEMM (what the unfused form multiplies):
+    /// the pieces' GEMMs lose their last waves and fixed costs against it.
+    pub t_gemm: f64,
     /// The least communication-only time of any candidate (free compute).
     pub t_comm: f64,
     /// (compute-only, communication-only) seconds of each candidate, in
@@ -132,9 +136,10 @@ pub struct Choice {
 }
 
 impl Choice {
-    /// max(T_compute, T_comm): no schedule can beat it.
+    /// max(one whole GEMM, T_comm): no decomposition can beat it, so the
+    /// pieces' loss against one GEMM shows as distance to it.
     pub fn floor(&self) -> f64 {
-        self.t_compute.max(self.t_comm)
+        self.t_gemm.min(self.t_compute).max(self.t_comm)
     }
 
     pub fn time(&self, schedule: Schedule) -> Option<f64> {
@@ -161,7 +166,36 @@ pub fn choose(problem: &Problem, n: usize, machine: &Machine) -> Result<Choice> 
         _ => Some((s, t)),
     });
     let best = best.map(|(s, _)| s).unwrap_or(Schedule::Ring);
-    Ok(Choice { best, predictions, t_compute, t_comm, parts })
+    let t_gemm = whole_gemm_s(problem, n, machine).unwrap_or(t_compute);
+    Ok(Choice { best, predictions, t_compute, t_gemm, t_comm, parts })
+}
+
+/// Seconds of the op's local product as one GEMM on `machine`: the GEMMs of
+/// rank 0's ring plan joined along the dim they split (rows, contraction or
+/// columns; the others equal). `None` where they split more than one dim.
+pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f64> {
+    let plan = plan::plan(problem.kind.pattern(), Schedule::Ring, n, 0);
+    let dims: Vec<(usize, usize, usize)> = plan
+        .steps
+        .iter()
+        .filter_map(|s| match s.action {
+            Action::Matmul { block, src, dst, .. } => Some(problem.gemms(block, src, dst)),
+            _ => None,
+        })
+        .flatten()
+        .map(|g| (g.dst.rows, g.lhs.1.cols, g.dst.cols))
+        .collect();
+    let &(m, k, c) = dims.first()?;
+    let joined = if dims.iter().all(|d| (d.1, d.2) == (k, c)) {
+        (dims.iter().map(|d| d.0).sum(), k, c)
+    } else if dims.iter().all(|d| (d.0, d.2) == (m, c)) {
+        (m, dims.iter().map(|d| d.1).sum(), c)
+    } else if dims.iter().all(|d| (d.0, d.1) == (m, k)) {
+        (m, k, dims.iter().map(|d| d.2).sum())
+    } else {
+        return None;
+    };
+    Some(machine.compute.gemm_s(joined.0, joined.1, joined.2, problem.input, problem.accumulator(), false))
 }
 
 /// How much faster (by the model) a tiled schedule must be than the best

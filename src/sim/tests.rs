@@ -217,6 +217,31 @@ fn every_kind_and_schedule_runs_to_the_end_and_respects_the_floor() {
 }
 
 #[test]
+fn the_floor_is_one_whole_gemm_so_the_pieces_loss_shows() {
+    // Exact flops, free memory traffic and no fixed cost: the joined GEMM
+    // does every kind's work, so it takes the pieces' time exactly.
+    let exact = synthetic(1e9, 1e8, 1e-6, Topology::Switch);
+    for n in 1..=8 {
+        for p in every_kind(n) {
+            let choice = choose(&p, n, &exact).unwrap();
+            assert!(close(choice.t_gemm, choice.t_compute, 1e-9), "{:?} n={n}: {} vs {}", p.kind, choice.t_gemm,
+                choice.t_compute);
+        }
+    }
+    // On an H100, 8 pieces of 128 rows lose their last waves against one
+    // GEMM of 1024 rows: the ring no longer reads as the floor.
+    let bf16 = |dims| Operand { dims, dtype: DType::BF16 };
+    let p = Problem::new(OpKind::AllGatherMatmul, bf16(&[128, 8192]), bf16(&[8192, 3584]), bf16(&[1024, 3584]), 0, 8)
+        .unwrap();
+    let machine = Machine::h100_nvlink();
+    let choice = choose(&p, 8, &machine).unwrap();
+    let one = machine.compute.gemm_s(1024, 8192, 3584, DType::BF16, p.accumulator(), false);
+    assert!(close(choice.t_gemm, one, 1e-12), "{} vs {one}", choice.t_gemm);
+    assert!(choice.t_gemm < 0.9 * choice.t_compute, "{} vs {}", choice.t_gemm, choice.t_compute);
+    assert!(choice.time(Schedule::Ring).unwrap() > 1.1 * choice.floor());
+}
+
+#[test]
 fn sequential_is_about_compute_plus_comm_on_the_presets() {
     for machine in [Machine::h100_nvlink(), Machine::h200_nvlink(), Machine::h100_pcie()] {
         for n in [4, 8] {

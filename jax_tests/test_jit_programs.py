@@ -363,3 +363,27 @@ def test_a_weight_gradient_scattered_over_fsdp_and_summed_over_data():
     _close(jax.jit(fused)(x, dy), np.asarray(x).T @ np.asarray(dy), "weight gradient")
     report = "\n".join(fused.last_report)
     assert "matmul_reduce_scatter over ('fsdp',), dimension 0, then psum over ('data',)" in report, report
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "auto"])
+def test_fewer_kv_heads_than_the_tensor_axis(schedule):
+    # Grouped-query attention's value projection with 2 kv heads over a
+    # tensor axis of 8: XLA shards the split (kv, head_dim) dims 2 x 4, which
+    # it runs, but which JAX's partitioning rules cannot name by mesh axes.
+    # Regrouping the weight gradient's operand onto those dims made the
+    # program fail to compile (IndivisibleError inside custom_partitioner);
+    # it is now taken on the merged columns.
+    mesh = make_mesh({"tensor": 8})
+    b, s, d, kv, hd = 2, 16, 64, 2, 16
+    rng = np.random.default_rng(3)
+    x = jax.device_put(rng.standard_normal((b, s, d), np.float32), NamedSharding(mesh, P()))
+    wv = jax.device_put(rng.standard_normal((d, kv * hd), np.float32) * d ** -0.5, NamedSharding(mesh, P(None, "tensor")))
+
+    def loss(x, w):
+        v = (x @ w).reshape(b, s, kv, hd)
+        return jnp.sum(jnp.repeat(v, 2, axis=2) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, wv)
+    for fn in (jax.value_and_grad(commfuse.overlap(loss, schedule=schedule), argnums=(0, 1)),
+               commfuse.overlap(jax.value_and_grad(loss, argnums=(0, 1)), schedule=schedule)):
+        _close(jax.jit(fn)(x, wv), want, f"{schedule}: gradients")

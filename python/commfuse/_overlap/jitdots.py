@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import jax
+
 from .. import _matmul
 from .._dot_form import DotForm, Unsupported, explicit_spec
 from . import regroup
@@ -56,7 +58,7 @@ class Regrouping:
         for chosen in tries:
             befores = [None if r is None else r.invars[0].aval.shape for r in chosen]
             try:
-                *unmerged, merged_dn = regroup.unmerged_dot(*shapes, dn, befores)
+                *unmerged, merged_dn = regroup.unmerged_dot(*shapes, dn, befores, jax.device_count())
             except Unsupported:
                 continue
             vals = [(v if r is None else read(r.invars[0])).reshape(shape)
@@ -68,7 +70,7 @@ class Regrouping:
         if reshape is None:
             return eval_dot(eqn, invals, state, where)
         try:
-            lhs, rhs, split_dn = regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape)
+            lhs, rhs, split_dn = regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape, jax.device_count())
         except Unsupported:
             return eval_dot(eqn, invals, state, where)
 

@@ -224,6 +224,19 @@ def test_matmul_all_reduce_matches_psum(schedule, tiles, dtype):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("schedule,calls", [("sequential", 1), ("ring", 4)])
+def test_matmul_all_reduce_chunks_only_where_chunks_overlap(schedule, calls):
+    # Chunks let one chunk's all-gather run beside the next one's fused
+    # reduce-scatter; a sequential schedule overlaps nothing, so by default
+    # it is one call (each call has a fused call's fixed cost).
+    mesh = make_mesh({"x": 4})
+    x, w = rand((2, 16, 32), seed=3), rand((32, 12), seed=4)
+    f = jax.jit(jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule=schedule), mesh=mesh,
+                              in_specs=(P(None, None, "x"), P("x")), out_specs=P()))
+    assert f.lower(x, w).compile().as_text().count('custom_call_target="commfuse_collective_matmul') == calls
+    assert_close(np.asarray(f(x, w)), np.einsum("bsk,kn->bsn", x.astype(np.float64), w), np.float32)
+
+
 def test_matmul_all_reduce_refuses_rows_that_do_not_split_for_a_fused_schedule():
     mesh = make_mesh({"x": 4})
     f = jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule="ring"), mesh=mesh,

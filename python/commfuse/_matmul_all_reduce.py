@@ -47,7 +47,8 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     Call inside a ``jax.shard_map`` body. ``x`` has rank >= 2 and contracts
     its last dim with 2-D ``w``'s first. The rows of ``x`` (all dims but the
     last) are cut into ``tiles`` chunks (default: 4, or the most of 4, 2, 1
-    that divide the rows into a multiple of the axis size); each chunk is
+    that divide the rows into a multiple of the axis size; 1 under
+    ``schedule="sequential"``, which overlaps nothing); each chunk is
     reduce-scattered by the fused ring (``schedule`` as for
     ``matmul_reduce_scatter``: "auto", "ring", "bidirectional",
     "sequential") and all-gathered while the next chunk is reduce-scattered.
@@ -88,13 +89,18 @@ def run(decision: OpDecision, x, w):
 
 def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Policy, tiles, fast_f32: bool) -> _Settings:
     """The settings one call runs with: the tiles (default: 4, or the most of
-    4, 2, 1 that divide the rows into a multiple of the axis size) and each
+    4, 2, 1 that divide the rows into a multiple of the axis size; 1 under
+    a sequential schedule) and each
     chunk's decision (``auto``: unfused where nothing can be cut into a
     ring's blocks or the cost model predicts no gain; unfused, the whole op
     is one psum rather than chunked gathers)."""
     rows = math.prod(x_shape[:-1])
     if tiles is None:
-        tiles = next((t for t in (4, 2, 1) if rows % (t * ranks) == 0), None)
+        # Chunks let one chunk's gather run beside the next one's reduce-
+        # scatter; a sequential schedule overlaps nothing, so they would only
+        # add calls (each with a fused call's fixed cost).
+        choices = (1,) if policy.asked == _abi.SCHEDULES["sequential"] else (4, 2, 1)
+        tiles = next((t for t in choices if rows % (t * ranks) == 0), None)
     chunk = Call.of(_abi.Kind.MATMUL_REDUCE_SCATTER, ranks, 0, (rows // (tiles or 1), x_shape[-1]), w_shape, dtype,
                     out_dtype)
 

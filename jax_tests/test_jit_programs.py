@@ -54,10 +54,20 @@ def test_the_jit_corpus_has_every_program_shape():
 def test_jit_program_matches_plain_and_fuses_after_partitioning(program):
     mesh, scope, fn, args = _setup(program, 7)
     with jax.set_mesh(mesh):
-        fused = jax.jit(commfuse.overlap(fn))
+        overlapped = commfuse.overlap(fn)
+        fused = jax.jit(overlapped)
         _close(fused(*args), jax.jit(fn)(*args), f"{program.name}: outputs")
         text = fused.lower(*args).compile().as_text()
+    # The program holds what the report says each product became ...
+    assert fused_in(text) == _reported_calls(overlapped), (overlapped.last_partitioned, text)
+    # ... and that is what the program's docstring derives.
     assert fused_in(text) == program.fused, text
+
+
+def _reported_calls(overlapped) -> int:
+    """The fused calls the report's decisions add up to: each partitioned
+    `commfuse.matmul` as many as it became (`Partitioned.fused`)."""
+    return sum(p.fused for p in overlapped.last_partitioned)
 
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
@@ -70,9 +80,11 @@ def test_jit_program_gradients_match_plain_and_fuse(program):
         got = jax.jit(jax.value_and_grad(_loss(commfuse.overlap(fn)), argnums=argnums))(*args)
         _close(got, want, f"{program.name}: grad(overlap(f))")
         # ... and rewriting the differentiated program (JAX's transposed dots).
-        rewritten = jax.jit(commfuse.overlap(jax.value_and_grad(_loss(fn), argnums=argnums)))
+        overlapped = commfuse.overlap(jax.value_and_grad(_loss(fn), argnums=argnums))
+        rewritten = jax.jit(overlapped)
         _close(rewritten(*args), want, f"{program.name}: overlap(grad(f))")
         text = rewritten.lower(*args).compile().as_text()
+    assert fused_in(text) == _reported_calls(overlapped), (overlapped.last_partitioned, text)
     assert fused_in(text) == program.grad_fused, text
 
 

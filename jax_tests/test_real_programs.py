@@ -237,6 +237,28 @@ def test_matmul_all_reduce_chunks_only_where_chunks_overlap(schedule, calls):
     assert_close(np.asarray(f(x, w)), np.einsum("bsk,kn->bsn", x.astype(np.float64), w), np.float32)
 
 
+def test_a_plans_all_reduce_decisions_keep_their_chunks_under_a_sequential_schedule():
+    # bench_plan runs a plan's decisions with schedule="sequential" for what
+    # they leave unfused: the imposed chunks (made under auto, 4 of them)
+    # must still be found, not replaced by sequential's single chunk.
+    mesh = make_mesh({"x": 4})
+    x, w = rand((2, 16, 32), seed=5), rand((32, 12), seed=6)
+    body = jax.shard_map(lambda a, b: jax.lax.psum(a @ b, "x"), mesh=mesh, in_specs=(P(None, None, "x"), P("x")),
+                         out_specs=P())
+
+    def calls(ov):
+        return jax.jit(ov).lower(x, w).compile().as_text().count('custom_call_target="commfuse_collective_matmul')
+
+    ring = commfuse.overlap(body, schedule="ring")
+    assert calls(ring) == 4
+    imposed = commfuse.overlap(body, schedule="sequential", decisions=ring.last_decisions)
+    assert calls(imposed) == 4
+    fused = [d for op in imposed.last_decisions for d in op.calls if d.fused]
+    assert fused and all(d.schedule_name == "ring" for d in fused), imposed.last_decisions
+    assert calls(commfuse.overlap(body, schedule="sequential")) == 1
+    assert_close(np.asarray(jax.jit(imposed)(x, w)), np.einsum("bsk,kn->bsn", x.astype(np.float64), w), np.float32)
+
+
 def test_matmul_all_reduce_refuses_rows_that_do_not_split_for_a_fused_schedule():
     mesh = make_mesh({"x": 4})
     f = jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule="ring"), mesh=mesh,

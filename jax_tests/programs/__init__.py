@@ -39,6 +39,11 @@ class Program:
     unfused: str = ""
 
 
+# The fused calls of one all-reduce of a product (`psum(x @ w)`): the
+# default chunks of `commfuse.matmul_all_reduce`, each a fused reduce-scatter.
+ALL_REDUCE_CHUNKS = 4
+
+
 @dataclass(frozen=True)
 class JitProgram:
     """A program sharded by ``jax.jit`` alone (``NamedSharding`` inputs,
@@ -48,7 +53,9 @@ class JitProgram:
     # (mesh, rng) -> (fn, args): fn's first output is a scalar loss.
     build: Callable
     # Fused ops in the compiled program of `overlap(fn)`, and of
-    # `overlap(jax.value_and_grad(loss))`, after partitioning.
+    # `overlap(jax.value_and_grad(loss))`, after partitioning: each program
+    # writes them as the sum of what its products become (its comment says
+    # which), and the test checks the report's decisions add up to the same.
     fused: int
     grad_fused: int
     # The mesh's axis type (jax.sharding.AxisType's name).

@@ -90,7 +90,7 @@ def run(decision: OpDecision, x, w):
 def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Policy, tiles, fast_f32: bool) -> _Settings:
     """The settings one call runs with: the tiles (default: 4, or the most of
     4, 2, 1 that divide the rows into a multiple of the axis size; 1 under
-    a sequential schedule) and each
+    a sequential schedule, unless decisions are imposed) and each
     chunk's decision (``auto``: unfused where nothing can be cut into a
     ring's blocks or the cost model predicts no gain; unfused, the whole op
     is one psum rather than chunked gathers)."""
@@ -98,8 +98,10 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
     if tiles is None:
         # Chunks let one chunk's gather run beside the next one's reduce-
         # scatter; a sequential schedule overlaps nothing, so they would only
-        # add calls (each with a fused call's fixed cost).
-        choices = (1,) if policy.asked == _abi.SCHEDULES["sequential"] else (4, 2, 1)
+        # add calls (each with a fused call's fixed cost). Imposed decisions
+        # (a plan's) were made for the default chunks: their calls keep them.
+        sequential = policy.asked == _abi.SCHEDULES["sequential"] and not policy.imposed
+        choices = (1,) if sequential else (4, 2, 1)
         tiles = next((t for t in choices if rows % (t * ranks) == 0), None)
     chunk = Call.of(_abi.Kind.MATMUL_REDUCE_SCATTER, ranks, 0, (rows // (tiles or 1), x_shape[-1]), w_shape, dtype,
                     out_dtype)

@@ -241,3 +241,25 @@ def test_the_backward_of_a_widened_sum_gathers_the_cotangent_narrowed_into_both_
         np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
     moved = [line for line in rewritten.last_report if "rewrote" in line and "row-wise ops (moved before it)" in line]
     assert len(moved) == 2 and all("float32[4,32] -> float32[16,32]" in line for line in moved), rewritten.last_report
+
+
+def test_a_split_whose_outer_part_does_not_divide_by_the_axes_is_not_regrouped_onto():
+    from commfuse._dot_form import Unsupported
+    contract = (((2,), (0,)), ((), ()))
+    # (h @ wv).reshape(b, s, kv, hd): the weight's columns split into 2 kv heads of 16.
+    for bound, ok in ((1, True), (2, True), (8, False)):
+        if ok:
+            assert regroup.split_dot((2, 16, 64), (64, 32), contract, (2, 16, 2, 16), bound)[1] == (64, 2, 16)
+        else:
+            with pytest.raises(Unsupported, match="outer part 2 does not divide by 8"):
+                regroup.split_dot((2, 16, 64), (64, 32), contract, (2, 16, 2, 16), bound)
+    # The rows' split into batch x sequence is not the weight's: taken whatever the bound.
+    assert regroup.split_dot((32, 64), (64, 32), (((1,), (0,)), ((), ())), (2, 16, 32), 8)[0] == (2, 16, 64)
+    # The weight gradient of that projection, dv merged from (b, s, kv, hd):
+    # its (kv, hd) columns are a split too; its (b, s) rows are not.
+    weight_grad = (((0, 1), (0, 1)), ((), ()))
+    with pytest.raises(Unsupported, match="outer part 2"):
+        regroup.unmerged_dot((2, 16, 64), (2, 16, 32), weight_grad, [None, (2, 16, 2, 16)], 8)
+    assert regroup.unmerged_dot((2, 16, 64), (2, 16, 32), weight_grad, [None, (2, 16, 2, 16)], 2)[1] == (2, 16, 2, 16)
+    # x.reshape(-1, d) @ w: rows merged from batch x sequence, taken apart whatever the bound.
+    assert regroup.unmerged_dot((32, 64), (64, 8), (((1,), (0,)), ((), ())), [(2, 16, 64), None], 8)[0] == (2, 16, 64)

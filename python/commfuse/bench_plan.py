@@ -21,10 +21,14 @@ reported. Beside each: the predicted step, XLA's memory analysis of the
 program that ran and of the one planned, and whether it fits.
 
 It prints per family and bandwidth the table, the plan against the best
-baseline that fits (measured), and the rank correlation (Spearman) of
-predicted against measured step time; and over all, the correlation of
-all candidates. Writes ``bench_plan.csv`` and ``bench_plan.json`` (and
-``bench_plan.png`` with matplotlib) to `--out`.
+baseline that fits (measured), and three rank correlations (Spearman):
+the planner's prediction against the measured step; the same with XLA's
+own collectives (which the link model cannot slow) charged the link's
+time; and the cost model on the program that ran (its plain products as
+sequential commfuse calls, with their fixed costs) against that adjusted
+step. Over all, the correlation of all candidates. Writes
+``bench_plan.csv``, ``bench_plan.json``, ``bench_plan.md`` (the tables of
+docs/planning.md) and, with matplotlib, ``bench_plan.png`` to `--out`.
 """
 
 from __future__ import annotations

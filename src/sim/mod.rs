@@ -21,7 +21,7 @@ pub mod step;
 mod tests;
 
 pub use engine::{simulate, Timeline};
-pub use model::{auto_pick, auto_schedule, candidates, choose, predict, Choice, Mode};
+pub use model::{auto_pick, auto_schedule, candidates, choose, predict, whole_gemm_s, Choice, Mode};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -125,8 +125,9 @@ pub struct Choice {
     /// The least compute-only time of any candidate (no communication):
     /// the per-peer pieces' GEMMs and sums.
     pub t_compute: f64,
-    /// The op's local product as one GEMM (what the unfused form multiplies):
-    /// the pieces' GEMMs lose their last waves and fixed costs against it.
+    /// The op's local product as one GEMM (what the unfused form multiplies),
+    /// at most `t_compute`: the pieces' GEMMs lose their last waves and fixed
+    /// costs against it.
     pub t_gemm: f64,
     /// The least communication-only time of any candidate (free compute).
     pub t_comm: f64,
@@ -139,7 +140,7 @@ impl Choice {
     /// max(one whole GEMM, T_comm): no decomposition can beat it, so the
     /// pieces' loss against one GEMM shows as distance to it.
     pub fn floor(&self) -> f64 {
-        self.t_gemm.min(self.t_compute).max(self.t_comm)
+        self.t_gemm.max(self.t_comm)
     }
 
     pub fn time(&self, schedule: Schedule) -> Option<f64> {
@@ -166,16 +167,21 @@ pub fn choose(problem: &Problem, n: usize, machine: &Machine) -> Result<Choice> 
         _ => Some((s, t)),
     });
     let best = best.map(|(s, _)| s).unwrap_or(Schedule::Ring);
-    let t_gemm = whole_gemm_s(problem, n, machine).unwrap_or(t_compute);
+    // One GEMM is never priced above the pieces it replaces (a shape whose
+    // pieces fill the waves better than the whole does).
+    let t_gemm = whole_gemm_s(problem, n, machine).map_or(t_compute, |t| t.min(t_compute));
     Ok(Choice { best, predictions, t_compute, t_gemm, t_comm, parts })
 }
 
-/// Seconds of the op's local product as one GEMM on `machine`: the GEMMs of
-/// rank 0's ring plan joined along the dim they split (rows, contraction or
-/// columns; the others equal). `None` where they split more than one dim.
+/// Seconds of the op's local product as one GEMM on `machine` (what the
+/// unfused form multiplies): the GEMM pieces of rank 0's ring plan joined
+/// along the dim the op's blocks cut (rows, contraction or columns), the
+/// ranks sharing the machine's processors as the pieces do. `None` where
+/// the pieces differ in shape.
 pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f64> {
+    use crate::problem::OpKind::*;
     let plan = plan::plan(problem.kind.pattern(), Schedule::Ring, n, 0);
-    let dims: Vec<(usize, usize, usize)> = plan
+    let pieces: Vec<(usize, usize, usize)> = plan
         .steps
         .iter()
         .filter_map(|s| match s.action {
@@ -185,17 +191,18 @@ pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f6
         .flatten()
         .map(|g| (g.dst.rows, g.lhs.1.cols, g.dst.cols))
         .collect();
-    let &(m, k, c) = dims.first()?;
-    let joined = if dims.iter().all(|d| (d.1, d.2) == (k, c)) {
-        (dims.iter().map(|d| d.0).sum(), k, c)
-    } else if dims.iter().all(|d| (d.0, d.2) == (m, c)) {
-        (m, dims.iter().map(|d| d.1).sum(), c)
-    } else if dims.iter().all(|d| (d.0, d.1) == (m, k)) {
-        (m, k, dims.iter().map(|d| d.2).sum())
-    } else {
+    let &(m, k, c) = pieces.first()?;
+    if pieces.iter().any(|&p| p != (m, k, c)) {
         return None;
+    }
+    let count = pieces.len();
+    let (m, k, c) = match problem.kind {
+        AllGatherMatmul | MatmulReduceScatter | AllToAllMatmul | MatmulAllToAll => (m * count, k, c),
+        AllGatherMatmulContract | MatmulAllGatherContract | AllToAllMatmulContract => (m, k * count, c),
+        MatmulAllGather | MatmulReduceScatterCols | MatmulAllToAllCols => (m, k, c * count),
     };
-    Some(machine.compute.gemm_s(joined.0, joined.1, joined.2, problem.input, problem.accumulator(), false))
+    let shared = machine.shared_processors.map_or(1.0, |p| (n as f64 / p).max(1.0));
+    Some(shared * machine.compute.gemm_s(m, k, c, problem.input, problem.accumulator(), false))
 }
 
 /// How much faster (by the model) a tiled schedule must be than the best

@@ -224,8 +224,35 @@ fn the_floor_is_one_whole_gemm_so_the_pieces_loss_shows() {
     for n in 1..=8 {
         for p in every_kind(n) {
             let choice = choose(&p, n, &exact).unwrap();
-            assert!(close(choice.t_gemm, choice.t_compute, 1e-9), "{:?} n={n}: {} vs {}", p.kind, choice.t_gemm,
-                choice.t_compute);
+            let whole = whole_gemm_s(&p, n, &exact).unwrap();
+            assert!(close(whole, choice.t_compute, 1e-9), "{:?} n={n}: {whole} vs {}", p.kind, choice.t_compute);
+        }
+    }
+    // Each kind joins its pieces along the dim its blocks cut: the local
+    // product of `every_kind`'s shapes, priced as one GEMM where the shape
+    // matters (waves), and shared by the ranks on a host's cores.
+    for n in 2..=8 {
+        let n_ = n;
+        let expected = [
+            (16 * n_, 32, 24), // all_gather_matmul: the gathered rows
+            (16, 8 * n_, 24),  // over the contraction
+            (16, 32, 8 * n_),  // matmul_all_gather: the gathered columns
+            (16, 8 * n_, 24),  // over the contraction
+            (16 * n_, 32, 24), // matmul_reduce_scatter: the whole local product
+            (16, 32, 8 * n_),  // its columns
+            (8 * n_, 32, 24),  // all_to_all_matmul: every peer's rows
+            (16, 8 * n_, 24),  // over the contraction
+            (8 * n_, 32, 24),  // matmul_all_to_all: every peer's rows
+            (16, 32, 8 * n_),  // its columns
+        ];
+        for (p, (m, k, c)) in every_kind(n).iter().zip(expected) {
+            for (machine, share) in
+                [(Machine::h100_nvlink(), 1.0), (Machine::cpu_here(Some(30.0), 2), (n as f64 / 2.0).max(1.0))]
+            {
+                let want = share * machine.compute.gemm_s(m, k, c, p.input, p.accumulator(), false);
+                let got = whole_gemm_s(p, n, &machine).unwrap();
+                assert!(close(got, want, 1e-12), "{:?} n={n} on {}: {got} vs {want}", p.kind, machine.name);
+            }
         }
     }
     // On an H100, 8 pieces of 128 rows lose their last waves against one

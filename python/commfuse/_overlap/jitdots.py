@@ -4,6 +4,7 @@ whose partitioning rule chooses the fused op once the shardings are known."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import jax
@@ -58,7 +59,7 @@ class Regrouping:
         for chosen in tries:
             befores = [None if r is None else r.invars[0].aval.shape for r in chosen]
             try:
-                *unmerged, merged_dn = regroup.unmerged_dot(*shapes, dn, befores, jax.device_count())
+                *unmerged, merged_dn = regroup.unmerged_dot(*shapes, dn, befores, _axis_bound())
             except Unsupported:
                 continue
             vals = [(v if r is None else read(r.invars[0])).reshape(shape)
@@ -70,7 +71,7 @@ class Regrouping:
         if reshape is None:
             return eval_dot(eqn, invals, state, where)
         try:
-            lhs, rhs, split_dn = regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape, jax.device_count())
+            lhs, rhs, split_dn = regroup.split_dot(*shapes, dn, reshape.outvars[0].aval.shape, _axis_bound())
         except Unsupported:
             return eval_dot(eqn, invals, state, where)
 
@@ -81,6 +82,14 @@ class Regrouping:
 
         return eval_dot(eqn, invals, state, where, ([invals[0].reshape(lhs), invals[1].reshape(rhs)], split_dn,
                                                     split_result))
+
+
+def _axis_bound() -> int:
+    """A multiple of every mesh axis size a product may be sharded over: the
+    axes of the mesh in context (``jax.set_mesh``), else all devices (the
+    largest any axis can be)."""
+    sizes = [s for s in jax.sharding.get_abstract_mesh().axis_sizes if s > 1]
+    return math.lcm(*sizes) if sizes else jax.device_count()
 
 
 def eval_dot(eqn, invals, state: State, where: str, regrouped=None) -> list:

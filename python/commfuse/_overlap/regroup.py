@@ -45,19 +45,19 @@ def _no_batch(dimension_numbers):
     return [list(lc), list(rc)]
 
 
-def _check_outer_parts(parts, devices: int) -> None:
-    """A dim after the first split into `parts` (heads x head_dim) needs
-    outer parts that divide by `devices`: else the sharding XLA propagates
-    to them can cut one mesh axis over two dims (2 kv heads over a tensor
-    axis of 8: 2 x 4), which XLA pads and runs but JAX's partitioning rules
-    cannot name by mesh axes, and the program would not compile."""
-    outer = list(parts[:-1])
-    if any(size % devices for size in outer):
-        raise Unsupported(f"regrouping would split a dim into {list(parts)}, whose outer parts {outer} do not "
-                          f"divide by the {devices} devices a mesh axis may span")
+def _check_outer_parts(parts, bound: int) -> None:
+    """A dim split into `parts` (heads x head_dim) keeps a mesh axis whole
+    only where its outermost part divides by the axis size (`bound`: a
+    multiple of every axis size): else the sharding XLA propagates to the
+    parts can cut one axis over two dims (2 kv heads over a tensor axis of
+    8: 2 x 4), which XLA pads and runs but JAX's partitioning rules cannot
+    name by mesh axes, and the program would not compile."""
+    if len(parts) > 1 and parts[0] % bound:
+        raise Unsupported(f"regrouping would split a dim into {list(parts)}, whose outer part {parts[0]} does not "
+                          f"divide by {bound} (the mesh axes' sizes)")
 
 
-def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, befores, devices: int = 1):
+def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, befores, bound: int = 1):
     """The dot taken on the shapes its operands had before reshapes that
     merged their dims (`befores`: per operand, that shape, or None for one
     taken as it is): ``(lhs_shape, rhs_shape, dimension_numbers)``. Its
@@ -75,9 +75,9 @@ def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, befores, devices: int 
             raise Unsupported(f"the reshape {tuple(before)} -> {shape} does not only merge dims")
         sources.append(shape if before is None else tuple(before))
         groups.append(found)
-        for g in found if before is not None else ():
-            if len(g) > 1 and g[0] != 0:  # not the leading rows (batch x sequence)
-                _check_outer_parts([before[d] for d in g], devices)
+        for g in found:
+            if g[0] != 0:  # the leading rows (batch x sequence) stay as they were regrouped
+                _check_outer_parts([sources[-1][d] for d in g], bound)
     # Each source dim's sizes once split (a dim contracted with a merged one).
     parts = [{d: (size,) for d, size in enumerate(source)} for source in sources]
     for cl, cr in zip(*contracting):
@@ -87,6 +87,8 @@ def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, befores, devices: int 
         for one, other, c in ((0, 1, cl), (1, 0, cr)):
             if len(groups[one][c]) == 1 and math.prod(sides[other]) == sides[one][0]:
                 parts[one][groups[one][c][0]] = tuple(sides[other])
+                if groups[one][c][0] != 0:
+                    _check_outer_parts(sides[other], bound)
                 break
         else:
             raise Unsupported("the reshape merges a contracted dim")
@@ -102,12 +104,12 @@ def unmerged_dot(lhs_shape, rhs_shape, dimension_numbers, befores, devices: int 
     return new_shapes[0], new_shapes[1], ((tuple(new[0]), tuple(new[1])), ((), ()))
 
 
-def split_dot(lhs_shape, rhs_shape, dimension_numbers, after, devices: int = 1):
+def split_dot(lhs_shape, rhs_shape, dimension_numbers, after, bound: int = 1):
     """The dot whose result is this dot's result reshaped to `after`, a
     reshape that only splits dims: each split dim of the result is split in
     the operand it comes from. ``(lhs_shape, rhs_shape, dimension_numbers)``.
     A weight's columns are split (``(h @ wk).reshape(b, s, kv, hd)``) only
-    where the outer parts divide by `devices` (`_check_outer_parts`)."""
+    where the outer part divides by `bound` (`_check_outer_parts`)."""
     contracting = _no_batch(dimension_numbers)
     shapes = [tuple(lhs_shape), tuple(rhs_shape)]
     free = [[d for d in range(len(s)) if d not in c] for s, c in zip(shapes, contracting)]
@@ -116,8 +118,7 @@ def split_dot(lhs_shape, rhs_shape, dimension_numbers, after, devices: int = 1):
     if groups is None:
         raise Unsupported(f"the reshape {tuple(out)} -> {tuple(after)} does not only split dims")
     for g in groups[len(free[0]):]:
-        if len(g) > 1:
-            _check_outer_parts([after[d] for d in g], devices)
+        _check_outer_parts([after[d] for d in g], bound)
     new_shapes, new_contracting, j = [], [], 0
     for side in (0, 1):
         shape, index = [], {}

@@ -209,3 +209,25 @@ def test_a_step_without_the_remat_hook_keeps_its_own():
     plan = commfuse.plan(step, w, x, devices=DEVICES, axes=("data", "tensor"), top=1)
     assert any("no commfuse.remat_policy" in note for note in plan.notes)
     assert plan.remat in (None, "nothing")
+
+
+def test_a_fused_candidate_must_win_by_the_margin():
+    # Its decisions carry the cost model's largest errors (docs/planning.md).
+    import importlib
+    from types import SimpleNamespace
+
+    from commfuse._planner.space import Candidate
+
+    planner = importlib.import_module("commfuse._planner.plan")  # the package exports the function by that name
+
+    mesh = (("data", 2), ("fsdp", 2), ("tensor", 2))
+
+    def evaluation(predicted_s, fused):
+        return SimpleNamespace(predicted_s=predicted_s, candidate=Candidate(mesh, False, None, fused))
+
+    plain = evaluation(1.0, False)
+    assert planner.FUSED_MARGIN < 1
+    close = evaluation(planner.FUSED_MARGIN * 1.01, True)   # predicted faster, not by the margin
+    ahead = evaluation(planner.FUSED_MARGIN * 0.99, True)   # faster by more than the margin
+    assert min([plain, close], key=planner._rank_s) is plain
+    assert min([plain, ahead], key=planner._rank_s) is ahead

@@ -402,7 +402,7 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
 # A fused candidate ranks as if this much slower than predicted: its
 # products' decisions carry the cost model's largest errors. On CPU devices
 # under the link model, fused variants predicted 2-4% faster than their
-# plain layout measured 28-33% slower (docs/planning.md, "Measured"); a
+# plain layout measured 28-50% slower (docs/planning.md, "Measured"); a
 # tiled schedule must likewise beat the per-step ones by 3% (TILED_MARGIN
 # in src/sim/model.rs).
 FUSED_MARGIN = 0.95

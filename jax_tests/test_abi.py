@@ -25,6 +25,7 @@ def test_python_and_the_library_have_the_same_tables():
     assert set(tables["limits"]) == {"max_ranks", "max_chunks", "max_cut_blocks", "max_elements"}
     assert set(tables["kind_info"]) == {k.name for k in _abi.Kind}
     assert _abi.ROW_BLOCK_KINDS == {_abi.Kind.ALL_GATHER_MATMUL, _abi.Kind.MATMUL_REDUCE_SCATTER}
+    assert _abi.CUT_KINDS == _abi.ROW_BLOCK_KINDS | {_abi.Kind.MATMUL_ALL_REDUCE}
     # Each kind's operand names are the ones its errors use (`abi::KINDS` order).
     for kind, info in tables["kind_info"].items():
         assert info["operands"] == (["w", "x"] if info["op"] == "matmul_all_gather" else ["x", "w"]), kind

@@ -23,20 +23,9 @@ from jax.sharding import PartitionSpec as P
 import commfuse
 from commfuse import _calibration
 from conftest import REPO_ROOT, assert_close
-from programs import all_jit_programs, all_programs, make_mesh
+from programs import all_jit_programs, all_programs, collectives, make_mesh
 
 PROGRAMS = all_jit_programs()
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def collectives(text: str) -> dict:
-    """XLA's collectives and commfuse's calls in a compiled program's text
-    (a collective of several operands has a tuple type: any text before it)."""
-    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in _COLLECTIVES}
-    counts["commfuse"] = text.count('custom_call_target="commfuse_collective_matmul')
-    return {k: v for k, v in counts.items() if v}
-
-
 def _build(program, seed=0):
     mesh = make_mesh(program.mesh, axis_type=program.axis_type)
     with jax.set_mesh(mesh):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import commfuse
+from commfuse import _abi
 from conftest import P
 
 MACHINES = ["cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie"]
@@ -25,6 +26,7 @@ CASES = [
     ("matmul_all_gather", (256, 512), (128, 256), 4, 0),
     ("all_to_all_matmul", (4, 128, 256), (256, 256), 4, 0),
     ("matmul_all_to_all", (8, 64, 256), (256, 128), 8, 0),
+    ("matmul_all_reduce", (2, 1024, 1024), (1024, 512), 4, 0),
 ]
 
 
@@ -40,7 +42,9 @@ def check_consistent(r, *, exact=False):
     # The fastest is the fastest; auto's choice is an overlapped schedule, the
     # fastest of them up to the margin a tiled one must win by.
     assert times[r["fastest"]] == min(times.values())
-    overlapped = {k: t for k, t in times.items() if k in ("ring", "bidirectional") or k.startswith("tiled")}
+    # (An all-reduce's chunks are what overlap its gather half: sliced counts.)
+    chunked = ("tiled", "sliced") if r["op"] == "matmul_all_reduce" else ("tiled",)
+    overlapped = {k: t for k, t in times.items() if k in ("ring", "bidirectional") or k.startswith(chunked)}
     assert r["choice"] in overlapped
     assert times[r["choice"]] <= min(overlapped.values()) / 0.97 * (1 + 1e-9)
     # Sequential is its compute plus its communication: no overlap, except
@@ -164,6 +168,9 @@ def _lowered_schedule_codes(op, x, w, n):
     # Comm-bound on slow in-process links: tiles hide all but one tile's compute.
     ("cpu_here:gbytes_per_s=0.05,gemm_gflops=50", commfuse.matmul_reduce_scatter, (1024, 512), (512, 512),
      "tiled(8)"),
+    # An all-reduce on slow links: chunks hide both rings behind the next chunk's products.
+    ("cpu_here:gbytes_per_s=0.05,gemm_gflops=50", commfuse.matmul_all_reduce, (8192, 4096), (4096, 4096),
+     "sliced(8)"),
 ])
 def test_auto_runs_the_schedule_the_model_picks(monkeypatch, spec, op, x, w, want, capsys):
     monkeypatch.setenv("COMMFUSE_MACHINE", spec)
@@ -171,7 +178,8 @@ def test_auto_runs_the_schedule_the_model_picks(monkeypatch, spec, op, x, w, wan
     local_x = (x[0] // n, x[1]) if op is commfuse.all_gather_matmul else x
     r = commfuse.explain(op.__name__, local_x, w, n, machine=spec)
     assert r["choice"] == want
-    code = {"bidirectional": 2}.get(want, 5 | (8 << 8))
+    name, _, chunks = want.rstrip(")").partition("(")
+    code = _abi.schedule_code(name, int(chunks)) if chunks else _abi.SCHEDULES[name]
     assert _lowered_schedule_codes(op, x, w, n) == [code]
 
 

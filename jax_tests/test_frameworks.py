@@ -28,7 +28,6 @@ model's veto back on.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import numpy as np
@@ -37,7 +36,7 @@ import pytest
 import commfuse
 from commfuse import _matmul
 from conftest import assert_close
-from programs import fw_decode, fw_equinox, fw_maxtext, fw_moe, fw_nnx, fw_shardmap_sp, make_mesh
+from programs import collectives, fw_decode, fw_equinox, fw_maxtext, fw_moe, fw_nnx, fw_shardmap_sp, make_mesh
 
 TARGET = 'custom_call_target="commfuse_collective_matmul'
 SCHEDULES = ("auto", "ring")
@@ -151,16 +150,6 @@ def compiled_text(jitted, *args) -> str:
     compiled = jitted.lower(*args).compile()
     inner = getattr(compiled, "compiled", None)  # equinox wraps jax's Compiled
     return (inner if inner is not None and hasattr(inner, "as_text") else compiled).as_text()
-
-
-_COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-
-
-def collectives(text: str) -> dict:
-    counts: dict = {}
-    for m in _COLLECTIVE.finditer(text):
-        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
 
 
 def close(got, want, what, tol=F32):

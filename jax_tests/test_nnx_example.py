@@ -22,8 +22,8 @@ def test_nnx_block_trains_through_overlap_with_the_plain_losses_and_fused_ops():
     np.testing.assert_allclose(fused, plain, rtol=1e-4)
     assert plain[-1] < plain[0]  # it trains
     # Row-parallel products' all-reduce over `model` (forward and backward)
-    # and the weight gradients' over `data`, each 4 chunked reduce-scatters.
-    assert count >= 16, "\n".join(report)
+    # and the weight gradients' over `data`, each one fused op.
+    assert count >= 4, "\n".join(report)
     partitioned = [line for line in report if line.startswith("overlap[partitioned]")]
     assert any("matmul_all_reduce over ('model',)" in line for line in partitioned), "\n".join(report)
     assert any("matmul_all_reduce over ('data',)" in line for line in partitioned), "\n".join(report)

@@ -6,6 +6,7 @@ not to fuse, and a report line for every shard_map body."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import commfuse
 from commfuse import _calibration
 from conftest import assert_close, place, rand
-from programs import fsdp_mlp, make_mesh
+from programs import collectives, fsdp_mlp, make_mesh
 
 # --------------------------------------------------------------------------
 # Beside XLA's own collectives
@@ -224,38 +225,60 @@ def test_matmul_all_reduce_matches_psum(schedule, tiles, dtype):
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("schedule,calls", [("sequential", 1), ("ring", 4)])
-def test_matmul_all_reduce_chunks_only_where_chunks_overlap(schedule, calls):
-    # Chunks let one chunk's all-gather run beside the next one's fused
-    # reduce-scatter; a sequential schedule overlaps nothing, so by default
-    # it is one call (each call has a fused call's fixed cost).
+@pytest.mark.parametrize("schedule,tiles", [("sequential", None), ("ring", None), ("bidirectional", 1), ("auto", 2)])
+def test_matmul_all_reduce_is_one_fused_op_and_leaves_no_collective_to_xla(schedule, tiles):
+    # Both halves of the all-reduce run inside the one op.
     mesh = make_mesh({"x": 4})
     x, w = rand((2, 16, 32), seed=3), rand((32, 12), seed=4)
-    f = jax.jit(jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule=schedule), mesh=mesh,
-                              in_specs=(P(None, None, "x"), P("x")), out_specs=P()))
-    assert f.lower(x, w).compile().as_text().count('custom_call_target="commfuse_collective_matmul') == calls
+    op = lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule=schedule, tiles=tiles)  # noqa: E731
+    f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(None, None, "x"), P("x")), out_specs=P()))
+    assert collectives(f.lower(x, w).compile().as_text()) == {"commfuse": 1}
     assert_close(np.asarray(f(x, w)), np.einsum("bsk,kn->bsn", x.astype(np.float64), w), np.float32)
 
 
-def test_a_plans_all_reduce_decisions_keep_their_chunks_under_a_sequential_schedule():
+@pytest.mark.parametrize("schedule,plan", [("sequential", "sequential"), ("ring", "sliced(4)"),
+                                           ("bidirectional", "sliced(4)")])
+def test_an_all_reduce_runs_in_chunks_where_chunks_overlap(schedule, plan):
+    # Chunk c's two rings run while chunk c+1 is multiplied; a sequential
+    # schedule overlaps nothing, so it runs unchunked.
+    mesh = make_mesh({"x": 4})
+    x, w = rand((2, 16, 32), seed=3), rand((32, 12), seed=4)
+    body = jax.shard_map(lambda a, b: jax.lax.psum(a @ b, "x"), mesh=mesh, in_specs=(P(None, None, "x"), P("x")),
+                         out_specs=P())
+    g = commfuse.overlap(body, schedule=schedule)
+    assert_close(np.asarray(jax.jit(g)(x, w)), np.einsum("bsk,kn->bsn", x.astype(np.float64), w), np.float32)
+    assert [d.schedule_name for op in g.last_decisions for d in op.calls] == [plan], g.last_report
+
+
+def test_matmul_all_reduce_refuses_chunks_under_a_sequential_schedule():
+    mesh = make_mesh({"x": 4})
+    f = jax.shard_map(lambda a, b: commfuse.matmul_all_reduce(a, b, "x", schedule="sequential", tiles=2), mesh=mesh,
+                      in_specs=(P(None, "x"), P("x")), out_specs=P())
+    with pytest.raises(ValueError, match="tiles=2 with schedule='sequential'"):
+        jax.jit(f).lower(jnp.ones((16, 8)), jnp.ones((8, 4)))
+
+
+def test_a_plans_all_reduce_decision_is_kept_under_a_sequential_schedule():
     # bench_plan runs a plan's decisions with schedule="sequential" for what
-    # they leave unfused: the imposed chunks (made under auto, 4 of them)
-    # must still be found, not replaced by sequential's single chunk.
+    # they leave unfused: the imposed decision (made under ring, in 4
+    # chunks) must still be found, not replaced by sequential's.
     mesh = make_mesh({"x": 4})
     x, w = rand((2, 16, 32), seed=5), rand((32, 12), seed=6)
     body = jax.shard_map(lambda a, b: jax.lax.psum(a @ b, "x"), mesh=mesh, in_specs=(P(None, None, "x"), P("x")),
                          out_specs=P())
 
-    def calls(ov):
-        return jax.jit(ov).lower(x, w).compile().as_text().count('custom_call_target="commfuse_collective_matmul')
+    def compiled(ov):
+        return collectives(jax.jit(ov).lower(x, w).compile().as_text())
 
     ring = commfuse.overlap(body, schedule="ring")
-    assert calls(ring) == 4
+    assert compiled(ring) == {"commfuse": 1}
     imposed = commfuse.overlap(body, schedule="sequential", decisions=ring.last_decisions)
-    assert calls(imposed) == 4
+    assert compiled(imposed) == {"commfuse": 1}
     fused = [d for op in imposed.last_decisions for d in op.calls if d.fused]
-    assert fused and all(d.schedule_name == "ring" for d in fused), imposed.last_decisions
-    assert calls(commfuse.overlap(body, schedule="sequential")) == 1
+    assert [d.schedule_name for d in fused] == ["sliced(4)"], imposed.last_decisions
+    sequential = commfuse.overlap(body, schedule="sequential")
+    assert compiled(sequential) == {"commfuse": 1}
+    assert [d.schedule_name for op in sequential.last_decisions for d in op.calls] == ["sequential"]
     assert_close(np.asarray(jax.jit(imposed)(x, w)), np.einsum("bsk,kn->bsn", x.astype(np.float64), w), np.float32)
 
 
@@ -334,3 +357,19 @@ def test_every_shard_map_body_gets_a_report_line(case, capsys):
     printed = capsys.readouterr().out
     assert g.last_report and all(line in printed for line in g.last_report)
     assert any(expect in line for line in g.last_report), g.last_report
+
+
+def test_a_dp_tp_step_leaves_xla_no_all_reduce_of_a_product():
+    # Every all-reduce of dp_tp_row_parallel but the loss's (a scalar) is a
+    # product's: under ring each is one fused op, and XLA runs none of them.
+    from programs import dp_tp_row_parallel
+
+    program = dp_tp_row_parallel.PROGRAM
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(3))
+    text = jax.jit(commfuse.overlap(fn, schedule="ring")).lower(*args).compile().as_text()
+    assert collectives(text) == {"all-reduce": 1, "commfuse": 3}, collectives(text)
+    assert re.search(r"= f32\[\] all-reduce(?:-start)?\(", text), "the one XLA all-reduce is the scalar loss's"
+    for got, want in zip(jax.tree.leaves(jax.jit(commfuse.overlap(fn, schedule="ring"))(*args)),
+                         jax.tree.leaves(jax.jit(fn)(*args))):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)

@@ -13,7 +13,7 @@ import numpy as np
 
 import commfuse
 from conftest import P
-from programs import make_mesh
+from programs import collectives, make_mesh
 
 
 def _close(got, want, tol=1e-5):
@@ -92,6 +92,19 @@ def test_forward_mode_through_every_named_op_kind():
                                                               out_specs=out_spec), (x, w), (dx, dw)))(x, w)
                 for f in (named, plain)]
         _close(*jvps, tol=1e-4)
+
+
+def test_vmap_of_matmul_all_reduce_joins_the_batch_to_the_rows():
+    # One fused op on the batch's rows together (not jax.lax's psum per item).
+    mesh = make_mesh({"tp": 4})
+    rng = np.random.default_rng(17)
+    x = jax.device_put(rng.standard_normal((3, 16, 32)).astype(np.float32),
+                       jax.NamedSharding(mesh, P(None, None, "tp")))
+    w = jax.device_put(rng.standard_normal((32, 8)).astype(np.float32), jax.NamedSharding(mesh, P("tp")))
+    body = lambda x, w: jax.vmap(lambda xi: commfuse.matmul_all_reduce(xi, w, "tp", schedule="ring"))(x)  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp")), out_specs=P()))
+    assert collectives(f.lower(x, w).compile().as_text()) == {"commfuse": 1}
+    _close(f(x, w), np.einsum("bsk,kn->bsn", np.asarray(x, np.float64), np.asarray(w, np.float64)), 1e-4)
 
 
 def test_jacrev_of_fused_ops_batches_the_backward_ops():

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// The op kinds; a kind's code is its index (`_abi.Kind`).
-pub const KINDS: [OpKind; 10] = [
+pub const KINDS: [OpKind; 11] = [
     OpKind::AllGatherMatmul,
     OpKind::AllGatherMatmulContract,
     OpKind::MatmulAllGather,
@@ -29,6 +29,7 @@ pub const KINDS: [OpKind; 10] = [
     OpKind::AllToAllMatmulContract,
     OpKind::MatmulAllToAll,
     OpKind::MatmulAllToAllCols,
+    OpKind::MatmulAllReduce,
 ];
 
 /// The attributes of a fused op's call, as Python's lowering writes them
@@ -100,10 +101,10 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                     plan::MAX_CHUNKS
                 )));
             }
-            if !Schedule::sliceable(kind.pattern()) || !kind.row_blocks() {
+            if !Schedule::sliceable(kind.pattern()) || !kind.cuts_rows() {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: schedule \"{what}\" exists only for all_gather_matmul and matmul_reduce_scatter along a \
-                     row dim"
+                     row dim, and matmul_all_reduce"
                 )));
             }
             let chunks = chunks as usize;
@@ -223,7 +224,12 @@ pub fn tables() -> Value {
     let kind_info: serde_json::Map<String, Value> = KINDS
         .iter()
         .map(|&k| {
-            let info = json!({"operands": k.operand_names(), "op": k.name(), "row_blocks": k.row_blocks()});
+            let info = json!({
+                "operands": k.operand_names(),
+                "op": k.name(),
+                "row_blocks": k.row_blocks(),
+                "cuts_rows": k.cuts_rows()
+            });
             (screaming_snake(&format!("{k:?}")), info)
         })
         .collect();
@@ -253,7 +259,7 @@ mod tests {
             assert_eq!(kind(i as i64), Ok(k));
             assert_eq!(kind_code(k), i as i64);
         }
-        assert!(kind(10).is_err() && kind(-1).is_err());
+        assert!(kind(KINDS.len() as i64).is_err() && kind(-1).is_err());
         for &(d, c) in &DTYPES {
             assert_eq!((dtype(c), dtype_code(d)), (Some(d), c));
         }

@@ -35,6 +35,9 @@ pub enum OpKind {
     MatmulAllToAll,
     /// Same, splitting columns: x `[m, k]`, w `[k, N*c]`, output stacked `[N, m, c]`.
     MatmulAllToAllCols,
+    /// `psum(x @ w)`: x `[N*b, k]`, w `[k, n]`, output `[N*b, n]`; partials of
+    /// row blocks travel and are summed, then the sums travel to every rank.
+    MatmulAllReduce,
 }
 
 impl OpKind {
@@ -56,6 +59,7 @@ impl OpKind {
             MatmulReduceScatter | MatmulReduceScatterCols => "matmul_reduce_scatter",
             AllToAllMatmul | AllToAllMatmulContract => "all_to_all_matmul",
             MatmulAllToAll | MatmulAllToAllCols => "matmul_all_to_all",
+            MatmulAllReduce => "matmul_all_reduce",
         }
     }
 
@@ -64,6 +68,12 @@ impl OpKind {
     /// batches over `x` (a batch dim becomes one more row dim).
     pub fn row_blocks(self) -> bool {
         matches!(self, OpKind::AllGatherMatmul | OpKind::MatmulReduceScatter)
+    }
+
+    /// Whether the "sliced" and "tiled" schedules cut this kind's blocks:
+    /// the row kinds, and the all-reduce (2-D, its blocks are rows).
+    pub fn cuts_rows(self) -> bool {
+        self.row_blocks() || self == OpKind::MatmulAllReduce
     }
 
     pub fn pattern(self) -> Pattern {
@@ -75,6 +85,7 @@ impl OpKind {
             AllToAllMatmul => Pattern::ExchangeThenMatmul { accumulate: false },
             AllToAllMatmulContract => Pattern::ExchangeThenMatmul { accumulate: true },
             MatmulAllToAll | MatmulAllToAllCols => Pattern::MatmulThenExchange,
+            MatmulAllReduce => Pattern::AllReduce,
         }
     }
 }
@@ -303,6 +314,12 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
                     mismatch(k, kw)?;
                     (1, rows, k, n, vec![nr, rows, n])
                 }
+                MatmulAllReduce => {
+                    let (m, k) = two("x", &xd)?;
+                    let (kw, n) = two("w", &wd)?;
+                    mismatch(k, kw)?;
+                    (1, divide("the rows of `x`", m)?, k, n, vec![m, n])
+                }
                 AllToAllMatmulContract => {
                     let (m, kb) = three("x", &xd)?;
                     let (kw, n) = two("w", &wd)?;
@@ -389,8 +406,8 @@ impl Problem {
     /// `sliced` and `tiled`; `what` and `unit` name the schedule and its chunks in errors.
     fn cut_blocks(mut self, slices: usize, what: &str, unit: &str) -> Result<Problem> {
         let name = self.kind.name();
-        if !self.kind.row_blocks() {
-            bail!(InvalidArgument, "{name}: the {what} schedule needs a row gather or scatter");
+        if !self.kind.cuts_rows() {
+            bail!(InvalidArgument, "{name}: the {what} schedule needs a row gather, scatter or all-reduce");
         }
         if slices == 0 {
             bail!(InvalidArgument, "{name}: the {what} schedule needs {unit} >= 1, got 0");
@@ -466,7 +483,7 @@ impl Problem {
             AllGatherMatmulContract | MatmulAllGather | MatmulAllGatherContract => (self.x_len, 0),
             AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.group, 0),
             MatmulReduceScatter | MatmulReduceScatterCols => (0, self.out_len),
-            MatmulAllToAll | MatmulAllToAllCols => (0, self.out_len / self.group),
+            MatmulAllToAll | MatmulAllToAllCols | MatmulAllReduce => (0, self.out_len / self.group),
         };
         let parts = self.slices.unwrap_or(1);
         let (travel, partial) = (travel / parts, partial / parts);
@@ -506,6 +523,14 @@ impl Problem {
                     dst: into((p * nr + j) * seg * n, seg, n, n),
                 })
                 .collect(),
+            MatmulAllReduce => vec![Gemm {
+                lhs: (Side::Src, View::rows(j * seg * k, seg, k)),
+                rhs: (Side::W, w_all),
+                dst: match dst {
+                    Buf::Slot(_) | Buf::Out => View::rows(0, seg, n),
+                    _ => unreachable!("all-reduce products go to a slot or (one rank) the output"),
+                },
+            }],
             MatmulReduceScatter => (0..outer)
                 .map(|p| Gemm {
                     lhs: (Side::Src, View::rows((p * nr + j) * seg * k, seg, k)),
@@ -560,7 +585,7 @@ impl Problem {
                     _ => View::rows((j * seg + c * rows) * n, rows, n),
                 },
             }],
-            OpKind::MatmulReduceScatter => vec![Gemm {
+            OpKind::MatmulReduceScatter | OpKind::MatmulAllReduce => vec![Gemm {
                 lhs: (Side::Src, View::rows((j * seg + c * rows) * k, rows, k)),
                 rhs: (Side::W, w_all),
                 dst: match dst {
@@ -574,6 +599,11 @@ impl Problem {
 
     /// The elements of the output a `Sum` into `dst` writes.
     pub fn out_range(&self, dst: Buf) -> std::ops::Range<usize> {
+        if let (Some(parts), Buf::OutBlock(b), OpKind::MatmulAllReduce) = (self.slices, dst, self.kind) {
+            // Fine block b of the whole output: chunk b % parts of block b / parts.
+            let chunk = self.out_len / (self.group * parts);
+            return b * chunk..(b + 1) * chunk;
+        }
         if let (Some(parts), Buf::OutBlock(b)) = (self.slices, dst) {
             // Chunk b % parts of the own block (a sliced scatter's output).
             let chunk = self.out_len / parts;

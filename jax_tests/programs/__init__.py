@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,9 +40,9 @@ class Program:
     unfused: str = ""
 
 
-# The fused calls of one all-reduce of a product (`psum(x @ w)`): the
-# default chunks of `commfuse.matmul_all_reduce`, each a fused reduce-scatter.
-ALL_REDUCE_CHUNKS = 4
+# The fused calls of one all-reduce of a product (`psum(x @ w)`):
+# `commfuse.matmul_all_reduce` runs both halves, in chunks, in one op.
+ALL_REDUCE_CALLS = 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,17 @@ def make_mesh(axes: dict, devices=None, axis_type: str = "Auto"):
     devices = (devices if devices is not None else jax.devices())[:n]
     types = (getattr(jax.sharding.AxisType, axis_type),) * len(axes)
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=types, devices=devices)
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(text: str) -> dict:
+    """XLA's collectives and commfuse's calls in a compiled program's text
+    (a collective of several operands has a tuple type: any text before it)."""
+    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", text)) for c in _COLLECTIVES}
+    counts["commfuse"] = text.count('custom_call_target="commfuse_collective_matmul')
+    return {k: v for k, v in counts.items() if v}
 
 
 def place(mesh, spec, value):

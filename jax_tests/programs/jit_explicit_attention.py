@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, normal, place
+from . import ALL_REDUCE_CALLS, JitProgram, normal, place
 
 
 def build(mesh, rng):
@@ -37,5 +37,5 @@ def build(mesh, rng):
 # all-reduce); with the gradient: 4 all-reduces over model (the projections' input gradients) and 4 over data (the
 # weight gradients).
 JIT_PROGRAM = JitProgram(name="jit_explicit_attention", mesh={"data": 2, "model": 4}, build=build,
-                         fused=1 * ALL_REDUCE_CHUNKS,
-                         grad_fused=4 * ALL_REDUCE_CHUNKS + 4 * ALL_REDUCE_CHUNKS, axis_type="Explicit")
+                         fused=1 * ALL_REDUCE_CALLS,
+                         grad_fused=4 * ALL_REDUCE_CALLS + 4 * ALL_REDUCE_CALLS, axis_type="Explicit")

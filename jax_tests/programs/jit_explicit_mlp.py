@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, normal, place
+from . import ALL_REDUCE_CALLS, JitProgram, normal, place
 
 
 def build(mesh, rng):
@@ -30,5 +30,5 @@ def build(mesh, rng):
 # Fused calls, as the report's decisions add them up: forward: the second product's psum over model; with the
 # gradient: 2 all-reduces over model (input gradients) and 2 over data (weight gradients).
 JIT_PROGRAM = JitProgram(name="jit_explicit_mlp", mesh={"data": 2, "model": 4}, build=build,
-                         fused=1 * ALL_REDUCE_CHUNKS,
-                         grad_fused=2 * ALL_REDUCE_CHUNKS + 2 * ALL_REDUCE_CHUNKS, axis_type="Explicit")
+                         fused=1 * ALL_REDUCE_CALLS,
+                         grad_fused=2 * ALL_REDUCE_CALLS + 2 * ALL_REDUCE_CALLS, axis_type="Explicit")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, constrainer, mlp_operands
+from . import ALL_REDUCE_CALLS, JitProgram, constrainer, mlp_operands
 
 
 def build(mesh, rng):
@@ -37,7 +37,7 @@ def build(mesh, rng):
 # Fused calls, as the report's decisions add them up: forward: 2 matmul_all_gather over tp; with the gradient: 4
 # of them and the 2 weight gradients' all-reduces over dp.
 JIT_PROGRAM = JitProgram(
-    name="jit_flat_tokens", mesh={"dp": 2, "tp": 4}, build=build, fused=2, grad_fused=4 + 2 * ALL_REDUCE_CHUNKS,
+    name="jit_flat_tokens", mesh={"dp": 2, "tp": 4}, build=build, fused=2, grad_fused=4 + 2 * ALL_REDUCE_CALLS,
     orders_differ="the weight gradients contract batch x sequence: commfuse.matmul's own VJP takes them on the "
                   "3-D operands, JAX's gradient of the flattened program on rows it splits back; XLA gathers one "
                   "more operand for the first")

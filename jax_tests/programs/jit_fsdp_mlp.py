@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, normal, place
+from . import ALL_REDUCE_CALLS, JitProgram, normal, place
 
 
 def build(mesh, rng):
@@ -32,4 +32,4 @@ def build(mesh, rng):
 # matmul_all_gather); with the gradient: 3 matmul_all_gather, 1 all_gather_matmul and the 2 weight gradients'
 # all-reduces over fsdp.
 JIT_PROGRAM = JitProgram(name="jit_fsdp_mlp", mesh={"fsdp": 4}, build=build, fused=2,
-                         grad_fused=3 + 1 + 2 * ALL_REDUCE_CHUNKS)
+                         grad_fused=3 + 1 + 2 * ALL_REDUCE_CALLS)

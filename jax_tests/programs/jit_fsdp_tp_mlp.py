@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, normal, place
+from . import ALL_REDUCE_CALLS, JitProgram, normal, place
 
 
 def build(mesh, rng):
@@ -34,4 +34,4 @@ def build(mesh, rng):
 # gather over fsdp, then psum over tp); with the gradient: twice each, and the 2 weight gradients' all-reduces
 # over fsdp.
 JIT_PROGRAM = JitProgram(name="jit_fsdp_tp_mlp", mesh={"fsdp": 2, "tp": 2}, build=build, fused=1 + 4,
-                         grad_fused=2 * 1 + 2 * 4 + 2 * ALL_REDUCE_CHUNKS)
+                         grad_fused=2 * 1 + 2 * 4 + 2 * ALL_REDUCE_CALLS)

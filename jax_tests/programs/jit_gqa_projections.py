@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, normal, place
+from . import ALL_REDUCE_CALLS, JitProgram, normal, place
 
 
 def build(mesh, rng):
@@ -36,5 +36,5 @@ def build(mesh, rng):
 
 # Fused calls, as the report's decisions add them up: forward: the output projection's psum over tensor; with the
 # gradient: that one and the two input gradients' sums over tensor (of q's and v's projections).
-JIT_PROGRAM = JitProgram(name="jit_gqa_projections", mesh={"tensor": 8}, build=build, fused=1 * ALL_REDUCE_CHUNKS,
-                         grad_fused=3 * ALL_REDUCE_CHUNKS)
+JIT_PROGRAM = JitProgram(name="jit_gqa_projections", mesh={"tensor": 8}, build=build, fused=1 * ALL_REDUCE_CALLS,
+                         grad_fused=3 * ALL_REDUCE_CALLS)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, constrainer, mlp_operands
+from . import ALL_REDUCE_CALLS, JitProgram, constrainer, mlp_operands
 
 
 def build(mesh, rng):
@@ -37,4 +37,4 @@ def build(mesh, rng):
 # Fused calls, as the report's decisions add them up: forward: the sequence gather and the reduce-scatter over
 # tensor; with the gradient: 2 of each and the 2 weight gradients' all-reduces over (data, fsdp).
 JIT_PROGRAM = JitProgram(name="jit_sp_fsdp_mlp", mesh={"data": 2, "fsdp": 2, "tensor": 2}, build=build, fused=1 + 1,
-                         grad_fused=2 + 2 + 2 * ALL_REDUCE_CHUNKS)
+                         grad_fused=2 + 2 + 2 * ALL_REDUCE_CALLS)

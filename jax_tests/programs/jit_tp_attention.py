@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import ALL_REDUCE_CHUNKS, JitProgram, normal, place
+from . import ALL_REDUCE_CALLS, JitProgram, normal, place
 
 
 def build(mesh, rng):
@@ -40,4 +40,4 @@ def build(mesh, rng):
 # Fused calls, as the report's decisions add them up: forward: q, k, v's sequence gathers and the output's
 # reduce-scatter over tp; with the gradient: those 4, 1 matmul_all_gather and 3 all-reduces over tp.
 JIT_PROGRAM = JitProgram(name="jit_tp_attention", mesh={"tp": 4}, build=build, fused=3 + 1,
-                         grad_fused=3 + 1 + 1 + 3 * ALL_REDUCE_CHUNKS)
+                         grad_fused=3 + 1 + 1 + 3 * ALL_REDUCE_CALLS)

@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     ALL_TO_ALL_MATMUL_CONTRACT = 7   # x [N, m, kb]; w [N*kb, n]; out [m, n]
     MATMUL_ALL_TO_ALL = 8            # x [N, C, k]; w [k, n]; out [N, C, n]
     MATMUL_ALL_TO_ALL_COLS = 9       # x [m, k]; w [k, N*c]; out [N, m, c]
+    MATMUL_ALL_REDUCE = 10           # x [N*b, k]; w [k, n]; out [N*b, n]
 
 
 # Schedule codes (``abi::SCHEDULES``): the low byte; "sliced" and "tiled"
@@ -189,4 +190,6 @@ LIMITS = tables()["limits"]
 # Each kind's facts (``OpKind``'s, exported): the kinds of row blocks (what
 # "sliced"/"tiled", fp8 and vmap take), and the attribute names of a call.
 ROW_BLOCK_KINDS = frozenset(Kind[name] for name, info in tables()["kind_info"].items() if info["row_blocks"])
+# The kinds "sliced" and "tiled" cut: the row blocks and the all-reduce.
+CUT_KINDS = frozenset(Kind[name] for name, info in tables()["kind_info"].items() if info["cuts_rows"])
 ATTRIBUTES = tuple(tables()["attributes"])

@@ -198,15 +198,15 @@ def check_schedule(op: str, schedule, slices=_ABSENT, tiles=_ABSENT) -> int:
 def check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> None:
     """A sliced or tiled call must be a row gather or scatter whose block rows divide into the chunks."""
     schedule = cut_schedule(code)
-    if kind not in _abi.ROW_BLOCK_KINDS:
+    if kind not in _abi.CUT_KINDS:
         raise ValueError(
             f"commfuse ({kind.name.lower()}): schedule={schedule!r} exists only for all_gather_matmul and "
-            f"matmul_reduce_scatter along a row dimension (not the last dim)")
+            f"matmul_reduce_scatter along a row dimension (not the last dim), and matmul_all_reduce")
     rows = math.prod(x_shape[:-1])
-    if kind == Kind.MATMUL_REDUCE_SCATTER:
+    if kind in (Kind.MATMUL_REDUCE_SCATTER, Kind.MATMUL_ALL_REDUCE):
         rows //= ranks
     chunks, unit = chunks_of(code), CUT_SCHEDULES[schedule]
-    op = "all_gather_matmul" if kind == Kind.ALL_GATHER_MATMUL else "matmul_reduce_scatter"
+    op = kind.name.lower()
     if rows and chunks > rows:
         raise ValueError(
             f"commfuse.{op}: {unit}={chunks} is more than the {rows} rows of each rank's block (all dims of x but "

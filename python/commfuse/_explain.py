@@ -19,7 +19,8 @@ from ._decide import Machine, judge, may_decline, us
 
 def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
     """(kind, dimension, first shape, second shape) of the library call `op` makes."""
-    if op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_gather") and (len(x) < 2 or len(w) != 2):
+    if op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_gather", "matmul_all_reduce") and (
+            len(x) < 2 or len(w) != 2):
         raise ValueError(f"commfuse.explain: {op}: x must have rank >= 2 and w rank 2, got x {x}, w {w}")
     if op == "all_gather_matmul":
         return _all_gather_matmul.layout(x, w, n, dimension)
@@ -27,6 +28,8 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
         return _matmul_reduce_scatter.layout(x, w, n, dimension, axis_name=f"n={n}")
     if op == "matmul_all_gather":
         return _matmul_all_gather.layout(x, w, n, dimension)
+    if op == "matmul_all_reduce":  # x's rows, all dims but the last
+        return _abi.Kind.MATMUL_ALL_REDUCE, 0, (int(np.prod(x[:-1])), x[-1]), w
     if op in ("all_to_all_matmul", "matmul_all_to_all"):
         # x is given as the blocks for each of the n peers, stacked: [n, rows, k].
         if len(x) != 3 or x[0] != n or len(w) != 2:
@@ -36,7 +39,7 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
                   else _all_to_all.layout_matmul_all_to_all)
         return layout((n * x[1], x[2]), w, n, 0, 0)
     raise ValueError(f"commfuse.explain: unknown op {op!r}; expected all_gather_matmul, matmul_reduce_scatter, "
-                     "matmul_all_gather, all_to_all_matmul or matmul_all_to_all")
+                     "matmul_all_gather, matmul_all_reduce, all_to_all_matmul or matmul_all_to_all")
 
 
 def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
@@ -131,14 +134,15 @@ def unfused_temporaries(op: str, x: tuple, w: tuple, n: int, itemsize: int) -> i
     """Bytes of the intermediate the unfused jax.lax expression of `op`
     materializes on one device: the gathered operand (all_gather(x) @ w,
     x @ all_gather(w)), the whole product before it is scattered
-    (psum_scatter(x @ w)), or the exchanged operand or product (all-to-all)."""
+    (psum_scatter(x @ w), psum(x @ w)), or the exchanged operand or product
+    (all-to-all)."""
     size = lambda shape: int(np.prod(shape)) * itemsize
     rows = int(np.prod(x[:-1]))
     if op == "all_gather_matmul":
         return n * size(x)
     if op == "matmul_all_gather":
         return n * size(w)
-    if op == "matmul_reduce_scatter":
+    if op in ("matmul_reduce_scatter", "matmul_all_reduce"):
         return rows * w[1] * itemsize
     if op == "all_to_all_matmul":
         return size(x)

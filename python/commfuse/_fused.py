@@ -23,7 +23,7 @@ from . import _abi, _compat, _native, _nccl_id
 from ._checks import check_elements
 from ._decision import NONE, Call, Decision, as_asked
 from ._placement import ACROSS_PROCESSES, spanning_axes
-from ._unfused import empty_result, unfused
+from ._unfused import empty_result, result_varying, unfused
 from ._varying import vma_checked
 
 # The contract's tables live in `_abi`; the names used throughout the ops.
@@ -96,7 +96,7 @@ def bind(decision: Decision, x, w, *, axes, scales=(), fast_f32: bool = True):
         # jax.lax's all_gather and psum_scatter lower no empty gathered or
         # scattered dim: zeros, with no communication (every rank has the
         # same shapes), as jax.lax's dot gives for an empty contraction.
-        return empty_result(x, w, decision.out_shape, call.out_dtype, axes)
+        return empty_result(call.kind, x, w, decision.out_shape, call.out_dtype, axes)
     if decision.schedule == UNFUSED:
         return unfused(call.kind, x, w, out_dtype=call.out_dtype, axes=axes, ranks=call.ranks,
                        dimension=call.dimension, fast_f32=fast_f32)
@@ -145,11 +145,12 @@ def measure_call_overhead_s(n: int) -> float:
     return min(t for t, _ in times) - min(t for _, t in times)
 
 
-def _abstract_eval(x, w, *scales, out_shape, out_dtype, axes, **_):
+def _abstract_eval(x, w, *scales, kind, out_shape, out_dtype, axes, **_):
     # Typed as varying over the op's axes (and whatever x and w vary over), so
     # that a custom_vjp and out_specs see the truth (a fused op's result is
-    # not the same on every rank).
-    varying = (_compat.varying_axes(x) | _compat.varying_axes(w) | frozenset(axes)) if vma_checked() else frozenset()
+    # not the same on every rank; an all-reduce's is, over its axes).
+    operands = _compat.varying_axes(x) | _compat.varying_axes(w)
+    varying = result_varying(kind, operands, axes) if vma_checked() else frozenset()
     return _compat.with_varying(x, out_shape, out_dtype, varying)
 
 
@@ -240,6 +241,14 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fas
                                   "x's leading dims")
     x, w = args
     x_dim, w_dim = dims
+    if kind == Kind.MATMUL_ALL_REDUCE and w_dim is _NOT_MAPPED:
+        # The batch joins x's rows: the same schedule on the larger call.
+        x = jnp.moveaxis(x, x_dim, 0)
+        flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+        batched = Call.of(kind, ranks, 0, flat.shape, w.shape, x.dtype, out_dtype)
+        out = bind(as_asked(batched, schedule, "decided for the call before vmap"), flat, w, axes=axes,
+                   fast_f32=fast_f32)
+        return out.reshape(x.shape[0], x.shape[1], w.shape[1]), 0
     if kind not in _abi.ROW_BLOCK_KINDS or w_dim is not _NOT_MAPPED:
         # No fused form batches this (`jax.jacrev` batches a backward op over
         # its cotangent, which may be `w`): jax.lax's collective and dot, batched.

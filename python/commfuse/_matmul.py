@@ -509,8 +509,6 @@ class Decided(NamedTuple):
     @property
     def fused(self) -> int:
         """How many library calls (fused ops) it runs."""
-        if self.all_reduce is not None:
-            return self.all_reduce.tiles * int(self.all_reduce.forward.fused)
         return sum(1 for d in self.calls if d.fused)
 
 
@@ -657,8 +655,6 @@ class Partitioned(NamedTuple):
         if d.all_reduce is not None:
             forward = d.all_reduce.forward
             ran = f"matmul_all_reduce: {forward.schedule_name} ({forward.why})"
-            if forward.fused:
-                ran = f"{d.all_reduce.tiles} x matmul_reduce_scatter: {forward.schedule_name} ({forward.why})"
         else:
             counts = {}
             for decision in d.calls:

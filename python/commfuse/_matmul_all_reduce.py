@@ -1,12 +1,13 @@
 """matmul_all_reduce: ``psum(x @ w, axis)``, tensor parallelism without
 sequence parallelism (a row-parallel linear).
 
-The all-reduce is a reduce-scatter and an all-gather: the rows of ``x`` are
-cut into ``tiles`` chunks; each chunk's product is reduce-scattered by the
-fused ring (``matmul_reduce_scatter``) and then all-gathered, and the
-all-gather of chunk c (jax.lax's own collective) has no data dependence on
-the fused reduce-scatter of chunk c+1, which runs meanwhile. Only the last
-chunk's all-gather is left exposed.
+One fused op (``Kind.MATMUL_ALL_REDUCE``) runs both halves of the
+all-reduce: the partial products of each row block go round a ring and are
+summed (the reduce-scatter), then each block's sum goes round the ring to
+every rank (the all-gather), copied into the output as it passes. Cut into
+chunks (the "sliced" plan), chunk c's two rings run while chunk c+1 is
+multiplied, so only the last chunk's rings are left exposed; nothing of the
+collective is left to XLA.
 
 VJP: the result is the same on every rank, so its cotangent is too, and
 ``d/dx = dY @ wᵀ``, ``d/dw = xᵀ @ dY`` need no communication. Under
@@ -35,8 +36,7 @@ OP = "matmul_all_reduce"
 class _Settings(NamedTuple):
     axes: tuple
     ranks: int
-    tiles: int
-    forward: Decision   # each chunk's fused reduce-scatter (or not fused: jax.lax's psum of the product)
+    forward: Decision   # the fused all-reduce (or not fused: jax.lax's psum of the product)
     out_dtype: object
     fast_f32: bool
 
@@ -45,14 +45,17 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     """Returns ``jax.lax.psum(x @ w, axis_name)``.
 
     Call inside a ``jax.shard_map`` body. ``x`` has rank >= 2 and contracts
-    its last dim with 2-D ``w``'s first. The rows of ``x`` (all dims but the
-    last) are cut into ``tiles`` chunks (default: 4, or the most of 4, 2, 1
-    that divide the rows into a multiple of the axis size; 1 under
-    ``schedule="sequential"``, which overlaps nothing); each chunk is
-    reduce-scattered by the fused ring (``schedule`` as for
-    ``matmul_reduce_scatter``: "auto", "ring", "bidirectional",
-    "sequential") and all-gathered while the next chunk is reduce-scattered.
-    ``schedule="unfused"`` is jax.lax's own ``psum`` of the product.
+    its last dim with 2-D ``w``'s first. One fused op reduce-scatters the
+    product's row blocks (all dims of ``x`` but the last) round a ring and
+    all-gathers their sums round it. ``schedule``: "auto" (the cost model
+    picks the plan, or jax.lax's psum where fusing does not pay), "ring",
+    "bidirectional", "sequential" (the two rings after the whole product;
+    overlaps nothing), or "unfused" (jax.lax's own ``psum`` of the
+    product). ``tiles``: the rows are cut into that many chunks, each
+    reduced and gathered inside the op while the next chunk is multiplied
+    (the "sliced" plan); default under "ring" and "bidirectional": 4, or
+    the most of 4, 2, 1 that divide the rows into a multiple of the axis
+    size; under "auto" the cost model's choice. Not with "sequential".
     """
     return run(decide(x, w, axis_name, schedule=schedule, tiles=tiles, precision=precision,
                       preferred_element_type=preferred_element_type), x, w)
@@ -88,48 +91,48 @@ def run(decision: OpDecision, x, w):
 
 
 def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Policy, tiles, fast_f32: bool) -> _Settings:
-    """The settings one call runs with: the tiles (default: 4, or the most of
-    4, 2, 1 that divide the rows into a multiple of the axis size; 1 under
-    a sequential schedule, unless decisions are imposed) and each
-    chunk's decision (``auto``: unfused where nothing can be cut into a
-    ring's blocks or the cost model predicts no gain; unfused, the whole op
-    is one psum rather than chunked gathers)."""
+    """The settings one call runs with: its decision (``auto``: unfused
+    where nothing can be cut into a ring's blocks or the cost model
+    predicts no gain; a decision imposed by a plan as it was made), the
+    chunks ("sliced") where `tiles` or the schedule asks for them."""
     rows = math.prod(x_shape[:-1])
-    if tiles is None:
-        # Chunks let one chunk's gather run beside the next one's reduce-
-        # scatter; a sequential schedule overlaps nothing, so they would only
-        # add calls (each with a fused call's fixed cost). Imposed decisions
-        # (a plan's) were made for the default chunks: their calls keep them.
-        sequential = policy.asked == _abi.SCHEDULES["sequential"] and not policy.imposed
-        choices = (1,) if sequential else (4, 2, 1)
-        tiles = next((t for t in choices if rows % (t * ranks) == 0), None)
-    chunk = Call.of(_abi.Kind.MATMUL_REDUCE_SCATTER, ranks, 0, (rows // (tiles or 1), x_shape[-1]), w_shape, dtype,
-                    out_dtype)
+    call = Call.of(_abi.Kind.MATMUL_ALL_REDUCE, ranks, 0, (rows, x_shape[-1]), w_shape, dtype, out_dtype)
+    asked = policy.asked
+    ring_like = asked in (_abi.SCHEDULES["ring"], _abi.SCHEDULES["bidirectional"])
 
     def unfused(why):  # the whole op as jax.lax's psum of the product
-        return Decision(chunk, _abi.UNFUSED, why, (*x_shape[:-1], w_shape[-1]))
+        return Decision(call, _abi.UNFUSED, why, (*x_shape[:-1], w_shape[-1]))
 
+    def refuse(why):
+        if asked == _abi.AUTO:
+            return unfused(f"auto: {why}")
+        if policy.strict:
+            raise ValueError(f"commfuse.{OP}: {why} for schedule={_abi.schedule_name(asked)!r}")
+        return unfused(f"schedule={_abi.schedule_name(asked)!r} cannot run on these shards: {why}")
+
+    if tiles not in (None, 1) and asked == _abi.SCHEDULES["sequential"] and policy.strict:
+        raise ValueError(f"commfuse.{OP}: tiles={tiles} with schedule='sequential': chunks overlap nothing there; "
+                         "leave tiles unset or pick 'ring', 'bidirectional' or 'auto'")
     if 0 in x_shape or 0 in w_shape:
         # Nothing to cut into a ring's blocks (and jax.lax all-gathers no
         # empty chunk): jax.lax's own psum of the product, empty or zeros.
-        forward = unfused("an operand has no elements")
-    elif policy.asked == _abi.UNFUSED:
+        return _Settings(tuple(axes), ranks, unfused("an operand has no elements"), np.dtype(out_dtype), fast_f32)
+    if asked == _abi.UNFUSED:
         forward = unfused("as asked")
-    elif tiles is None or rows % (tiles * ranks):
-        t = f"T = tiles = {tiles}" if tiles is not None else "T = 1, 2 or 4"
-        why = (f"x has {rows} rows (all dims but the last, x.shape={tuple(x_shape)}), and a ring over {ranks} "
-               f"devices cuts them into {ranks} x T equal blocks ({t})")
-        if policy.asked == _abi.AUTO:
-            forward = unfused(f"auto: {why}")
-        elif policy.strict:
-            raise ValueError(f"commfuse.{OP}: {why} for schedule={_abi.schedule_name(policy.asked)!r}")
-        else:
-            forward = unfused(f"schedule={_abi.schedule_name(policy.asked)!r} cannot run on these shards: {why}")
+    elif rows % ranks or (tiles is not None and rows % (tiles * ranks)):
+        t = f"T = tiles = {tiles}" if tiles is not None else "T = 1"
+        forward = refuse(f"x has {rows} rows (all dims but the last, x.shape={tuple(x_shape)}), and a ring over "
+                         f"{ranks} devices cuts them into {ranks} x T equal blocks ({t})")
     elif ranks == 1:
         forward = unfused("one rank: nothing to reduce")
     else:
-        forward = decide_call(chunk, policy, axes)
-    return _Settings(tuple(axes), ranks, int(tiles or 1), forward, np.dtype(out_dtype), fast_f32)
+        if ring_like or (asked == _abi.AUTO and tiles is not None):
+            # Chunks let chunk c's two rings run while chunk c+1 is multiplied.
+            chunks = tiles or next(t for t in (4, 2, 1) if rows % (t * ranks) == 0)
+            if chunks > 1:
+                policy = policy.with_asked(_abi.schedule_code("sliced", chunks))
+        forward = decide_call(call, policy, axes)
+    return _Settings(tuple(axes), ranks, forward, np.dtype(out_dtype), fast_f32)
 
 
 def _unfused(x, w, static):
@@ -138,33 +141,13 @@ def _unfused(x, w, static):
     return jax.lax.psum(y, static.axes)
 
 
-def _gather_invariant(y, axes):
-    """all_gather typed as the same on every rank (as psum's result is), where
-    varying axes are tracked; JAX spells the option ``to="invarying"``."""
-    if not _varying.vma_checked():
-        return jax.lax.all_gather(y, axes, tiled=True)
-    try:
-        return jax.lax.all_gather(y, axes, tiled=True, to="invarying")
-    except ValueError:  # a JAX that spells it "invariant"
-        return jax.lax.all_gather(y, axes, tiled=True, to="invariant")
-
-
 def forward(x, w, static: _Settings):
     """The all-reduce of ``x @ w`` over ``static.axes`` (operands promoted and
-    typed): chunked fused reduce-scatters, each chunk all-gathered while the
-    next is reduce-scattered. Also the jit-level ``commfuse.matmul``'s
-    lowering of this pattern."""
+    typed): one fused op on x's rows, or jax.lax's psum of the product. Also
+    the jit-level ``commfuse.matmul``'s lowering of this pattern."""
     if not static.forward.fused:
         return _unfused(x, w, static)
-    tiles = static.tiles
-    flat = _fused.rows_2d(x)
-    chunk = flat.shape[0] // tiles
-    outs = []
-    for c in range(tiles):
-        part = _fused.bind(static.forward, flat[c * chunk:(c + 1) * chunk], w, axes=static.axes,
-                           fast_f32=static.fast_f32)
-        outs.append(_gather_invariant(part, static.axes))
-    out = outs[0] if tiles == 1 else jnp.concatenate(outs, axis=0)
+    out = _fused.bind(static.forward, _fused.rows_2d(x), w, axes=static.axes, fast_f32=static.fast_f32)
     return out.reshape(x.shape[:-1] + (w.shape[1],))
 
 

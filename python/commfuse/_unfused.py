@@ -11,12 +11,20 @@ import jax.numpy as jnp
 from ._abi import Kind
 from ._varying import make_varying, varying_axes, vma_checked
 
-def empty_result(x, w, shape, dtype, axes):
+def result_varying(kind: "Kind", operands: frozenset, axes) -> frozenset:
+    """The mesh axes a result of `kind` varies over: its `operands`' and the
+    op's own, except an all-reduce's (its result is the same on every rank
+    of them, as jax.lax.psum's is)."""
+    varying = frozenset(operands)
+    return varying - frozenset(axes) if kind == Kind.MATMUL_ALL_REDUCE else varying | frozenset(axes)
+
+
+def empty_result(kind: "Kind", x, w, shape, dtype, axes):
     """Zeros of `shape`, typed as varying like a fused op's result."""
     zeros = jnp.zeros(shape, dtype)
     if not vma_checked():
         return zeros
-    return make_varying(zeros, varying_axes(x) | varying_axes(w) | frozenset(axes))
+    return make_varying(zeros, result_varying(kind, varying_axes(x) | varying_axes(w), axes))
 
 
 def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, fast_f32: bool):
@@ -57,6 +65,8 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
         return dot(jnp.moveaxis(moved, 0, 1).reshape(moved.shape[1], moved.shape[0] * moved.shape[2]), w)
     if kind == K.MATMUL_ALL_TO_ALL:
         return a2a(dot(x, w))
+    if kind == K.MATMUL_ALL_REDUCE:
+        return jax.lax.psum(dot(x, w), axes)
     # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
     y = dot(x, w)
     return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))

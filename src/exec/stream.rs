@@ -118,7 +118,7 @@ mod tests {
     use std::thread::ThreadId;
 
     const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-    const PATTERNS: [Pattern; 6] = Pattern::ALL;
+    const PATTERNS: [Pattern; 7] = Pattern::ALL;
 
     fn all_plans() -> impl Iterator<Item = Plan> {
         PATTERNS.into_iter().flat_map(|p| {

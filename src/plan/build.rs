@@ -7,7 +7,15 @@ use super::*;
 pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan {
     assert!(n >= 1 && rank < n, "rank {rank} out of range for {n} ranks");
     let schedule = schedule.resolve(n, pattern);
-    let mut b = Builder { steps: Vec::new(), slots: Vec::new(), n, rank, result: None, products: 0 };
+    let mut b = Builder {
+        steps: Vec::new(),
+        slots: Vec::new(),
+        n,
+        rank,
+        result: None,
+        products: 0,
+        all_reduce: (pattern == Pattern::AllReduce).then(|| AllGatherRings::new(n, schedule.chunks())),
+    };
     let sequential = schedule == Schedule::Sequential;
     if schedule.cuts_blocks() {
         let k = schedule.chunks();
@@ -16,8 +24,8 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
         match pattern {
             Pattern::Gather { accumulate: false } if tiled => b.gather_tiled(k),
             Pattern::Gather { accumulate: false } => b.gather_sliced(k),
-            Pattern::Scatter if tiled => b.scatter_tiled(k),
-            Pattern::Scatter => b.scatter_sliced(k),
+            Pattern::Scatter | Pattern::AllReduce if tiled => b.scatter_tiled(k),
+            Pattern::Scatter | Pattern::AllReduce => b.scatter_sliced(k),
             other => panic!("no {schedule:?} plan for {other:?}: only row gathers and scatters are cut into chunks"),
         }
         return Plan { pattern, schedule, n, rank, slots: b.slots, steps: b.steps };
@@ -31,9 +39,9 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
                 _ => b.gather_matmul_overlapped(chain_lengths(schedule, n)),
             }
         }
-        Pattern::Scatter if n == 1 => b.local_product(Buf::XBlock(0)),
-        Pattern::Scatter if sequential => b.matmul_then_scatter(),
-        Pattern::Scatter => b.matmul_scatter_overlapped(chain_lengths(schedule, n)),
+        Pattern::Scatter | Pattern::AllReduce if n == 1 => b.local_product(Buf::XBlock(0)),
+        Pattern::Scatter | Pattern::AllReduce if sequential => b.matmul_then_scatter(),
+        Pattern::Scatter | Pattern::AllReduce => b.matmul_scatter_overlapped(chain_lengths(schedule, n)),
         Pattern::ExchangeThenMatmul { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
             b.exchange_then_matmul(sequential);
@@ -65,6 +73,29 @@ struct Builder {
     result: Option<usize>,
     /// Products pushed so far (the first into the accumulator overwrites it).
     products: usize,
+    /// `Pattern::AllReduce`: the all-gather rings that follow each reduced block.
+    all_reduce: Option<AllGatherRings>,
+}
+
+/// The all-gather half of an all-reduce plan: after a block (or a chunk of
+/// one) is reduced, its sum goes round the ring so that every rank copies
+/// every block's sum into its output.
+struct AllGatherRings {
+    /// The chunks a block is cut into (1 unless sliced or tiled).
+    chunks: usize,
+    /// Rings emitted so far: each takes the next N-1 tags.
+    rings: usize,
+    /// The first tag step of the rings, past every reduce-scatter tag
+    /// (those stay below chunks * N).
+    first_tag: usize,
+    /// Two slots the passing sums alternate in, made at the first ring.
+    slots: Option<[usize; 2]>,
+}
+
+impl AllGatherRings {
+    fn new(n: usize, chunks: usize) -> AllGatherRings {
+        AllGatherRings { chunks, rings: 0, first_tag: chunks * n, slots: None }
+    }
 }
 
 impl Builder {
@@ -200,7 +231,7 @@ impl Builder {
             terms.push(slot);
             deps.push(arrived);
         }
-        self.push(Lane::Compute, Action::Sum { terms, dst: Buf::Out }, deps);
+        self.reduced(Lane::Compute, terms, Buf::Out, deps);
     }
 
     /// One chain (ring). The compute lane only multiplies; the comm lane
@@ -299,7 +330,7 @@ impl Builder {
             exchanges.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![last]));
         }
         let terms = vec![Buf::Slot(partial[self.rank]), Buf::Slot(incoming[(self.n - 2) % 2])];
-        self.push(Lane::Compute, Action::Sum { terms, dst: Buf::Out }, vec![exchanges[self.n - 2]]);
+        self.reduced(Lane::Compute, terms, Buf::Out, vec![exchanges[self.n - 2]]);
     }
 
     /// All-to-all, then matmul. Step s sends block r+s of the local x to rank
@@ -480,7 +511,7 @@ impl Builder {
                 terms.push(Buf::Slot(incoming[(n - 2) % incoming.len()]));
             }
             let dst = Buf::OutBlock(self.rank * k + c);
-            reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, deps));
+            reduced.push(self.reduced(Lane::Comm, terms, dst, deps));
         }
     }
 
@@ -559,8 +590,69 @@ impl Builder {
                 terms.push(Buf::Slot(sums[t][(n - 2) % 2]));
                 deps.push(exchanges[n - 2][t]);
             }
-            self.push(Lane::Compute, Action::Sum { terms, dst: Buf::OutBlock(r * k + t) }, deps);
+            self.reduced(Lane::Compute, terms, Buf::OutBlock(r * k + t), deps);
         }
+    }
+
+    /// The end of block `dst`'s reduction: `terms` (the own partial, then
+    /// the sums received) summed into `dst` (`Out`: the own block; or a fine
+    /// `OutBlock`). An all-reduce sums them in place into the own partial and
+    /// sends that round the ring instead (see `all_gather_sum`). Returns the
+    /// last step that uses the partial slots of `terms`.
+    fn reduced(&mut self, lane: Lane, terms: Vec<Buf>, dst: Buf, deps: Vec<StepId>) -> StepId {
+        if self.all_reduce.is_none() {
+            return self.push(lane, Action::Sum { terms, dst }, deps);
+        }
+        let own = terms[0];
+        // The step that completes the own sum: the sum of the terms, or
+        // (one rank) the product that wrote it.
+        let done = if terms.len() > 1 {
+            self.push(lane, Action::Sum { terms, dst: own }, deps)
+        } else {
+            self.steps.iter().rposition(|s| s.action.writes().contains(&own)).expect("the own partial is written")
+        };
+        let chunk = match dst {
+            Buf::OutBlock(b) => b % self.all_reduce.as_ref().map_or(1, |g| g.chunks),
+            _ => 0,
+        };
+        let deps = if self.steps[done].lane == Lane::Comm { vec![] } else { vec![done] };
+        self.all_gather_sum(own, chunk, deps)
+    }
+
+    /// The all-gather ring of one reduced block (chunk `chunk` of each
+    /// block): the own sum, in `own`, is copied into the output and sent on;
+    /// at step s the sum of block rank-1-s arrives, is copied into its output
+    /// block and sent on at step s+1. The copies run on the comm lane between
+    /// the exchanges, so the compute lane goes on with the next chunk. `deps`:
+    /// the steps of the compute lane that finished the own sum. Returns the
+    /// ring's last step.
+    fn all_gather_sum(&mut self, own: Buf, chunk: usize, deps: Vec<StepId>) -> StepId {
+        let n = self.n;
+        let rings = self.all_reduce.as_ref().expect("an all-reduce plan");
+        let (chunks, first) = (rings.chunks, rings.first_tag + rings.rings * n.saturating_sub(1));
+        let slots = match rings.slots {
+            Some(slots) => slots,
+            None => {
+                let slots = [self.slot(SlotKind::Partial), self.slot(SlotKind::Partial)];
+                self.all_reduce.as_mut().expect("an all-reduce plan").slots = Some(slots);
+                slots
+            }
+        };
+        self.all_reduce.as_mut().expect("an all-reduce plan").rings += 1;
+        let fine = |j: usize| Buf::OutBlock(j * chunks + chunk);
+        let mut last = self.push(Lane::Comm, Action::Sum { terms: vec![own], dst: fine(self.rank) }, deps);
+        let mut held = own;
+        for s in 0..n - 1 {
+            let tag = tag(Direction::Forward, first + s);
+            let arrived = Buf::Slot(slots[s % 2]);
+            let sends = vec![Transfer { peer: self.next(), buf: held, tag }];
+            let recvs = vec![Transfer { peer: self.prev(), buf: arrived, tag }];
+            self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![]);
+            let from = self.block(-1 - s as isize);
+            last = self.push(Lane::Comm, Action::Sum { terms: vec![arrived], dst: fine(from) }, vec![]);
+            held = arrived;
+        }
+        last
     }
 
     /// Copies the block received at step s into its output block.

@@ -65,23 +65,33 @@ pub enum Pattern {
     /// Rank q multiplies the block for rank j and sends it there; received
     /// blocks are copied into the output.
     MatmulThenExchange,
+    /// `Scatter`, then each reduced block goes round the ring to every rank
+    /// (an all-gather ring of sums, copied into the output as they pass):
+    /// every rank ends with every block's sum, as an all-reduce does.
+    AllReduce,
 }
 
 impl Pattern {
     /// Every pattern (for exhaustive tests).
-    pub const ALL: [Pattern; 6] = [
+    pub const ALL: [Pattern; 7] = [
         Pattern::Gather { accumulate: false },
         Pattern::Gather { accumulate: true },
         Pattern::Scatter,
         Pattern::ExchangeThenMatmul { accumulate: false },
         Pattern::ExchangeThenMatmul { accumulate: true },
         Pattern::MatmulThenExchange,
+        Pattern::AllReduce,
     ];
 
     /// Whether blocks go round the ring (so a bidirectional schedule exists)
     /// rather than straight to their peer.
     pub fn uses_ring(self) -> bool {
-        matches!(self, Pattern::Gather { .. } | Pattern::Scatter)
+        matches!(self, Pattern::Gather { .. } | Pattern::Scatter | Pattern::AllReduce)
+    }
+
+    /// Whether partial products travel and are summed on the way.
+    pub fn reduces(self) -> bool {
+        matches!(self, Pattern::Scatter | Pattern::AllReduce)
     }
 }
 
@@ -102,7 +112,9 @@ pub enum Schedule {
     /// while chunk c is multiplied; RS: chunk c is reduce-scattered while
     /// chunk c+1 is multiplied). The first gather (AG) or the last
     /// reduce-scatter (RS) is exposed. Row gathers and scatters only
-    /// (`Pattern::Gather { accumulate: false }` and `Pattern::Scatter`).
+    /// (`Pattern::Gather { accumulate: false }` and `Pattern::Scatter`), and
+    /// the all-reduce, whose chunk c is all-gathered inside the op right after
+    /// its reduce-scatter, so both run while chunk c+1 is multiplied.
     ///
     /// In a sliced plan block indices are fine: block `j * slices + c` is
     /// chunk c of block j (in `Matmul::block` and `OutBlock`), `XBlock(c)` of a
@@ -135,7 +147,7 @@ impl std::fmt::Display for Schedule {
 impl Schedule {
     /// Whether sliced and tiled plans exist for `pattern`.
     pub fn sliceable(pattern: Pattern) -> bool {
-        matches!(pattern, Pattern::Gather { accumulate: false } | Pattern::Scatter)
+        matches!(pattern, Pattern::Gather { accumulate: false } | Pattern::Scatter | Pattern::AllReduce)
     }
 
     /// The chunks each block is cut into: a sliced schedule's slices or a

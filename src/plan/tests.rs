@@ -4,7 +4,7 @@ use super::*;
 use std::collections::{BTreeSet, HashMap};
 
 const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-const PATTERNS: [Pattern; 6] = Pattern::ALL;
+const PATTERNS: [Pattern; 7] = Pattern::ALL;
 
 fn all_plans() -> impl Iterator<Item = (Pattern, Schedule, usize, Vec<Plan>)> {
     PATTERNS.into_iter().flat_map(|op| {
@@ -107,7 +107,7 @@ fn expected_piece(pattern: Pattern, rank: usize, block: usize) -> (usize, usize)
 fn sliced_piece(pattern: Pattern, rank: usize, block: usize, k: usize) -> (usize, usize) {
     match pattern {
         Pattern::Gather { .. } => (block / k, block),
-        Pattern::Scatter | Pattern::MatmulThenExchange => (rank, block),
+        Pattern::Scatter | Pattern::AllReduce | Pattern::MatmulThenExchange => (rank, block),
         Pattern::ExchangeThenMatmul { .. } => (block, rank),
     }
 }
@@ -134,7 +134,7 @@ fn simulate(plans: &[Plan], label: &str) {
                         // The whole local x of a gather is this rank's block.
                         Buf::X => [(r, r)].into(),
                         // A sliced gather's XBlock(c) is chunk c of the own block.
-                        Buf::XBlock(c) if sliced && pattern != Pattern::Scatter => [(r, r * k + c)].into(),
+                        Buf::XBlock(c) if sliced && !pattern.reduces() => [(r, r * k + c)].into(),
                         // A sliced scatter's XBlock(j) holds every chunk of block j.
                         Buf::XBlock(j) if sliced => (j * k..(j + 1) * k).map(|b| (r, b)).collect(),
                         Buf::XBlock(j) => [(r, j)].into(),
@@ -151,8 +151,7 @@ fn simulate(plans: &[Plan], label: &str) {
                         let v = read(st, *src);
                         let want: Value = [sliced_piece(pattern, r, *block, k)].into();
                         // A sliced scatter multiplies one chunk of the x block it reads.
-                        let v =
-                            if sliced && pattern == Pattern::Scatter && want.is_subset(&v) { want.clone() } else { v };
+                        let v = if sliced && pattern.reduces() && want.is_subset(&v) { want.clone() } else { v };
                         assert_eq!(v, want, "{label}: rank {r} multiplies {v:?} as block {block}");
                         let v = if *accumulate {
                             let mut acc = match dst {
@@ -179,7 +178,7 @@ fn simulate(plans: &[Plan], label: &str) {
                                 assert!(acc.insert(item), "{label}: rank {r} counts {item:?} twice");
                             }
                         }
-                        if pattern == Pattern::Scatter {
+                        if pattern.reduces() {
                             let blocks: BTreeSet<usize> = acc.iter().map(|(_, b)| *b).collect();
                             assert_eq!(
                                 blocks.len(),
@@ -234,6 +233,7 @@ fn simulate(plans: &[Plan], label: &str) {
         if sliced {
             // Every fine output block is written once, with the right pieces:
             // a gather writes all N*k, a scatter the k chunks of its own block.
+            // An all-reduce writes all N*k, each the sum over every rank.
             let blocks: Vec<usize> = match pattern {
                 Pattern::Scatter => (r * k..(r + 1) * k).collect(),
                 _ => (0..n * k).collect(),
@@ -245,7 +245,7 @@ fn simulate(plans: &[Plan], label: &str) {
                     .unwrap_or_else(|| panic!("{label}: rank {r} never writes fine block {b}"));
                 assert_eq!(*count, 1, "{label}: rank {r} writes fine block {b} {count} times");
                 let want: Value = match pattern {
-                    Pattern::Scatter => (0..n).map(|q| (q, b)).collect(),
+                    Pattern::Scatter | Pattern::AllReduce => (0..n).map(|q| (q, b)).collect(),
                     _ => [sliced_piece(pattern, r, b, k)].into(),
                 };
                 assert_eq!(*v, want, "{label}: rank {r} fine block {b}");
@@ -256,7 +256,7 @@ fn simulate(plans: &[Plan], label: &str) {
         let whole = matches!(
             pattern,
             Pattern::Scatter | Pattern::Gather { accumulate: true } | Pattern::ExchangeThenMatmul { accumulate: true }
-        );
+        ) || (pattern == Pattern::AllReduce && n == 1);
         if whole {
             let (count, v) =
                 st.out_writes.get(&Buf::Out).unwrap_or_else(|| panic!("{label}: rank {r} never writes its output"));
@@ -264,7 +264,7 @@ fn simulate(plans: &[Plan], label: &str) {
             let want: Value = (0..n).map(|q| expected_piece(pattern, r, q)).collect();
             let want: Value = match pattern {
                 // Rank r's scatter output sums everyone's part for r.
-                Pattern::Scatter => (0..n).map(|q| (q, r)).collect(),
+                Pattern::Scatter | Pattern::AllReduce => (0..n).map(|q| (q, r)).collect(),
                 _ => want,
             };
             assert_eq!(*v, want, "{label}: rank {r} output");
@@ -276,12 +276,14 @@ fn simulate(plans: &[Plan], label: &str) {
                     .get(&Buf::OutBlock(j))
                     .unwrap_or_else(|| panic!("{label}: rank {r} never writes block {j}"));
                 assert_eq!(*count, 1, "{label}: rank {r} writes block {j} {count} times");
-                let want = match pattern {
+                let want: Value = match pattern {
                     // The block for r that rank j computed.
-                    Pattern::MatmulThenExchange => (j, r),
-                    _ => expected_piece(pattern, r, j),
+                    Pattern::MatmulThenExchange => [(j, r)].into(),
+                    // Block j summed over every rank.
+                    Pattern::AllReduce => (0..n).map(|q| (q, j)).collect(),
+                    _ => [expected_piece(pattern, r, j)].into(),
                 };
-                assert_eq!(*v, Value::from([want]), "{label}: rank {r} block {j}");
+                assert_eq!(*v, want, "{label}: rank {r} block {j}");
             }
             assert_eq!(st.out_writes.len(), n, "{label}: rank {r} writes outside its blocks");
         }
@@ -357,8 +359,9 @@ fn head_and_tail_are_not_exposed() {
                         assert!(matches!(compute[0].action, Action::Matmul { block: 0, .. }), "{pattern:?}");
                     }
                     // The own block is multiplied while the last transfer runs;
-                    // only the final sum or copy waits for it.
-                    Pattern::Scatter | Pattern::MatmulThenExchange => {
+                    // only the final sum or copy waits for it (an unchunked
+                    // all-reduce's gather ring then runs on the comm lane).
+                    Pattern::Scatter | Pattern::AllReduce | Pattern::MatmulThenExchange => {
                         let [.., own, last] = compute[..] else { panic!() };
                         assert!(matches!(own.action, Action::Matmul { block: 0, src: Buf::XBlock(0), .. }));
                         assert!(own.deps.is_empty(), "{pattern:?}");
@@ -481,7 +484,7 @@ fn workspace_regions_do_not_overlap() {
     }
 }
 
-const SLICEABLE: [Pattern; 2] = [GATHER, Pattern::Scatter];
+const SLICEABLE: [Pattern; 3] = [GATHER, Pattern::Scatter, Pattern::AllReduce];
 
 fn cut_plans(n: usize, schedule: Schedule, pattern: Pattern) -> Vec<Plan> {
     (0..n).map(|r| plan(pattern, schedule, n, r)).collect()
@@ -506,10 +509,12 @@ fn every_sliced_and_tiled_plan_is_correct_and_race_free() {
                             }
                         }
                     }
-                    // One whole ring collective per chunk, or per tile.
+                    // One whole ring collective per chunk, or per tile (an
+                    // all-reduce: a reduce-scatter ring and an all-gather ring).
+                    let rings = if pattern == Pattern::AllReduce { 2 } else { 1 };
                     assert_eq!(
                         p.lane_steps(Lane::Comm).filter(|s| matches!(s.action, Action::Exchange { .. })).count(),
-                        k * (n - 1)
+                        rings * k * (n - 1)
                     );
                 }
                 simulate(&plans, &label);
@@ -641,4 +646,50 @@ fn a_workspace_too_large_to_address_is_an_error() {
     };
     let e = Workspace::layout(&p, &sizes).unwrap_err();
     assert!(e.message().contains("the workspace would exceed"), "{e}");
+}
+
+#[test]
+fn a_sliced_all_reduce_gathers_each_chunk_while_the_next_is_multiplied() {
+    for n in 2..=8 {
+        for k in 2..=4 {
+            for rank in 0..n {
+                let p = plan(Pattern::AllReduce, Schedule::Sliced { slices: k }, n, rank);
+                let hb = happens_before(&p);
+                // Gather exchanges carry the tags past every reduce-scatter's
+                // (k * N on), N-1 per chunk in chunk order.
+                let gather_chunk = |s: &Step| match &s.action {
+                    Action::Exchange { sends, .. } if sends[0].tag.step >= k * n => {
+                        Some((sends[0].tag.step - k * n) / (n - 1))
+                    }
+                    _ => None,
+                };
+                let scatter_chunk = |s: &Step| match &s.action {
+                    Action::Exchange { sends, .. } if sends[0].tag.step < k * n => Some(sends[0].tag.step / (n - 1)),
+                    _ => None,
+                };
+                for c in 0..k - 1 {
+                    let gathers: Vec<&Step> = p.steps.iter().filter(|s| gather_chunk(s) == Some(c)).collect();
+                    assert_eq!(gathers.len(), n - 1, "N={n} k={k} rank {rank} chunk {c}");
+                    // Chunk c+1's products wait for none of chunk c's gather ring.
+                    for product in p
+                        .steps
+                        .iter()
+                        .filter(|s| matches!(s.action, Action::Matmul { block, .. } if block % k == c + 1))
+                    {
+                        for g in &gathers {
+                            assert!(
+                                !hb[g.id][product.id],
+                                "N={n} k={k} rank {rank}: a product of chunk {} waits for chunk {c}'s gather",
+                                c + 1
+                            );
+                        }
+                    }
+                    // On the comm lane, chunk c's gather ring runs before chunk c+1's reduce-scatter.
+                    let next_scatter =
+                        p.steps.iter().find(|s| scatter_chunk(s) == Some(c + 1)).expect("a reduce-scatter");
+                    assert!(gathers.iter().all(|g| g.id < next_scatter.id), "N={n} k={k} rank {rank} chunk {c}");
+                }
+            }
+        }
+    }
 }

@@ -22,6 +22,7 @@ pub(crate) fn cases() -> Vec<Case> {
         (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6], 0),
         (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
         (MatmulAllToAllCols, vec![5, 8], vec![8, 12], vec![4, 5, 3], 0),
+        (MatmulAllReduce, vec![12, 8], vec![8, 6], vec![12, 6], 0),
     ]
 }
 
@@ -180,7 +181,7 @@ fn slicing_needs_leading_rows_that_divide() {
     let e = p(&[2, 6, 5], &[2, 24, 3], 1).unwrap().sliced(2).unwrap_err();
     assert!(e.to_string().contains("leading"), "{e}");
     let cols = Problem::new(OpKind::MatmulReduceScatterCols, op(&[6, 5]), op(&[5, 8]), op(&[6, 2]), 0, 4).unwrap();
-    assert!(cols.sliced(2).unwrap_err().to_string().contains("row gather or scatter"));
+    assert!(cols.sliced(2).unwrap_err().to_string().contains("row gather, scatter or all-reduce"));
 }
 
 #[test]

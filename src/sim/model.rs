@@ -197,7 +197,7 @@ pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f6
     }
     let count = pieces.len();
     let (m, k, c) = match problem.kind {
-        AllGatherMatmul | MatmulReduceScatter | AllToAllMatmul | MatmulAllToAll => (m * count, k, c),
+        AllGatherMatmul | MatmulReduceScatter | AllToAllMatmul | MatmulAllToAll | MatmulAllReduce => (m * count, k, c),
         AllGatherMatmulContract | MatmulAllGatherContract | AllToAllMatmulContract => (m, k * count, c),
         MatmulAllGather | MatmulReduceScatterCols | MatmulAllToAllCols => (m, k, c * count),
     };
@@ -213,7 +213,8 @@ const TILED_MARGIN: f64 = 0.97;
 /// The schedule `schedule="auto"` runs for `problem` over `n` ranks on
 /// `machine`: the overlapped schedule (ring, bidirectional or tiled) the
 /// model predicts fastest, tiled only if it beats the per-step ones by 3%;
-/// the baselines (sequential, sliced) are never picked. `Schedule::resolve`'s
+/// the baselines (sequential, sliced) are never picked, except the sliced
+/// all-reduce: its chunks are what overlaps the all-gather half. `Schedule::resolve`'s
 /// rule if the model cannot time it.
 pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule {
     match choose(problem, n, machine) {
@@ -231,6 +232,7 @@ pub fn auto_pick(choice: &Choice, n: usize, pattern: crate::plan::Pattern) -> Sc
             .iter()
             .filter(|(s, _)| match s {
                 Schedule::Ring | Schedule::Bidirectional => !tiled,
+                Schedule::Sliced { .. } => !tiled && pattern == crate::plan::Pattern::AllReduce,
                 Schedule::Tiled { .. } => tiled,
                 _ => false,
             })

@@ -168,6 +168,7 @@ fn every_kind(n: usize) -> Vec<Problem> {
         problem(AllToAllMatmulContract, n, &[n64, 16, 8], &[8 * n64, 24], &[16, 24]),
         problem(MatmulAllToAll, n, &[n64, 8, 32], &[32, 24], &[n64, 8, 24]),
         problem(MatmulAllToAllCols, n, &[16, 32], &[32, 8 * n64], &[n64, 16, 8]),
+        problem(MatmulAllReduce, n, &[16 * n64, 32], &[32, 24], &[16 * n64, 24]),
     ]
 }
 

@@ -791,6 +791,7 @@ mod tests {
             OpKind::AllToAllMatmulContract => [vec![n, m, k], vec![n * k, c], vec![m, c]],
             OpKind::MatmulAllToAll => [vec![n, m, k], vec![k, c], vec![n, m, c]],
             OpKind::MatmulAllToAllCols => [vec![m, k], vec![k, n * c], vec![n, m, c]],
+            OpKind::MatmulAllReduce => [vec![n * m, k], vec![k, c], vec![n * m, c]],
         }
     }
 

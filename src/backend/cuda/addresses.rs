@@ -584,6 +584,7 @@ mod tests {
             (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6]),
             (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6]),
             (MatmulAllToAllCols, vec![5, 8], vec![8, 12], vec![4, 5, 3]),
+            (MatmulAllReduce, vec![12, 8], vec![8, 6], vec![12, 6]),
         ];
         let mut counts = [0usize; 3];
         for (kind, x, w, out) in &cases {

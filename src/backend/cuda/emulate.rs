@@ -628,6 +628,7 @@ pub fn cases(n: i64) -> Vec<Case> {
         (AllToAllMatmulContract, vec![n, 5, 3], vec![3 * n, 6], vec![5, 6]),
         (MatmulAllToAll, vec![n, 3, 8], vec![8, 6], vec![n, 3, 6]),
         (MatmulAllToAllCols, vec![5, 8], vec![8, 3 * n], vec![n, 5, 3]),
+        (MatmulAllReduce, vec![3 * n, 8], vec![8, 6], vec![3 * n, 6]),
     ]
 }
 
@@ -640,7 +641,7 @@ pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Ve
 /// The schedules to emulate for `kind` (cut into blocks of 3 rows where the kind takes that).
 pub fn schedules(kind: OpKind) -> Vec<Schedule> {
     let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-    if kind.row_blocks() {
+    if kind.cuts_rows() {
         schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows
     }
     schedules

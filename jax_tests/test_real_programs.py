@@ -373,3 +373,33 @@ def test_a_dp_tp_step_leaves_xla_no_all_reduce_of_a_product():
     for got, want in zip(jax.tree.leaves(jax.jit(commfuse.overlap(fn, schedule="ring"))(*args)),
                          jax.tree.leaves(jax.jit(fn)(*args))):
         assert_close(np.asarray(got), np.asarray(want), np.float32)
+
+
+def test_sums_of_products_before_one_collective_are_one_fused_op():
+    # psum_scatter(h @ W + (h @ A) @ B) and psum(h @ W + g @ V): under ring
+    # XLA runs neither collective; only the scalar loss's psum is left.
+    from programs import lora_row_parallel
+
+    program = lora_row_parallel.PROGRAM
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(4))
+    ov = commfuse.overlap(fn, schedule="ring")
+    text = jax.jit(ov).lower(*args).compile().as_text()
+    assert collectives(text) == {"all-reduce": 1, "commfuse": 2}, collectives(text)
+    assert re.search(r"= f32\[\] all-reduce(?:-start)?\(", text), "the one XLA all-reduce is the scalar loss's"
+    for got, want in zip(jax.tree.leaves(jax.jit(ov)(*args)), jax.tree.leaves(jax.jit(fn)(*args))):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)
+    summed = [line for line in ov.last_report if "sum of 2 products" in line]
+    assert len(summed) == 2 and "matmul_reduce_scatter" in summed[0] and "matmul_all_reduce" in summed[1], \
+        "\n".join(ov.last_report)
+
+
+def test_a_sum_with_a_term_that_is_not_a_product_says_so():
+    mesh = make_mesh({"x": 4})
+    body = jax.shard_map(lambda h, w, b: jax.lax.psum(h @ w + b, "x"), mesh=mesh,
+                         in_specs=(P(None, "x"), P("x"), P()), out_specs=P())
+    args = (rand((16, 32), seed=1), rand((32, 8), seed=2), rand((16, 8), seed=3))
+    ov = commfuse.overlap(body, schedule="ring")
+    assert_close(np.asarray(jax.jit(ov)(*args)), np.asarray(jax.jit(body)(*args)), np.float32)
+    assert any("a sum whose terms are not two dot_generals' results" in line for line in ov.last_report), \
+        ov.last_report

@@ -158,6 +158,44 @@ def explicit_spec(a):
     return tuple(spec) + (None,) * (a.ndim - len(spec))
 
 
+class SummedForm:
+    """Two dots whose results are summed, ``x1 @ w1 + x2 @ w2`` (each a
+    `DotForm` with x the lhs and the same result layout), as one product:
+    ``prep_x`` lays out ``(x1, x2)`` side by side along the contraction and
+    ``prep_w`` stacks ``(w1, w2)`` along its rows, so one fused op's ring
+    accumulates both (a LoRA adapter beside a row-parallel layer)."""
+
+    def __init__(self, first: DotForm, second: DotForm):
+        def layout(f):
+            return (f.x_side, tuple(f.x_shape[d] for d in f.x_free), tuple(f.w_shape[d] for d in f.w_free),
+                    f.kwargs["precision"], f.kwargs["preferred_element_type"])
+
+        if first.x_side != 0 or second.x_side != 0:
+            raise Unsupported("a sum of products is fused with each product's lhs as x")
+        if layout(first) != layout(second):
+            raise Unsupported("the summed products lay out their results differently (free dims, precision or "
+                              "result type)")
+        self.first, self.second = first, second
+        self.x_side, self.kwargs = 0, dict(first.kwargs)
+
+    def prep_x(self, xs):
+        return jax.numpy.concatenate([self.first.prep_x(xs[0]), self.second.prep_x(xs[1])], axis=-1)
+
+    def prep_w(self, ws):
+        return jax.numpy.concatenate([self.first.prep_w(ws[0]), self.second.prep_w(ws[1])], axis=0)
+
+    def y_dim(self, d: int):
+        return self.first.y_dim(d)
+
+    def finish(self, y):
+        return self.first.finish(y)
+
+    def notes(self) -> str:
+        inner = [n.strip(" []") for n in (self.first.notes(), self.second.notes()) if n]
+        return " [sum of 2 products: operands concatenated along the contraction" + \
+            "".join(f"; {n}" for n in inner) + "]"
+
+
 def _merged_entry(explicit: tuple, run):
     """The sharding of dims `run` of an operand sharded `explicit`, merged
     into one: its first dim's (row-major: the later dims vary fastest). A

@@ -16,7 +16,10 @@ the output side, transposes:
   op; the collective is still evaluated if any other equation reads it);
 * output side: ``dot_general`` ~> ``reduce_scatter`` (``psum_scatter``),
   ``all_to_all`` or ``psum``; the chain may also hold one widening of a
-  16-bit product to f32 (mixed precision's cast before the sum).
+  16-bit product to f32 (mixed precision's cast before the sum);
+* a sum of two products, ``dot_general + dot_general`` ~> ``psum_scatter``
+  or ``psum`` (a LoRA adapter beside a row-parallel layer): one fused op on
+  their operands concatenated along the contraction (`SummedForm`).
 
 A reshape that only merges the dot's free dims after the collective (input
 side), or splits them before it (output side), is moved to the other side
@@ -43,7 +46,7 @@ import numpy as np
 
 from .. import _both_sides as both_sides
 from .. import _compat
-from .._dot_form import BatchedDot, DotForm, Unsupported
+from .._dot_form import BatchedDot, DotForm, SummedForm, Unsupported
 from . import regroup, rowwise, variance
 from .jaxpr import (
     ALL_GATHER_REDUCED,
@@ -88,6 +91,9 @@ class Fusion:
     # A reshape in the chain that only merges the dot's free dims ("in") or
     # splits them ("out"): the dot is taken on the regrouped operand (`regroup`).
     regroup: int | None = None
+    # "out", a sum of two products: the second dot's equation (`dot` is the
+    # first; the add is the last of `chain`).
+    summed: int | None = None
 
     @property
     def emit_at(self) -> int:
@@ -125,7 +131,8 @@ class Rewriter:
         fusions = self._find()
         self.deferred: set[int] = set()
         for f in fusions:
-            self.deferred.update([f.coll, *f.chain, *f.local] if f.side == "in" else [f.dot, *f.chain])
+            self.deferred.update([f.coll, *f.chain, *f.local] if f.side == "in" else
+                                 [f.dot, *f.chain, *([f.summed] if f.summed is not None else [])])
         # A dot is fused with one collective: its candidates are tried in turn,
         # the one moving more bytes first, once all of them can be (at the
         # latest of their places), so that one that fails leaves the next its chance.
@@ -303,6 +310,8 @@ class Rewriter:
             chain.insert(0, q)
             src = eqns[q].invars[0]
         p = None if is_literal(src) else self.producer.get(src)
+        if p is not None and eqns[p].primitive.name in ("add", "add_any") and self._single_use(src):
+            return self._find_summed(c, p, chain, regrouped, widened, found)
         if p is not None and widened and (name not in PSUM + REDUCE_SCATTER or any(
                 np.dtype(v.aval.dtype).itemsize != 2 for v in eqns[p].invars)):
             p, why = None, (f"the {name} operand is cast to float32 after its dot_general: fused only for a 16-bit "
@@ -319,6 +328,26 @@ class Rewriter:
             why = f"{name} of {len(eqns[c].invars)} values at once"
         else:
             found.append(Fusion("out", c, p, 0, chain, regroup=regrouped))
+            return True
+        self.reasons[c].append(why)
+        return False
+
+    def _find_summed(self, c, add, chain, regrouped, widened, found: list) -> bool:
+        """``dot_a + dot_b ~> collective`` (psum or psum_scatter): each summand
+        a single-use dot_general's result, the chain only casts."""
+        eqns = self.jaxpr.eqns
+        name = eqns[c].primitive.name
+        dots = [None if is_literal(v) else self.producer.get(v) for v in eqns[add].invars]
+        if name not in PSUM + REDUCE_SCATTER or len(eqns[c].invars) != 1:
+            why = f"{name} of a sum: only psum and psum_scatter of a sum of products are fused"
+        elif regrouped is not None or widened or any(eqns[j].primitive.name in _TRANSPOSES for j in chain):
+            why = f"the {name} operand is a sum of products reshaped, transposed or widened: kept as written"
+        elif any(d is None or eqns[d].primitive.name != "dot_general" for d in dots) or dots[0] == dots[1]:
+            why = f"{name} operand is a sum whose terms are not two dot_generals' results"
+        elif not all(self._single_use(v) for v in eqns[add].invars):
+            why = "a summed dot_general's result has other users"
+        else:
+            found.append(Fusion("out", c, dots[0], 0, [*chain, add], summed=dots[1]))
             return True
         self.reasons[c].append(why)
         return False
@@ -400,7 +429,7 @@ class Rewriter:
         ins = [f for f in group if f.side == "in" and self.jaxpr.eqns[f.coll].primitive.name == GATHERS[0]
                and not f.local and f.regroup is None]
         outs = [f for f in group if f.side == "out" and self.jaxpr.eqns[f.coll].primitive.name in PSUM + REDUCE_SCATTER
-                and f.regroup is None]
+                and f.regroup is None and f.summed is None]
         if len(ins) != 1 or len(outs) != 1:
             return group
         f_in, f_out = ins[0], outs[0]
@@ -575,7 +604,7 @@ class Rewriter:
         self.tried.add(id(f))
         eqns = self.jaxpr.eqns
         target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
-        if f.dot in self.evaluated or (f.side == "out" and f.coll in self.evaluated):
+        if f.dot in self.evaluated or (f.side == "out" and f.coll in self.evaluated) or f.summed in self.evaluated:
             return False
         if f.side == "in" and f.coll in self.replaced:
             # dot -> collective -> dot: the collective went with the dot before it.
@@ -583,14 +612,15 @@ class Rewriter:
                                         "with one dot")
             return False
         with _compat.source_context(eqns[f.dot]):  # the fused op in the place of the dot it replaces
-            out = self._try_input(f) if f.side == "in" else self._try_output(f)
+            out = self._try_input(f) if f.side == "in" else self._try_summed(f) if f.summed is not None \
+                else self._try_output(f)
         if out is None:
             return False
         self.write(target, out)
         if f.side == "in":
             self.evaluated.add(f.dot)
         else:
-            self.evaluated.update([f.coll, f.dot, *f.chain])
+            self.evaluated.update([f.coll, f.dot, *f.chain, *([f.summed] if f.summed is not None else [])])
             self.replaced.add(f.coll)
         return True
 
@@ -601,7 +631,7 @@ class Rewriter:
         recorded, nothing traced)."""
         decide, run = fused_ops()[op_name]
         form = products.form
-        if self._forward_mode(f.coll, op_name, *(a for x, w, _ in products.calls for a in (x, w))):
+        if self._forward_mode(f.coll, op_name, *jax.tree.leaves([(x, w) for x, w, _ in products.calls])):
             return None
         decisions = [decide(_laid_out(form.prep_x, x), _laid_out(form.prep_w, w), **kwargs, **extra, **form.kwargs,
                             schedule=self.state.schedule, policy=self.state.policy)
@@ -628,8 +658,9 @@ class Rewriter:
         x, w, extra = products.calls[0]
         args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, "schedule": self.state.schedule, **extra}.items())
         times = f"{len(products.calls)} x " if len(products.calls) > 1 else ""
-        self.done[f.coll].append(f"overlap[{self.where}]: rewrote {pair} -> {times}commfuse.{op_name}(x: {fmt(x)}, "
-                                 f"w: {fmt(w)}, {args}) -> {fmt(want)}{form.notes()}{products.notes}: {how}")
+        x, w = (" + ".join(fmt(a) for a in jax.tree.leaves(v)) for v in (x, w))
+        self.done[f.coll].append(f"overlap[{self.where}]: rewrote {pair} -> {times}commfuse.{op_name}(x: {x}, "
+                                 f"w: {w}, {args}) -> {fmt(want)}{form.notes()}{products.notes}: {how}")
         return out
 
     def _forms(self, dot, x_side: int, f: Fusion | None = None):
@@ -822,6 +853,35 @@ class Rewriter:
         return None
 
     # -- report ------------------------------------------------------------------
+    def _try_summed(self, f: Fusion):
+        """``collective(dot_a + dot_b)``: one fused op on the two products'
+        operands concatenated along the contraction (`SummedForm`)."""
+        eqns = self.jaxpr.eqns
+        coll, dots = eqns[f.coll], [eqns[f.dot], eqns[f.summed]]
+        name, p = coll.primitive.name, coll.params
+        cast_axes = [a for j in f.chain if eqns[j].primitive.name in CASTS
+                     for a in axes_of(eqns[j].params.get("axes", ()))]
+        pair = f"{describe_dot(dots[0])} + {describe_dot(dots[1])} + {describe_collective(coll)}"
+        try:
+            form = SummedForm(*(DotForm.of(d, 0) for d in dots))
+        except Unsupported as e:
+            self.reasons[f.coll].append(str(e))
+            return None
+        (x1, w1), (x2, w2) = ([vary(self.read(v), cast_axes) for v in d.invars] for d in dots)
+        if (x1.dtype, w1.dtype) != (x2.dtype, w2.dtype):
+            self.reasons[f.coll].append("the summed products' operands differ in dtype")
+            return None
+        if name in REDUCE_SCATTER:
+            dim = form.y_dim(p["scatter_dimension"])
+            if dim is None:
+                self.reasons[f.coll].append("the collective's dimension is not one dim of the flattened product")
+                return None
+            op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
+        else:
+            op, kw = "matmul_all_reduce", {}
+        products = Products(form, [((x1, x2), (w1, w2), {})])
+        return self._attempt(f, op, products, {"axis_name": collective_axes(coll), **kw}, coll.outvars[0], pair)
+
     def _report(self):
         eqns = self.jaxpr.eqns
         lines = []
@@ -863,7 +923,7 @@ def _struct(value) -> jax.ShapeDtypeStruct:
 def _laid_out(prep, value) -> jax.ShapeDtypeStruct:
     """The shape and dtype of `prep(value)` (a `DotForm` layout), computed
     without tracing anything into the body."""
-    return jax.eval_shape(prep, _struct(value))
+    return jax.eval_shape(prep, jax.tree.map(_struct, value))
 
 
 def _check_result(out, want, op_name: str) -> None:

@@ -403,3 +403,19 @@ def test_a_sum_with_a_term_that_is_not_a_product_says_so():
     assert_close(np.asarray(jax.jit(ov)(*args)), np.asarray(jax.jit(body)(*args)), np.float32)
     assert any("a sum whose terms are not two dot_generals' results" in line for line in ov.last_report), \
         ov.last_report
+
+
+def test_a_tp_sp_step_with_its_backward_in_the_body_leaves_xla_no_gather_or_scatter():
+    # dp_tp_train_step: value_and_grad inside the shard_map, the weight
+    # gradients' gathered activations re-gathered inside fused ops; what XLA
+    # keeps are all-reduces over dp (the loss's, and each gradient tile's sum).
+    from programs import dp_tp_train_step
+
+    program = dp_tp_train_step.PROGRAM
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(5))
+    ov = commfuse.overlap(fn, schedule="ring")
+    counts = collectives(jax.jit(ov).lower(*args).compile().as_text())
+    assert "all-gather" not in counts and "reduce-scatter" not in counts and counts["commfuse"] >= 5, counts
+    for got, want in zip(jax.tree.leaves(jax.jit(ov)(*args)), jax.tree.leaves(jax.jit(fn)(*args))):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import assert_close, mesh1d, place, rand
 from jax.sharding import PartitionSpec as P
+from programs import make_mesh
 
 import commfuse
 from commfuse import _abi, _all_gather_matmul, _matmul_reduce_scatter
@@ -74,6 +75,31 @@ def test_auto_decides_from_shapes_on_the_machine_it_is_given(monkeypatch):
     # gain on a tiny product: auto keeps jax.lax's.
     declined = decide(tiny, Policy(machine="h100_nvlink"))
     assert declined.schedule == _abi.UNFUSED and "fixed cost" in declined.why
+
+
+def test_auto_weighs_an_all_reduce_against_xla_combining_it_with_others(monkeypatch):
+    # On the GPU preset this all-reduce's gain from fusing is mostly its own
+    # chain of link latencies; combined by XLA with 7 others, the unfused
+    # form pays an eighth of them, and auto keeps it unfused.
+    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    call = Call.of(_abi.Kind.MATMUL_ALL_REDUCE, 8, 0, (1024, 1024), (1024, 1024), np.float32, np.float32)
+    alone = decide(call, Policy(machine="h100_nvlink"))
+    combined = decide(call, Policy(machine="h100_nvlink"), combined=8)
+    assert alone.fused and "faster than unfused (" in alone.why, alone.why
+    assert combined.schedule == _abi.UNFUSED and "combined by XLA with 7 other all-reduces" in combined.why
+
+
+def test_the_rewrite_counts_the_all_reduces_xla_may_combine(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_AUTO_UNFUSED", "1")
+    mesh = make_mesh({"x": 4})
+    body = lambda x, w1, w2: (jax.lax.psum(x @ w1, "x"), jax.lax.psum(x @ w2, "x"))  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P("x"), P("x")), out_specs=(P(), P()))
+    args = [rand(s, seed=i) for i, s in enumerate([(64, 128), (128, 64), (128, 64)])]
+    ov = commfuse.overlap(f, machine="h100_nvlink")
+    for got, want in zip(jax.jit(ov)(*args), jax.jit(f)(*args)):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)
+    lines = [line for line in ov.last_report if "matmul_all_reduce" in line]
+    assert len(lines) == 2 and all("combined by XLA with 1 other all-reduce" in line for line in lines), lines
 
 
 def test_an_ops_decision_is_made_from_shape_structs_inside_the_body():

@@ -80,6 +80,10 @@ pub struct AutoModel {
     pub pick: String,
     pub pick_s: Option<f64>,
     pub sequential_s: Option<f64>,
+    /// The link latencies `sequential_s` holds: one per exchange of its
+    /// plan, which runs them one after another. What an all-reduce shares
+    /// when XLA combines it with others (`_decide.judge`).
+    pub sequential_latency_s: f64,
 }
 
 pub fn prepare(request: &Request) -> Result<Prepared> {
@@ -122,10 +126,17 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
             return Err(Error::InvalidArgument(format!("{}: the cost model cannot time this call", kind.name())))
         }
     };
-    let model = choice.as_ref().map(|choice| {
+    let model = choice.as_ref().zip(machine.as_ref()).map(|(choice, machine)| {
         let pick = sim::auto_pick(choice, n, kind.pattern());
         schedule = pick;
-        AutoModel { pick: pick.to_string(), pick_s: choice.time(pick), sequential_s: choice.time(Schedule::Sequential) }
+        let sequential = plan::plan(kind.pattern(), Schedule::Sequential, n, 0);
+        let exchanges = sequential.steps.iter().filter(|s| matches!(s.action, plan::Action::Exchange { .. })).count();
+        AutoModel {
+            pick: pick.to_string(),
+            pick_s: choice.time(pick),
+            sequential_s: choice.time(Schedule::Sequential),
+            sequential_latency_s: exchanges as f64 * machine.link.latency_s,
+        }
     });
     plan::check_size(kind.name(), schedule, n)?;
     // The predicted timeline needs the problem before the schedule cuts it;

@@ -198,11 +198,13 @@ class Policy(NamedTuple):
         return self._replace(asked=int(asked))
 
 
-def decide(call: Call, policy: Policy = Policy(), axes=()) -> Decision:
+def decide(call: Call, policy: Policy = Policy(), axes=(), combined: int = 1) -> Decision:
     """What `call` (over mesh `axes`) runs as under `policy`: a decision
     imposed for it, the schedule asked for, or "auto"'s judgement (see the
     module's doc); jax.lax's collective and dot where its group spans
-    processes on CPU devices, whatever was asked."""
+    processes on CPU devices, whatever was asked. `combined`: how many
+    all-reduces (this one included) XLA may combine into one where they
+    stay unfused (see `judge`)."""
     empty = empty_decision(call)
     if empty is not None:
         return empty
@@ -217,7 +219,7 @@ def decide(call: Call, policy: Policy = Policy(), axes=()) -> Decision:
     if call.dtype in _abi.FP8_CODES:
         return as_asked(call, _abi.AUTO, "fp8: the library's own rule")
     try:
-        return _judged(call, policy.resolved_machine(axes), policy.decline and may_decline())
+        return _judged(call, policy.resolved_machine(axes), policy.decline and may_decline(), combined)
     except ValueError as e:
         if policy.strict:
             raise
@@ -225,9 +227,9 @@ def decide(call: Call, policy: Policy = Policy(), axes=()) -> Decision:
 
 
 @functools.lru_cache(maxsize=4096)
-def _judged(call: Call, machine: Machine, decline: bool) -> Decision:
+def _judged(call: Call, machine: Machine, decline: bool, combined: int = 1) -> Decision:
     prepared = machine.prepare(call.shapes(_abi.AUTO))
-    code, why = judge(prepared, call.ranks, machine, decline)
+    code, why = judge(prepared, call.ranks, machine, decline, combined)
     return with_answer(call, code, why, prepared)
 
 
@@ -241,10 +243,12 @@ def _asked(call: Call, schedule: int, why: str, strict: bool) -> Decision:
         return as_asked(call, _abi.UNFUSED, why)
 
 
-def judge(prepared: dict, n: int, machine: Machine, may_decline: bool) -> tuple:
+def judge(prepared: dict, n: int, machine: Machine, may_decline: bool, combined: int = 1) -> tuple:
     """(code, why): the model's pick in the library's answer `prepared`, or
     unfused where its predicted gain over the unoverlapped baseline is not
-    `MARGIN` times a fused call's fixed cost."""
+    `MARGIN` times a fused call's fixed cost. With `combined` > 1 the
+    baseline is XLA's all-reduce combined with the others: one chain of
+    link latencies for all of them, so each pays 1/combined of its own."""
     if n == 1 and may_decline:
         # XLA drops a collective over one device; a fused call would only add its fixed cost.
         return _abi.UNFUSED, "unfused: a group of one device has no communication to hide"
@@ -254,14 +258,19 @@ def judge(prepared: dict, n: int, machine: Machine, may_decline: bool) -> tuple:
     pick, fused, unfused = model["pick"], model["pick_s"], model["sequential_s"]
     if n == 1 or fused is None or unfused is None:
         return prepared["schedule"], f"{pick}, the cost model's pick"
+    than = "unfused"
+    if combined > 1:
+        unfused -= (1 - 1 / combined) * model["sequential_latency_s"]
+        than = f"unfused combined by XLA with {combined - 1} other all-reduce{'s' if combined > 2 else ''}"
     gain = unfused - fused
     if not may_decline:
-        return prepared["schedule"], f"{pick}: predicted {us(gain)} faster than unfused"
+        return prepared["schedule"], f"{pick}: predicted {us(gain)} faster than {than}"
     overhead = machine.call_overhead_s(n)
     if gain <= MARGIN * overhead:
-        return _abi.UNFUSED, (f"unfused: the model predicts {us(gain)} of gain from fusing ({pick}), not "
+        over = f" over {than}" if combined > 1 else ""
+        return _abi.UNFUSED, (f"unfused: the model predicts {us(gain)} of gain from fusing ({pick}){over}, not "
                               f"{MARGIN}x a fused call's fixed cost of {us(overhead)} over {n} devices")
-    return prepared["schedule"], f"{pick}: predicted {us(gain)} faster than unfused (fixed cost {us(overhead)})"
+    return prepared["schedule"], f"{pick}: predicted {us(gain)} faster than {than} (fixed cost {us(overhead)})"
 
 
 def us(seconds) -> str:

@@ -62,8 +62,11 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
 
 
 def decide(x, w, axis_name, *, schedule="auto", tiles=None, precision=None, preferred_element_type=None,
-           policy: Policy = Policy()) -> OpDecision:
-    """What ``matmul_all_reduce(x, w, ...)`` runs as, from shapes (see `_op.OpDecision`)."""
+           policy: Policy = Policy(), combined: int = 1) -> OpDecision:
+    """What ``matmul_all_reduce(x, w, ...)`` runs as, from shapes (see
+    `_op.OpDecision`). `combined`: the all-reduces of the program (this one
+    included) that XLA may combine into one where they stay unfused, which
+    "auto" weighs (`_decide.judge`)."""
     def checked():
         axes, ranks = _checks.axis_group(OP, axis_name)
         _checks.check_matmul_operands(OP, x, w)
@@ -73,7 +76,7 @@ def decide(x, w, axis_name, *, schedule="auto", tiles=None, precision=None, pref
         fast = _checks.fast_f32(OP, precision)
         dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
         settings = settle(x.shape, w.shape, dtype, out_dtype, axes=axes, ranks=ranks, policy=policy.with_asked(code),
-                          tiles=tiles, fast_f32=fast)
+                          tiles=tiles, fast_f32=fast, combined=combined)
         static = _op.Static(axes, ranks, 0, policy.with_asked(code), out_dtype, fast, settings.forward)
         return OpDecision(OP, static, (settings.forward,), settled={"settings": settings})
 
@@ -90,7 +93,8 @@ def run(decision: OpDecision, x, w):
     return _all_reduce(x, w, settings)
 
 
-def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Policy, tiles, fast_f32: bool) -> _Settings:
+def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Policy, tiles, fast_f32: bool,
+           combined: int = 1) -> _Settings:
     """The settings one call runs with: its decision (``auto``: unfused
     where nothing can be cut into a ring's blocks or the cost model
     predicts no gain; a decision imposed by a plan as it was made), the
@@ -131,7 +135,7 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
             chunks = tiles or next(t for t in (4, 2, 1) if rows % (t * ranks) == 0)
             if chunks > 1:
                 policy = policy.with_asked(_abi.schedule_code("sliced", chunks))
-        forward = decide_call(call, policy, axes)
+        forward = decide_call(call, policy, axes, combined)
     return _Settings(tuple(axes), ranks, forward, np.dtype(out_dtype), fast_f32)
 
 

@@ -129,6 +129,10 @@ class Rewriter:
         self.collectives = [i for i, e in enumerate(eqns) if e.primitive.name in CANDIDATES]
         self.others = [i for i, e in enumerate(eqns) if e.primitive.name in OTHER_COLLECTIVES]
         fusions = self._find()
+        # All-reduces of products over the same axes, which XLA may combine
+        # into one where they stay unfused ("auto" weighs that: `_decide.judge`).
+        self.combinable = Counter(tuple(collective_axes(eqns[f.coll])) for f in fusions
+                                  if f.side == "out" and eqns[f.coll].primitive.name in PSUM)
         self.deferred: set[int] = set()
         for f in fusions:
             self.deferred.update([f.coll, *f.chain, *f.local] if f.side == "in" else
@@ -656,7 +660,9 @@ class Rewriter:
         want = target.aval
         _check_result(out, want, op_name)
         x, w, extra = products.calls[0]
-        args = ", ".join(f"{k}={v!r}" for k, v in {**kwargs, "schedule": self.state.schedule, **extra}.items())
+        # (`combined` is what auto weighs, not an argument of the public op.)
+        shown = {k: v for k, v in kwargs.items() if k != "combined"}
+        args = ", ".join(f"{k}={v!r}" for k, v in {**shown, "schedule": self.state.schedule, **extra}.items())
         times = f"{len(products.calls)} x " if len(products.calls) > 1 else ""
         x, w = (" + ".join(fmt(a) for a in jax.tree.leaves(v)) for v in (x, w))
         self.done[f.coll].append(f"overlap[{self.where}]: rewrote {pair} -> {times}commfuse.{op_name}(x: {x}, "
@@ -833,7 +839,7 @@ class Rewriter:
                 dim = dim_of(perm[p["scatter_dimension"]])
                 op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
             elif name in PSUM:
-                dim, op, kw = 0, "matmul_all_reduce", {}
+                dim, op, kw = 0, "matmul_all_reduce", {"combined": self.combinable[tuple(collective_axes(coll))]}
             else:
                 dims = (dim_of(perm[p["split_axis"]]), dim_of(perm[p["concat_axis"]]))
                 dim = None if None in dims else dims
@@ -878,7 +884,7 @@ class Rewriter:
                 return None
             op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
         else:
-            op, kw = "matmul_all_reduce", {}
+            op, kw = "matmul_all_reduce", {"combined": self.combinable[tuple(collective_axes(coll))]}
         products = Products(form, [((x1, x2), (w1, w2), {})])
         return self._attempt(f, op, products, {"axis_name": collective_axes(coll), **kw}, coll.outvars[0], pair)
 

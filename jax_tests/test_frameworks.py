@@ -14,8 +14,7 @@ fused once partitioned (what ``overlap``'s ``overlap[partitioned]`` report
 lines say, gathered by ``commfuse._matmul.watching()`` as
 ``test_jit_programs`` does), checked against the
 ``commfuse_collective_matmul`` custom calls of the compiled program (at
-least one per fused product: an all-reduce runs as one call per row chunk,
-a gather-then-psum as tiles where the cost model prefers them, so the call
+least one per fused product: a gather-then-psum as tiles where the cost model prefers them, so the call
 count is the implementation's and the product count the program's). In
 shard_map programs (TP+SP, MoE): the ``]: rewrote `` lines of
 ``overlap``'s report, one per fused op; for the named ops, the custom calls.

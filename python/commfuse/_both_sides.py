@@ -11,8 +11,7 @@ Three ways to run it, timed by the cost model (`choose`):
   result keeps; each tile is one fused gather-and-multiply (moving 1/T of
   the operand, so the gather moves no more in all), and each tile's result
   is summed by XLA's own collective while the next tile's fused op runs
-  (no data dependence between them), as ``matmul_all_reduce`` overlaps its
-  chunks. Only the last tile's sum is exposed.
+  (no data dependence between them). Only the last tile's sum is exposed.
 
 `Tiling` says how the operand is cut and the tiles' results put back.
 """

@@ -51,11 +51,13 @@ def matmul_all_reduce(x, w, axis_name, *, schedule="auto", tiles=None, precision
     picks the plan, or jax.lax's psum where fusing does not pay), "ring",
     "bidirectional", "sequential" (the two rings after the whole product;
     overlaps nothing), or "unfused" (jax.lax's own ``psum`` of the
-    product). ``tiles``: the rows are cut into that many chunks, each
-    reduced and gathered inside the op while the next chunk is multiplied
-    (the "sliced" plan); default under "ring" and "bidirectional": 4, or
-    the most of 4, 2, 1 that divide the rows into a multiple of the axis
-    size; under "auto" the cost model's choice. Not with "sequential".
+    product). ``tiles`` (> 1): the rows are cut into that many chunks,
+    each reduced and gathered inside the op while the next chunk is
+    multiplied (the "sliced" plan, one forward ring per chunk), under any
+    schedule but "sequential" (an error there); given with "auto", it
+    fixes the plan (the call is fused). Unset: "ring" and "bidirectional"
+    run unchunked, and "auto" picks among the unchunked, sliced and tiled
+    plans by the cost model.
     """
     return run(decide(x, w, axis_name, schedule=schedule, tiles=tiles, precision=precision,
                       preferred_element_type=preferred_element_type), x, w)
@@ -71,8 +73,9 @@ def decide(x, w, axis_name, *, schedule="auto", tiles=None, precision=None, pref
         axes, ranks = _checks.axis_group(OP, axis_name)
         _checks.check_matmul_operands(OP, x, w)
         code = _checks.check_schedule(OP, schedule)
-        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
-            raise ValueError(f"commfuse.{OP}: tiles must be an int >= 1, got {tiles!r}")
+        most = _abi.LIMITS["max_chunks"]
+        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or not 1 <= tiles <= most):
+            raise ValueError(f"commfuse.{OP}: tiles must be an int in [1, {most}], got {tiles!r}")
         fast = _checks.fast_f32(OP, precision)
         dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
         settings = settle(x.shape, w.shape, dtype, out_dtype, axes=axes, ranks=ranks, policy=policy.with_asked(code),
@@ -98,11 +101,10 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
     """The settings one call runs with: its decision (``auto``: unfused
     where nothing can be cut into a ring's blocks or the cost model
     predicts no gain; a decision imposed by a plan as it was made), the
-    chunks ("sliced") where `tiles` or the schedule asks for them."""
+    chunks ("sliced") where `tiles` asks for them."""
     rows = math.prod(x_shape[:-1])
     call = Call.of(_abi.Kind.MATMUL_ALL_REDUCE, ranks, 0, (rows, x_shape[-1]), w_shape, dtype, out_dtype)
     asked = policy.asked
-    ring_like = asked in (_abi.SCHEDULES["ring"], _abi.SCHEDULES["bidirectional"])
 
     def unfused(why):  # the whole op as jax.lax's psum of the product
         return Decision(call, _abi.UNFUSED, why, (*x_shape[:-1], w_shape[-1]))
@@ -130,11 +132,10 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
     elif ranks == 1:
         forward = unfused("one rank: nothing to reduce")
     else:
-        if ring_like or (asked == _abi.AUTO and tiles is not None):
-            # Chunks let chunk c's two rings run while chunk c+1 is multiplied.
-            chunks = tiles or next(t for t in (4, 2, 1) if rows % (t * ranks) == 0)
-            if chunks > 1:
-                policy = policy.with_asked(_abi.schedule_code("sliced", chunks))
+        if tiles is not None and tiles > 1 and asked != _abi.SCHEDULES["sequential"]:
+            # Chunks let chunk c's two rings run while chunk c+1 is multiplied
+            # (one forward ring per chunk, whatever ring schedule was asked).
+            policy = policy.with_asked(_abi.schedule_code("sliced", tiles))
         forward = decide_call(call, policy, axes, combined)
     return _Settings(tuple(axes), ranks, forward, np.dtype(out_dtype), fast_f32)
 

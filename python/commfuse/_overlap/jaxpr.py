@@ -162,7 +162,8 @@ def vary(value, axes):
 def match_vma(value, aval):
     """``value`` cast to also vary over the axes ``aval`` varies over.
 
-    A fused op's result varies over its axes and its operands' axes; the original
+    A fused op's result varies over its axes and its operands' axes (an
+    all-reduce's over its operands' but not its own); the original
     may vary over more (a ``pvary`` between the pair). Where the fused result varies
     over more axes than the original (only possible with check_vma=False, where
     the types are not checked), it is left as it is."""

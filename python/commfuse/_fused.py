@@ -244,7 +244,7 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fas
     if kind == Kind.MATMUL_ALL_REDUCE and w_dim is _NOT_MAPPED:
         # The batch joins x's rows: the same schedule on the larger call.
         x = jnp.moveaxis(x, x_dim, 0)
-        flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+        flat = rows_2d(x)
         batched = Call.of(kind, ranks, 0, flat.shape, w.shape, x.dtype, out_dtype)
         out = bind(as_asked(batched, schedule, "decided for the call before vmap"), flat, w, axes=axes,
                    fast_f32=fast_f32)

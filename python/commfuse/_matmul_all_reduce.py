@@ -109,13 +109,6 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
     def unfused(why):  # the whole op as jax.lax's psum of the product
         return Decision(call, _abi.UNFUSED, why, (*x_shape[:-1], w_shape[-1]))
 
-    def refuse(why):
-        if asked == _abi.AUTO:
-            return unfused(f"auto: {why}")
-        if policy.strict:
-            raise ValueError(f"commfuse.{OP}: {why} for schedule={_abi.schedule_name(asked)!r}")
-        return unfused(f"schedule={_abi.schedule_name(asked)!r} cannot run on these shards: {why}")
-
     if tiles not in (None, 1) and asked == _abi.SCHEDULES["sequential"] and policy.strict:
         raise ValueError(f"commfuse.{OP}: tiles={tiles} with schedule='sequential': chunks overlap nothing there; "
                          "leave tiles unset or pick 'ring', 'bidirectional' or 'auto'")
@@ -127,8 +120,14 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, ranks: int, policy: Poli
         forward = unfused("as asked")
     elif rows % ranks or (tiles is not None and rows % (tiles * ranks)):
         t = f"T = tiles = {tiles}" if tiles is not None else "T = 1"
-        forward = refuse(f"x has {rows} rows (all dims but the last, x.shape={tuple(x_shape)}), and a ring over "
-                         f"{ranks} devices cuts them into {ranks} x T equal blocks ({t})")
+        why = (f"x has {rows} rows (all dims but the last, x.shape={tuple(x_shape)}), and a ring over {ranks} "
+               f"devices cuts them into {ranks} x T equal blocks ({t})")
+        if asked == _abi.AUTO:
+            forward = unfused(f"auto: {why}")
+        elif policy.strict:
+            raise ValueError(f"commfuse.{OP}: {why} for schedule={_abi.schedule_name(asked)!r}")
+        else:
+            forward = unfused(f"schedule={_abi.schedule_name(asked)!r} cannot run on these shards: {why}")
     elif ranks == 1:
         forward = unfused("one rank: nothing to reduce")
     else:

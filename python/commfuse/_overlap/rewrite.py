@@ -96,6 +96,11 @@ class Fusion:
     summed: int | None = None
 
     @property
+    def dots(self) -> list:
+        """The dot_generals the fused op replaces (two for a sum of products)."""
+        return [self.dot] if self.summed is None else [self.dot, self.summed]
+
+    @property
     def emit_at(self) -> int:
         """Where the fused op is evaluated: at the later of the pair."""
         return self.dot if self.side == "in" else self.coll
@@ -135,8 +140,7 @@ class Rewriter:
                                   if f.side == "out" and eqns[f.coll].primitive.name in PSUM)
         self.deferred: set[int] = set()
         for f in fusions:
-            self.deferred.update([f.coll, *f.chain, *f.local] if f.side == "in" else
-                                 [f.dot, *f.chain, *([f.summed] if f.summed is not None else [])])
+            self.deferred.update([f.coll, *f.chain, *f.local] if f.side == "in" else [*f.dots, *f.chain])
         # A dot is fused with one collective: its candidates are tried in turn,
         # the one moving more bytes first, once all of them can be (at the
         # latest of their places), so that one that fails leaves the next its chance.
@@ -624,7 +628,7 @@ class Rewriter:
         if f.side == "in":
             self.evaluated.add(f.dot)
         else:
-            self.evaluated.update([f.coll, f.dot, *f.chain, *([f.summed] if f.summed is not None else [])])
+            self.evaluated.update([f.coll, *f.dots, *f.chain])
             self.replaced.add(f.coll)
         return True
 
@@ -792,8 +796,7 @@ class Rewriter:
         kw0 = {"axis_name": collective_axes(coll)}
         # pvary(x @ w) == pvary(x) @ pvary(w): casts move to the operands; a
         # transpose moves after the fused op, mapping the collective's dims.
-        cast_axes = [a for j in f.chain if eqns[j].primitive.name in CASTS
-                     for a in axes_of(eqns[j].params.get("axes", ()))]
+        cast_axes = self._cast_axes(f)
         # A bf16 product widened to f32 before its sum: the fused op's products
         # are f32 (preferred_element_type), the same sum without the rounding.
         widened = any(_widens_to_f32(eqns[j]) for j in f.chain)
@@ -839,7 +842,7 @@ class Rewriter:
                 dim = dim_of(perm[p["scatter_dimension"]])
                 op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
             elif name in PSUM:
-                dim, op, kw = 0, "matmul_all_reduce", {"combined": self.combinable[tuple(collective_axes(coll))]}
+                dim, op, kw = 0, "matmul_all_reduce", {"combined": self._combined(coll)}
             else:
                 dims = (dim_of(perm[p["split_axis"]]), dim_of(perm[p["concat_axis"]]))
                 dim = None if None in dims else dims
@@ -858,15 +861,22 @@ class Rewriter:
             self.reasons[f.coll].append("; ".join(dict.fromkeys(why)))
         return None
 
-    # -- report ------------------------------------------------------------------
+    def _cast_axes(self, f: Fusion) -> list:
+        """The axes the casts (``pvary``) in `f`'s chain add: moved to the operands."""
+        eqns = self.jaxpr.eqns
+        return [a for j in f.chain if eqns[j].primitive.name in CASTS for a in axes_of(eqns[j].params.get("axes", ()))]
+
+    def _combined(self, coll) -> int:
+        """How many all-reduces of products share `coll`'s axes in this body (`combinable`)."""
+        return self.combinable[tuple(collective_axes(coll))]
+
     def _try_summed(self, f: Fusion):
         """``collective(dot_a + dot_b)``: one fused op on the two products'
         operands concatenated along the contraction (`SummedForm`)."""
         eqns = self.jaxpr.eqns
         coll, dots = eqns[f.coll], [eqns[f.dot], eqns[f.summed]]
         name, p = coll.primitive.name, coll.params
-        cast_axes = [a for j in f.chain if eqns[j].primitive.name in CASTS
-                     for a in axes_of(eqns[j].params.get("axes", ()))]
+        cast_axes = self._cast_axes(f)
         pair = f"{describe_dot(dots[0])} + {describe_dot(dots[1])} + {describe_collective(coll)}"
         try:
             form = SummedForm(*(DotForm.of(d, 0) for d in dots))
@@ -884,10 +894,11 @@ class Rewriter:
                 return None
             op, kw = "matmul_reduce_scatter", {"scatter_dimension": dim}
         else:
-            op, kw = "matmul_all_reduce", {"combined": self.combinable[tuple(collective_axes(coll))]}
+            op, kw = "matmul_all_reduce", {"combined": self._combined(coll)}
         products = Products(form, [((x1, x2), (w1, w2), {})])
         return self._attempt(f, op, products, {"axis_name": collective_axes(coll), **kw}, coll.outvars[0], pair)
 
+    # -- report ------------------------------------------------------------------
     def _report(self):
         eqns = self.jaxpr.eqns
         lines = []

@@ -13,7 +13,7 @@ import pytest
 
 import commfuse
 from commfuse import _abi, _all_gather_matmul, _all_to_all, _matmul_all_gather, _matmul_reduce_scatter, _native
-from conftest import P, mesh1d
+from conftest import P, assert_close, mesh1d, place, rand
 
 
 def test_python_and_the_library_have_the_same_tables():
@@ -114,3 +114,30 @@ def test_each_platform_lowers_its_own_workspace(monkeypatch):
     assert workspace_bytes(_lowered("cpu"), _native.CPU_TARGET) == r["workspace"]["cpu"]
     monkeypatch.setattr(_native, "cuda_target", lambda: _native.CUDA_TARGET)
     assert workspace_bytes(_lowered("cuda"), _native.CUDA_TARGET) == r["workspace"]["cuda"]
+
+
+def test_xla_keeps_each_fused_calls_decoded_site_with_its_compiled_instance():
+    """XLA instantiates each compiled fused call once, and the handler keeps
+    the call's attributes decoded as the instance's state
+    (``src/xla/state.rs``): each device's calls decode their site from it
+    once, and the process's map is never used."""
+    mesh = mesh1d(4)
+    x = place(rand((32, 16), seed=1), mesh, P("x"))
+    w = place(rand((16, 8), seed=2), mesh, P())
+    v = place(rand((32, 8), seed=3), mesh, P(None, "x"))
+    u = place(rand((8, 8), seed=4), mesh, P("x"))
+
+    def body(a, b, c, d):
+        return (commfuse.all_gather_matmul(a, b, "x", schedule="ring"),
+                commfuse.matmul_reduce_scatter(c, d, "x", schedule="ring"))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P(None, "x"), P("x")),
+                              out_specs=(P("x"), P("x"))))
+    before = _native.site_counts()
+    for _ in range(3):
+        gathered, scattered = jax.block_until_ready(f(x, w, v, u))
+    after = _native.site_counts()
+    assert {k: after[k] - before[k] for k in after} == {"instances": 2, "from_instances": 2 * 4, "from_map": 0}
+    xs, ws, vs, us = (np.asarray(a, np.float64) for a in (x, w, v, u))
+    assert_close(gathered, np.concatenate([xs @ ws] * 4), np.float32)
+    assert_close(scattered, vs @ us, np.float32)

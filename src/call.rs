@@ -12,17 +12,20 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::plan::{self, Plan, Schedule};
 use crate::problem::{OpKind, Operand, Problem};
+use crate::sync::lock;
 use crate::xla::Frame;
 use std::any::Any;
+use std::collections::HashMap;
 use std::ops::Deref;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The attributes of a fused op's call, as `python/commfuse/_fused.py`
-/// lowers them (`_lower_target`), with its operands' shapes:
-/// all a call site decodes from, so also the key its `CallSite` is kept under.
+/// lowers them (`_lower_target`): fixed for a compiled instance, so decoded
+/// once per instance where XLA keeps instance state (`instantiate`), else
+/// on every call.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct SiteKey {
+pub struct SiteAttrs {
     pub kind: i64,
     pub site: i64,
     pub schedule: i64,
@@ -30,16 +33,12 @@ pub struct SiteKey {
     pub mesh_devices: Vec<i64>,
     pub mesh_shape: Vec<i64>,
     pub axes: Vec<i64>,
-    /// This call's device id in the mesh.
-    pub device: i64,
-    /// Operands x, w and result out: dims and dtype, as the backend read them.
-    pub operands: [(Vec<i64>, DType); 3],
 }
 
-impl SiteKey {
-    pub fn decode(frame: &Frame<'_>, [x, w, out]: [(&[i64], DType); 3], device: i64) -> Result<SiteKey> {
+impl SiteAttrs {
+    pub fn decode(frame: &Frame<'_>) -> Result<SiteAttrs> {
         let array = |name| frame.attr_i64_array(name).map(<[i64]>::to_vec);
-        Ok(SiteKey {
+        Ok(SiteAttrs {
             kind: frame.attr_i64("kind")?,
             site: frame.attr_i64("site")?,
             schedule: frame.attr_i64("schedule")?,
@@ -47,10 +46,87 @@ impl SiteKey {
             mesh_devices: array("mesh_devices")?,
             mesh_shape: array("mesh_shape")?,
             axes: array("axes")?,
-            device,
-            operands: [x, w, out].map(|(dims, dtype)| (dims.to_vec(), dtype)),
         })
     }
+}
+
+/// Operands x, w and result out: dims and dtype, as the backend read them.
+pub type Operands = [(Vec<i64>, DType); 3];
+
+fn owned([x, w, out]: [(&[i64], DType); 3]) -> Operands {
+    [x, w, out].map(|(dims, dtype)| (dims.to_vec(), dtype))
+}
+
+/// All a call site decodes from: its attributes, this call's device id in
+/// the mesh and its operands' shapes; so also the key its `CallSite` is
+/// kept under.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SiteKey {
+    pub attrs: SiteAttrs,
+    pub device: i64,
+    pub operands: Operands,
+}
+
+/// What XLA keeps with one compiled instance of a fused op's call: its
+/// attributes, decoded at INSTANTIATE, and the site each device's calls
+/// decode to (a CPU instance serves every device of the process, a GPU
+/// instance its own device).
+struct SiteInstance {
+    attrs: SiteAttrs,
+    sites: Mutex<HashMap<i64, (Operands, Arc<CallSite>)>>,
+}
+
+impl SiteInstance {
+    /// The site of `device`'s calls with `operands`, decoded on its first call.
+    fn site(&self, device: i64, operands: [(&[i64], DType); 3]) -> Result<Arc<CallSite>> {
+        let same = |kept: &Operands| kept.iter().zip(&operands).all(|(k, (dims, dtype))| k.0 == *dims && k.1 == *dtype);
+        if let Some((kept, site)) = lock(&self.sites).get(&device) {
+            if same(kept) {
+                return Ok(site.clone());
+            }
+        }
+        // Decoded outside the lock, as `sites::get_or_decode` does.
+        let key = SiteKey { attrs: self.attrs.clone(), device, operands: owned(operands) };
+        let site = Arc::new(CallSite::decode(&key)?);
+        counts::add(&counts::INSTANCE_SITES);
+        lock(&self.sites).insert(device, (key.operands, site.clone()));
+        Ok(site)
+    }
+}
+
+/// How call sites were kept in this process, for tests and benchmarks:
+/// instances whose state XLA keeps, sites decoded into them, and sites
+/// decoded into the process's map (`sites`).
+pub mod counts {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    pub static INSTANCES: AtomicU64 = AtomicU64::new(0);
+    pub static INSTANCE_SITES: AtomicU64 = AtomicU64::new(0);
+    pub static MAP_SITES: AtomicU64 = AtomicU64::new(0);
+
+    pub(super) fn add(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (instances, sites decoded into instances, sites decoded into the map).
+    pub fn now() -> [u64; 3] {
+        [&INSTANCES, &INSTANCE_SITES, &MAP_SITES].map(|c| c.load(Ordering::Relaxed))
+    }
+}
+
+/// The INSTANTIATE stage of a fused op's handler: its attributes decoded
+/// and kept as the instance's state. Where they do not decode, or this XLA
+/// keeps no state, nothing is kept: each call decodes them as it runs
+/// (`sites`), and reports what does not decode.
+pub fn instantiate(frame: &Frame<'_>) -> Result<()> {
+    if let Ok(attrs) = SiteAttrs::decode(frame) {
+        let instance = SiteInstance { attrs, sites: Mutex::new(HashMap::new()) };
+        // An XLA without the state API runs on the process's map instead.
+        if frame.set_instance_state(Box::new(instance)).is_ok() {
+            counts::add(&counts::INSTANCES);
+        }
+    }
+    Ok(())
 }
 
 /// What one call site decodes to on one device: everything a call needs but
@@ -83,14 +159,15 @@ impl std::fmt::Debug for Derived {
 
 impl CallSite {
     fn decode(key: &SiteKey) -> Result<CallSite> {
-        let kind = abi::kind(key.kind)?;
-        let schedule = abi::schedule(kind, key.schedule)?;
-        let group = Group::from_mesh(&key.mesh_devices, &key.mesh_shape, &key.axes, key.device)?;
+        let attrs = &key.attrs;
+        let kind = abi::kind(attrs.kind)?;
+        let schedule = abi::schedule(kind, attrs.schedule)?;
+        let group = Group::from_mesh(&attrs.mesh_devices, &attrs.mesh_shape, &attrs.axes, key.device)?;
         let [x, w, out] = &key.operands;
         let dims = [(x.0.as_slice(), x.1), (w.0.as_slice(), w.1), (out.0.as_slice(), out.1)];
-        let (problem, plan) = problem_and_plan(kind, schedule, dims, key.dimension, &group)?;
+        let (problem, plan) = problem_and_plan(kind, schedule, dims, attrs.dimension, &group)?;
         let flops = plan_flops(&problem, &plan);
-        Ok(CallSite { kind, site: key.site, schedule, group, problem, plan, flops, backend: Derived::default() })
+        Ok(CallSite { kind, site: attrs.site, schedule, group, problem, plan, flops, backend: Derived::default() })
     }
 
     /// What a backend derives from this site alone (the CUDA backend's
@@ -131,14 +208,21 @@ impl Deref for Call {
 }
 
 impl Call {
-    /// Decodes the attributes of `frame` for operands `x`, `w` and result
-    /// `out` (dims and dtype, as the backend read them), with `device` this
-    /// call's device id in the mesh; the site's plan is made once (`sites`).
+    /// The call of `frame` for operands `x`, `w` and result `out` (dims and
+    /// dtype, as the backend read them), with `device` this call's device id
+    /// in the mesh. The site's plan is made once: kept in XLA's instance
+    /// state where XLA keeps one (`instantiate`), else in the process's map
+    /// (`sites`).
     pub fn decode(frame: &Frame<'_>, operands: [(&[i64], DType); 3], device: i64) -> Result<Call> {
         let started = Instant::now();
         let interrupts = crate::config::interrupts();
-        let key = SiteKey::decode(frame, operands, device)?;
-        let decoded = sites::get_or_decode(key)?;
+        let decoded = match frame.instance_state().and_then(|state| state.downcast_ref::<SiteInstance>()) {
+            Some(instance) => instance.site(device, operands)?,
+            None => {
+                let key = SiteKey { attrs: SiteAttrs::decode(frame)?, device, operands: owned(operands) };
+                sites::get_or_decode(key)?
+            }
+        };
         Ok(Call { decoded, timeout: crate::config::timeout()?, started, interrupts })
     }
 
@@ -183,6 +267,7 @@ pub mod sites {
         }
         // Decoded outside the lock: other devices' calls need not wait for it.
         let site = Arc::new(CallSite::decode(&key)?);
+        super::counts::add(&super::counts::MAP_SITES);
         let mut cache = lock(cache());
         if cache.len() >= MOST {
             cache.clear();
@@ -232,13 +317,15 @@ mod tests {
 
     fn key(site: i64, device: i64, rows: i64) -> SiteKey {
         SiteKey {
-            kind: 0,
-            site,
-            schedule: 1,
-            dimension: 0,
-            mesh_devices: vec![10, 11, 12, 13],
-            mesh_shape: vec![4],
-            axes: vec![0],
+            attrs: SiteAttrs {
+                kind: 0,
+                site,
+                schedule: 1,
+                dimension: 0,
+                mesh_devices: vec![10, 11, 12, 13],
+                mesh_shape: vec![4],
+                axes: vec![0],
+            },
             device,
             operands: [(vec![rows, 8], DType::F32), (vec![8, 4], DType::F32), (vec![4 * rows, 4], DType::F32)],
         }

@@ -46,6 +46,8 @@ lib.commfuse_set_transport.argtypes = [ctypes.c_char_p]
 lib.commfuse_transport.restype = ctypes.c_int32
 lib.commfuse_transport.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 lib.commfuse_interrupt.restype = None
+lib.commfuse_site_counts.restype = None
+lib.commfuse_site_counts.argtypes = [ctypes.POINTER(ctypes.c_int64)]
 lib.commfuse_interrupt.argtypes = []
 lib.commfuse_cuda_built.restype = ctypes.c_int32
 lib.commfuse_cuda_built.argtypes = []
@@ -79,7 +81,10 @@ RESHARD_RECEIVE_CUDA_TARGET = "commfuse_reshard_receive_cuda"
 # Every CUDA handler runs in both stages, registered together on first use.
 CUDA_TARGETS = (CUDA_TARGET, RESHARD_CONNECT_CUDA_TARGET, RESHARD_SEND_CUDA_TARGET, RESHARD_RECEIVE_CUDA_TARGET)
 
-jax.ffi.register_ffi_target(CPU_TARGET, jax.ffi.pycapsule(getattr(lib, CPU_TARGET)), platform="cpu")
+# INSTANTIATE decodes a call site's attributes once per compiled instance
+# and XLA keeps them with it (src/xla/state.rs); EXECUTE runs the op.
+_cpu_handler = jax.ffi.pycapsule(getattr(lib, CPU_TARGET))
+jax.ffi.register_ffi_target(CPU_TARGET, {"instantiate": _cpu_handler, "execute": _cpu_handler}, platform="cpu")
 for _target in (RESHARD_SEND_CPU_TARGET, RESHARD_RECEIVE_CPU_TARGET):
     jax.ffi.register_ffi_target(_target, jax.ffi.pycapsule(getattr(lib, _target)), platform="cpu")
 
@@ -195,6 +200,17 @@ def cuda_libraries() -> dict:
         key, path, version, _how, error = line.split("\t")
         found[key] = {"path": path or None, "version": version or None, "error": error or None}
     return found
+
+
+def site_counts() -> dict:
+    """How this process kept its fused ops' call sites (src/call.rs,
+    ``counts``): ``instances`` whose state XLA keeps (one per compiled
+    instance of a fused call), ``from_instances`` sites decoded into them
+    (one per instance and device), ``from_map`` sites decoded into the
+    process's map (where XLA keeps no instance state)."""
+    out = (ctypes.c_int64 * 3)()
+    lib.commfuse_site_counts(out)
+    return dict(zip(("instances", "from_instances", "from_map"), (int(v) for v in out)))
 
 
 def cuda_loads_during_execute() -> int:

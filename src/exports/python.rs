@@ -368,6 +368,23 @@ fn one_rank_bench(_request: &str) -> Result<String, String> {
     Err("this commfuse library was built without the `cuda` feature: the one-rank benchmark needs it".into())
 }
 
+/// How this process kept its fused ops' call sites (`call::counts`): writes
+/// instances whose state XLA keeps, sites decoded into them, and sites
+/// decoded into the process's map to `out[0..3]`.
+///
+/// # Safety
+/// `out` must point at 3 writable `i64`s.
+#[no_mangle]
+pub unsafe extern "C" fn commfuse_site_counts(out: *mut i64) {
+    if out.is_null() {
+        return;
+    }
+    for (i, n) in crate::call::counts::now().into_iter().enumerate() {
+        // SAFETY: the caller gives 3 writable i64s.
+        unsafe { *out.add(i) = i64::try_from(n).unwrap_or(i64::MAX) };
+    }
+}
+
 /// How many devices had their kernels loaded inside an EXECUTE call rather
 /// than at the INITIALIZE stage (0 without the `cuda` feature).
 #[no_mangle]

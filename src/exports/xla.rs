@@ -9,7 +9,14 @@ use crate::xla::{self, sys};
 #[no_mangle]
 pub unsafe extern "C" fn commfuse_collective_matmul_cpu(frame: *mut sys::XLA_FFI_CallFrame) -> *mut sys::XLA_FFI_Error {
     // SAFETY: XLA passes a valid call frame for the duration of the call.
-    unsafe { xla::handle_named("commfuse collective matmul", frame, crate::backend::cpu::handler::collective_matmul) }
+    unsafe {
+        xla::handle_stages(
+            "commfuse collective matmul",
+            frame,
+            xla::Stages::InstantiateAndExecute,
+            crate::backend::cpu::handler::collective_matmul,
+        )
+    }
 }
 
 /// The send program of `commfuse.reshard` on CPU devices (see `backend::cpu::reshard`).

@@ -69,6 +69,9 @@ pub struct Frame<'a> {
 /// The execution stages a handler body runs in (the others never reach it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
+    /// Once per compiled instance, from the attributes alone: no operands or
+    /// results (see `state`).
+    Instantiate,
     Initialize,
     Execute,
 }
@@ -226,10 +229,10 @@ impl<'a> Frame<'a> {
             list(attrs.attrs, len, "attribute values")?;
             let attrs = Attrs { len, types: attrs.types, names: attrs.names, values: attrs.attrs };
 
-            let stage = if (*call_frame).stage == sys::XLA_FFI_ExecutionStage_INITIALIZE {
-                Stage::Initialize
-            } else {
-                Stage::Execute
+            let stage = match (*call_frame).stage {
+                sys::XLA_FFI_ExecutionStage_INSTANTIATE => Stage::Instantiate,
+                sys::XLA_FFI_ExecutionStage_INITIALIZE => Stage::Initialize,
+                _ => Stage::Execute,
             };
             Ok(Frame {
                 call_frame,
@@ -248,6 +251,15 @@ impl<'a> Frame<'a> {
     /// The execution stage of this call (see `guard::Stages`).
     pub fn stage(&self) -> Stage {
         self.stage
+    }
+
+    /// XLA's API table and execution context of this call (for `state`).
+    pub(super) fn api(&self) -> *const sys::XLA_FFI_Api {
+        self.api
+    }
+
+    pub(super) fn ctx(&self) -> *mut sys::XLA_FFI_ExecutionContext {
+        self.ctx
     }
 
     pub fn num_args(&self) -> usize {
@@ -650,7 +662,7 @@ impl<'a> Frame<'a> {
     ///
     /// # Safety
     /// `err` must be null or an error just returned by this frame's API.
-    unsafe fn check(&self, err: *mut sys::XLA_FFI_Error, call: &str) -> Result<()> {
+    pub(super) unsafe fn check(&self, err: *mut sys::XLA_FFI_Error, call: &str) -> Result<()> {
         if err.is_null() {
             return Ok(());
         }

@@ -32,6 +32,9 @@ pub enum Stages {
     /// INITIALIZE too: XLA calls it before running the executable's thunks,
     /// where per-device set-up (loading kernels) belongs.
     InitializeAndExecute,
+    /// INSTANTIATE too: XLA calls it once per compiled instance, where the
+    /// instance's state is made (`Frame::set_instance_state`).
+    InstantiateAndExecute,
 }
 
 /// Runs `body` for one EXECUTE call of the handler `name`:
@@ -133,7 +136,8 @@ unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame, stages: Stages)
         }
         let stage = (*cf).stage;
         let runs = stage == sys::XLA_FFI_ExecutionStage_EXECUTE
-            || (stages == Stages::InitializeAndExecute && stage == sys::XLA_FFI_ExecutionStage_INITIALIZE);
+            || (stages == Stages::InitializeAndExecute && stage == sys::XLA_FFI_ExecutionStage_INITIALIZE)
+            || (stages == Stages::InstantiateAndExecute && stage == sys::XLA_FFI_ExecutionStage_INSTANTIATE);
         if !runs {
             return Preflight::Done(ptr::null_mut());
         }

@@ -30,6 +30,7 @@ macro_rules! api_fn {
 mod deferred;
 mod frame;
 mod guard;
+mod state;
 #[cfg(any(test, feature = "testing"))]
 pub mod synthetic;
 #[cfg(test)]

@@ -101,6 +101,93 @@ pub unsafe extern "C" fn cpu_stream(_: *mut sys::XLA_FFI_Stream_Get_Args) -> *mu
     unsafe { fake_error_create(&mut args) }
 }
 
+// Instance state as XLA keeps it: types registered by name, and each
+// instance's states by type. A frame's `ctx` names its instance
+// (`Call::instance`; 0, a call of no instance, keeps none); the fake never
+// dereferences it.
+
+type Deleter = unsafe extern "C" fn(*mut std::ffi::c_void);
+
+struct FakeStates {
+    types: Vec<(String, Option<Deleter>)>,
+    /// (instance, type id) -> state.
+    states: std::collections::BTreeMap<(usize, i64), usize>,
+}
+
+static FAKE_STATES: std::sync::Mutex<FakeStates> =
+    std::sync::Mutex::new(FakeStates { types: Vec::new(), states: std::collections::BTreeMap::new() });
+
+fn fake_error(message: &str) -> *mut sys::XLA_FFI_Error {
+    let message = CString::new(message).expect("no NUL");
+    Box::into_raw(Box::new(FakeError { code: sys::XLA_FFI_Error_Code_INTERNAL, message })) as *mut sys::XLA_FFI_Error
+}
+
+/// # Safety
+/// `args` points at the argument struct of this API function, as XLA's caller passes it.
+pub unsafe extern "C" fn fake_type_register(args: *mut sys::XLA_FFI_Type_Register_Args) -> *mut sys::XLA_FFI_Error {
+    let (name, deleter) = unsafe {
+        let name = std::slice::from_raw_parts((*args).name.ptr as *const u8, (*args).name.len);
+        (String::from_utf8_lossy(name).into_owned(), (*(*args).type_info).deleter)
+    };
+    let mut fake = FAKE_STATES.lock().unwrap_or_else(|e| e.into_inner());
+    if fake.types.iter().any(|(n, _)| *n == name) {
+        return fake_error(&format!("Type name {name} already registered"));
+    }
+    fake.types.push((name, deleter));
+    unsafe { (*(*args).type_id).type_id = fake.types.len() as i64 };
+    ptr::null_mut()
+}
+
+/// # Safety
+/// `args` points at the argument struct of this API function, as XLA's caller passes it.
+pub unsafe extern "C" fn fake_state_set(args: *mut sys::XLA_FFI_State_Set_Args) -> *mut sys::XLA_FFI_Error {
+    let (instance, type_id, state) = unsafe { ((*args).ctx as usize, (*(*args).type_id).type_id, (*args).state) };
+    if instance == 0 {
+        return fake_error("this call has no instance to keep state with");
+    }
+    let mut fake = FAKE_STATES.lock().unwrap_or_else(|e| e.into_inner());
+    if fake.states.contains_key(&(instance, type_id)) {
+        return fake_error("state is already set");
+    }
+    fake.states.insert((instance, type_id), state as usize);
+    ptr::null_mut()
+}
+
+/// # Safety
+/// `args` points at the argument struct of this API function, as XLA's caller passes it.
+pub unsafe extern "C" fn fake_state_get(args: *mut sys::XLA_FFI_State_Get_Args) -> *mut sys::XLA_FFI_Error {
+    let (instance, type_id) = unsafe { ((*args).ctx as usize, (*(*args).type_id).type_id) };
+    let fake = FAKE_STATES.lock().unwrap_or_else(|e| e.into_inner());
+    match fake.states.get(&(instance, type_id)) {
+        Some(&state) => {
+            unsafe { (*args).state = state as *mut std::ffi::c_void };
+            ptr::null_mut()
+        }
+        None => fake_error("state not found"),
+    }
+}
+
+/// Drops instance `instance` as XLA drops an executable: each of its
+/// states through its type's deleter. How many were dropped.
+pub fn drop_fake_instance(instance: usize) -> usize {
+    let dropped: Vec<(usize, Option<Deleter>)> = {
+        let mut fake = FAKE_STATES.lock().unwrap_or_else(|e| e.into_inner());
+        let keys: Vec<_> = fake.states.keys().filter(|(i, _)| *i == instance).copied().collect();
+        keys.into_iter()
+            .map(|key| {
+                let state = fake.states.remove(&key).expect("listed");
+                (state, fake.types[key.1 as usize - 1].1)
+            })
+            .collect()
+    };
+    for (state, deleter) in &dropped {
+        if let Some(delete) = deleter {
+            unsafe { delete(*state as *mut std::ffi::c_void) };
+        }
+    }
+    dropped.len()
+}
+
 pub fn fake_api() -> sys::XLA_FFI_Api {
     sys::XLA_FFI_Api {
         struct_size: sys::XLA_FFI_Api_STRUCT_SIZE as usize,
@@ -109,6 +196,9 @@ pub fn fake_api() -> sys::XLA_FFI_Api {
         XLA_FFI_Error_Destroy: Some(fake_error_destroy),
         XLA_FFI_DeviceOrdinal_Get: Some(fake_device_ordinal),
         XLA_FFI_RunId_Get: Some(fake_run_id),
+        XLA_FFI_Type_Register: Some(fake_type_register),
+        XLA_FFI_State_Set: Some(fake_state_set),
+        XLA_FFI_State_Get: Some(fake_state_get),
         ..Default::default()
     }
 }
@@ -189,11 +279,14 @@ pub struct Call {
     pub rets: Vec<(u32, Vec<i64>)>,
     pub attrs: Vec<(&'static str, Attr)>,
     pub stage: sys::XLA_FFI_ExecutionStage,
+    /// Which instance the call belongs to, as its execution context (the
+    /// fake API keeps instance state by it; 0: none).
+    pub instance: usize,
 }
 
 impl Default for Call {
     fn default() -> Self {
-        Call { args: vec![], rets: vec![], attrs: vec![], stage: sys::XLA_FFI_ExecutionStage_EXECUTE }
+        Call { args: vec![], rets: vec![], attrs: vec![], stage: sys::XLA_FFI_ExecutionStage_EXECUTE, instance: 0 }
     }
 }
 
@@ -367,7 +460,7 @@ impl Call {
             struct_size: sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize,
             extension_start: ptr::null_mut(),
             api,
-            ctx: ptr::null_mut(),
+            ctx: self.instance as *mut sys::XLA_FFI_ExecutionContext,
             stage: self.stage,
             args,
             rets,

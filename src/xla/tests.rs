@@ -574,3 +574,166 @@ fn without_futures_a_call_is_not_deferred_and_results_handed_out_first_are_refus
     let Err(e) = frame.defer("test op") else { panic!("deferred after a result was handed out") };
     assert!(e.message().contains("handed out before"), "{e}");
 }
+
+// ---- instance state ----------------------------------------------------------
+
+/// Counts its drops, to see XLA's deleter run.
+struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn run_stage(
+    instance: usize,
+    stage: sys::XLA_FFI_ExecutionStage,
+    body: impl FnOnce(&mut super::Frame<'_>) -> crate::error::Result<()>,
+) -> Option<(u32, String)> {
+    let built = Call { stage, instance, ..Default::default() }.build();
+    take_error(unsafe { super::handle_stages("test", built.frame, super::Stages::InstantiateAndExecute, body) })
+}
+
+#[test]
+fn instance_state_made_at_instantiate_reaches_the_instances_calls_and_is_dropped_with_it() {
+    let drops = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (instance, other) = (0x5a7e_0001, 0x5a7e_0002);
+    let made = Counted(drops.clone());
+    let set = run_stage(instance, sys::XLA_FFI_ExecutionStage_INSTANTIATE, |frame| {
+        assert_eq!(frame.stage(), super::Stage::Instantiate);
+        assert!(frame.instance_state().is_none(), "nothing to read while instantiating");
+        frame.set_instance_state(Box::new((made, 41u32)))
+    });
+    assert_eq!(set, None);
+    for _ in 0..2 {
+        let read = run_stage(instance, sys::XLA_FFI_ExecutionStage_EXECUTE, |frame| {
+            let state = frame.instance_state().expect("the instance's state");
+            assert_eq!(state.downcast_ref::<(Counted, u32)>().map(|s| s.1), Some(41));
+            Ok(())
+        });
+        assert_eq!(read, None);
+    }
+    let elsewhere = run_stage(other, sys::XLA_FFI_ExecutionStage_EXECUTE, |frame| {
+        assert!(frame.instance_state().is_none(), "another instance keeps no state");
+        Ok(())
+    });
+    assert_eq!(elsewhere, None);
+    assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(drop_fake_instance(instance), 1);
+    assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), 1, "XLA's deleter drops the state once");
+}
+
+#[test]
+fn instance_state_is_set_at_instantiate_only() {
+    let err =
+        run_stage(0x5a7e_0003, sys::XLA_FFI_ExecutionStage_EXECUTE, |frame| frame.set_instance_state(Box::new(1u8)));
+    let (code, message) = err.expect("refused");
+    assert_eq!(code, sys::XLA_FFI_Error_Code_INTERNAL);
+    assert!(message.contains("instantiate stage only"), "{message}");
+}
+
+#[test]
+fn instantiate_runs_the_body_only_where_asked() {
+    let ran = |stages, stage| {
+        let built = Call { stage, ..Default::default() }.build();
+        let mut ran = false;
+        let err = take_error(unsafe {
+            super::handle_stages("test", built.frame, stages, |_| {
+                ran = true;
+                Ok(())
+            })
+        });
+        assert_eq!(err, None);
+        ran
+    };
+    use super::Stages::*;
+    assert!(ran(InstantiateAndExecute, sys::XLA_FFI_ExecutionStage_INSTANTIATE));
+    assert!(ran(InstantiateAndExecute, sys::XLA_FFI_ExecutionStage_EXECUTE));
+    assert!(!ran(InstantiateAndExecute, sys::XLA_FFI_ExecutionStage_INITIALIZE));
+    assert!(!ran(InstantiateAndExecute, sys::XLA_FFI_ExecutionStage_PREPARE));
+    assert!(!ran(InitializeAndExecute, sys::XLA_FFI_ExecutionStage_INSTANTIATE));
+}
+
+/// The CPU handler end to end on one rank: INSTANTIATE decodes the site's
+/// attributes into the instance's state, and the instance's calls decode
+/// their site from it, never through the process's map.
+#[test]
+fn a_fused_call_decodes_its_site_from_the_instance_state() {
+    use crate::call::{sites, SiteAttrs, SiteKey};
+    let me = i64::from(DEVICE_ORDINAL);
+    let attrs = vec![
+        ("kind", Attr::I64(1)), // matmul_reduce_scatter: on one rank, x @ w
+        ("schedule", Attr::I64(1)),
+        ("site", Attr::I64(-7001)),
+        ("dimension", Attr::I64(0)),
+        ("mesh_devices", Attr::I64s(vec![me])),
+        ("mesh_shape", Attr::I64s(vec![1])),
+        ("axes", Attr::I64s(vec![0])),
+    ];
+    let instance = 0x5a7e_0004;
+    let handler = crate::exports::xla::commfuse_collective_matmul_cpu;
+    let instantiated =
+        Call { attrs: attrs.clone(), stage: sys::XLA_FFI_ExecutionStage_INSTANTIATE, instance, ..Default::default() }
+            .build()
+            .call(handler);
+    assert_eq!(instantiated, None);
+
+    let (m, k, n) = (3usize, 4usize, 2usize);
+    let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+    let w: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.91).cos()).collect();
+    let workspace = {
+        let shapes = crate::abi::CallShapes {
+            kind: 1,
+            schedule: 1,
+            ranks: 1,
+            dimension: 0,
+            x: vec![m as i64, k as i64],
+            w: vec![k as i64, n as i64],
+            input: sys::XLA_FFI_DataType_F32,
+            output: sys::XLA_FFI_DataType_F32,
+        };
+        let request =
+            crate::prepare::Request { call: shapes, machine: None, gemm_gflops: None, explain: false, trace: None };
+        crate::prepare::prepare(&request).expect("prepared").workspace.cpu as i64
+    };
+    for _ in 0..2 {
+        let built = Call {
+            args: vec![f32_arg(&[m as i64, k as i64]), f32_arg(&[k as i64, n as i64])],
+            rets: vec![f32_arg(&[m as i64, n as i64]), (sys::XLA_FFI_DataType_U8, vec![workspace])],
+            attrs: attrs.clone(),
+            instance,
+            ..Default::default()
+        }
+        .build();
+        unsafe {
+            ptr::copy_nonoverlapping(x.as_ptr(), (*built.arg_bufs[0]).data as *mut f32, x.len());
+            ptr::copy_nonoverlapping(w.as_ptr(), (*built.arg_bufs[1]).data as *mut f32, w.len());
+        }
+        assert_eq!(built.call(handler), None);
+        let out = unsafe { std::slice::from_raw_parts((*built.ret_bufs[0]).data as *const f32, m * n) };
+        for (i, got) in out.iter().enumerate() {
+            let want: f32 = (0..k).map(|j| x[i / n * k + j] * w[j * n + i % n]).sum();
+            assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "out[{i}] = {got}, want {want}");
+        }
+    }
+    let key = SiteKey {
+        attrs: SiteAttrs {
+            kind: 1,
+            site: -7001,
+            schedule: 1,
+            dimension: 0,
+            mesh_devices: vec![me],
+            mesh_shape: vec![1],
+            axes: vec![0],
+        },
+        device: me,
+        operands: [
+            (vec![m as i64, k as i64], DType::F32),
+            (vec![k as i64, n as i64], DType::F32),
+            (vec![m as i64, n as i64], DType::F32),
+        ],
+    };
+    assert!(!sites::contains(&key), "the process's map was not used");
+    assert_eq!(drop_fake_instance(instance), 1);
+}

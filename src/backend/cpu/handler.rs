@@ -10,10 +10,13 @@ use crate::call::Call;
 use crate::error::{Error, Result};
 use crate::exec::Observer;
 use crate::trace::{CallLabel, Recording};
-use crate::xla::Frame;
+use crate::xla::{Frame, Stage};
 
 /// One device's call of a fused op on the CPU backend.
 pub fn collective_matmul(frame: &mut Frame<'_>) -> Result<()> {
+    if frame.stage() == Stage::Instantiate {
+        return crate::call::instantiate(frame);
+    }
     let call = CpuCall::decode(frame)?;
     let names = Call::operand_names(frame);
     let inside = call.enter();

@@ -70,6 +70,7 @@ pub fn nccl_unique_id() -> Result<[u8; communicators::NCCL_ID_BYTES]> {
 /// Both stages (see the module's doc).
 pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
     match frame.stage() {
+        Stage::Instantiate => crate::call::instantiate(frame),
         Stage::Initialize => initialize(frame),
         Stage::Execute => collective_matmul(frame),
     }

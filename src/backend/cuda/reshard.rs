@@ -82,6 +82,7 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
             }
             connected
         }
+        Stage::Instantiate => Err(Error::Internal("the reshard programs have no instantiate stage".into())),
         Stage::Execute => {
             let token = frame.device_ret_bytes(0, "connected")?;
             let dev = device::bind_for_execute(&stream)?;

@@ -129,6 +129,18 @@ def auto_axes_scope():
     return jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: auto for a in mesh.explicit_axes}))
 
 
+def mesh_spec_of(sharding, mesh):
+    """XLA's own sharding of an array (a ``GSPMDSharding``, as a
+    ``custom_partitioning`` rule with ``decode_shardings=False`` gets it) as
+    a PartitionSpec of `mesh`; raises where no PartitionSpec of the mesh
+    expresses it. JAX's decoder (the one its rules use when they decode) is
+    private: read here only, on every supported JAX by
+    ``jax_tests/test_jit_programs.py``."""
+    from jax._src import sharding_impls
+
+    return sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]
+
+
 def distributed_client():
     """The client of ``jax.distributed``'s key-value store (None before
     ``jax.distributed.initialize``). JAX has no public handle on it, and

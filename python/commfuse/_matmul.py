@@ -719,10 +719,27 @@ def _sharding(mesh, spec: tuple):
     return NamedSharding(mesh, P(*[axes if len(axes) != 1 else axes[0] if axes else None for axes in spec]))
 
 
+def _mesh_axes(mesh, sharding, ndim: int) -> tuple:
+    """An operand's or the result's sharding as mesh axes per dimension.
+    The partitioner hands XLA's own shardings (``decode_shardings=False``):
+    propagation can tile a dimension over part of a mesh axis (4 ways of an
+    8-device axis after a reshape splits heads), which no PartitionSpec of
+    the mesh expresses; such an array is taken as replicated, and XLA
+    gathers it to that before the op (what the plain program's dot would
+    need of it too)."""
+    if isinstance(sharding, NamedSharding):
+        return spec_axes(sharding.spec, ndim)
+    try:
+        spec = _compat.mesh_spec_of(sharding, mesh)
+    except Exception:  # noqa: BLE001 - JAX's decoder raises KeyError/ValueError/AssertionError alike
+        return ((),) * ndim
+    return spec_axes(spec, ndim)
+
+
 def _specs(mesh, arg_shapes, result_shape):
     x, w = arg_shapes
-    return (spec_axes(x.sharding.spec, x.ndim), spec_axes(w.sharding.spec, 2),
-            spec_axes(result_shape.sharding.spec, len(result_shape.shape)))
+    return (_mesh_axes(mesh, x.sharding, x.ndim), _mesh_axes(mesh, w.sharding, 2),
+            _mesh_axes(mesh, result_shape.sharding, len(result_shape.shape)))
 
 
 def _partition(settings: Settings, mesh, arg_shapes, result_shape):
@@ -752,7 +769,7 @@ def _infer_from_operands(settings: Settings, mesh, arg_shapes, result_shape):
     """GSPMD's propagation (when Shardy is off): x's rows and w's columns,
     an axis on both kept on the columns (the all-gather matmul's result)."""
     x, w = arg_shapes
-    x_spec, w_spec = spec_axes(x.sharding.spec, x.ndim), spec_axes(w.sharding.spec, 2)
+    x_spec, w_spec = _mesh_axes(mesh, x.sharding, x.ndim), _mesh_axes(mesh, w.sharding, 2)
     used = set(w_spec[1]) | set(x_spec[-1])
     rows = tuple(tuple(a for a in axes if a not in used) for axes in x_spec[:-1])
     return _sharding(mesh, rows + (w_spec[1],))
@@ -764,4 +781,4 @@ def _sharding_rule(settings: Settings, mesh, value_types, result_types):
 
 
 _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer_from_operands,
-                           sharding_rule=_sharding_rule)
+                           sharding_rule=_sharding_rule, decode_shardings=False)

@@ -28,7 +28,8 @@ def test_python_and_the_library_have_the_same_tables():
     assert _abi.CUT_KINDS == _abi.ROW_BLOCK_KINDS | {_abi.Kind.MATMUL_ALL_REDUCE}
     # Each kind's operand names are the ones its errors use (`abi::KINDS` order).
     for kind, info in tables["kind_info"].items():
-        assert info["operands"] == (["w", "x"] if info["op"] == "matmul_all_gather" else ["x", "w"]), kind
+        travelling_w = info["op"] in ("matmul_all_gather", "all_gather_matmul_reduce_scatter")
+        assert info["operands"] == (["w", "x"] if travelling_w else ["x", "w"]), kind
     # The attributes the lowering writes are the contract's.
     assert {"kind", "site", "schedule", "dimension", "mesh_devices", "mesh_shape", "axes"} <= set(_abi.ATTRIBUTES)
 

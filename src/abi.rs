@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// The op kinds; a kind's code is its index (`_abi.Kind`).
-pub const KINDS: [OpKind; 11] = [
+pub const KINDS: [OpKind; 12] = [
     OpKind::AllGatherMatmul,
     OpKind::AllGatherMatmulContract,
     OpKind::MatmulAllGather,
@@ -30,6 +30,7 @@ pub const KINDS: [OpKind; 11] = [
     OpKind::MatmulAllToAll,
     OpKind::MatmulAllToAllCols,
     OpKind::MatmulAllReduce,
+    OpKind::AllGatherMatmulReduceScatter,
 ];
 
 /// The attributes of a fused op's call, as Python's lowering writes them
@@ -114,6 +115,10 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                 Schedule::Tiled { tiles: chunks }
             })
         }
+        2 if kind == OpKind::AllGatherMatmulReduceScatter => Err(Error::InvalidArgument(format!(
+            "{name}: schedule \"bidirectional\" does not exist here: both rings run one way (\"ring\"), or nothing \
+             overlaps (\"sequential\")"
+        ))),
         _ => match code {
             AUTO => Ok(Schedule::Auto),
             1 => Ok(Schedule::Ring),

@@ -295,7 +295,8 @@ pub fn problem_and_plan(
     plan::check_size(kind.name(), schedule, group.size())?;
     let problem = Problem::new(kind, operand(x), operand(w), operand(out), dimension, group.size())?;
     let problem = problem.for_schedule(schedule)?;
-    Ok((problem, plan::plan(kind.pattern(), schedule, group.size(), group.rank)))
+    let pattern = problem.pattern();
+    Ok((problem, plan::plan(pattern, schedule, group.size(), group.rank)))
 }
 
 /// All of one rank's GEMM work in `plan`, in floating-point operations (2 per multiply-add).

@@ -127,9 +127,9 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
         }
     };
     let model = choice.as_ref().zip(machine.as_ref()).map(|(choice, machine)| {
-        let pick = sim::auto_pick(choice, n, kind.pattern());
+        let pick = sim::auto_pick(choice, n, problem.pattern());
         schedule = pick;
-        let sequential = plan::plan(kind.pattern(), Schedule::Sequential, n, 0);
+        let sequential = plan::plan(problem.pattern(), Schedule::Sequential, n, 0);
         let exchanges = sequential.steps.iter().filter(|s| matches!(s.action, plan::Action::Exchange { .. })).count();
         AutoModel {
             pick: pick.to_string(),
@@ -151,7 +151,7 @@ pub fn prepare(request: &Request) -> Result<Prepared> {
     };
     let problem = problem.for_schedule(schedule)?;
     // Every rank's plan uses the same slots; rank 0 stands for all.
-    let plan = plan::plan(kind.pattern(), schedule, n, 0);
+    let plan = plan::plan(problem.pattern(), schedule, n, 0);
     let workspace =
         Workspaces { cpu: CpuLayout::new(&problem)?.total(), cuda: CudaLayout::new(&problem, &plan)?.total() };
     let summary = PlanSummary {

@@ -38,6 +38,13 @@ pub enum OpKind {
     /// `psum(x @ w)`: x `[N*b, k]`, w `[k, n]`, output `[N*b, n]`; partials of
     /// row blocks travel and are summed, then the sums travel to every rank.
     MatmulAllReduce,
+    /// `psum_scatter(x @ all_gather(w, A, axis=1), B, scatter_dimension=0)`
+    /// over two mesh axes (an FSDP x TP row-parallel layer): operands
+    /// (w `[kb, c]`, x `[T*b, kb]`) over a group of F x T ranks (A's size F,
+    /// given as `dimension`, then B's T), output stacked `[F, b, c]` (column
+    /// block j of the result, from A's rank j, is `out[j]`). Blocks of w
+    /// travel round A's ring while the partials of each go round B's.
+    AllGatherMatmulReduceScatter,
 }
 
 impl OpKind {
@@ -46,7 +53,9 @@ impl OpKind {
     /// FSDP-style gathers pass the gathered weights first.
     pub fn operand_names(self) -> [&'static str; 2] {
         match self {
-            OpKind::MatmulAllGather | OpKind::MatmulAllGatherContract => ["w", "x"],
+            OpKind::MatmulAllGather | OpKind::MatmulAllGatherContract | OpKind::AllGatherMatmulReduceScatter => {
+                ["w", "x"]
+            }
             _ => ["x", "w"],
         }
     }
@@ -60,6 +69,7 @@ impl OpKind {
             AllToAllMatmul | AllToAllMatmulContract => "all_to_all_matmul",
             MatmulAllToAll | MatmulAllToAllCols => "matmul_all_to_all",
             MatmulAllReduce => "matmul_all_reduce",
+            AllGatherMatmulReduceScatter => "all_gather_matmul_reduce_scatter",
         }
     }
 
@@ -76,9 +86,13 @@ impl OpKind {
         self.row_blocks() || self == OpKind::MatmulAllReduce
     }
 
+    /// The kind's plan pattern. A two-axis kind's depends on the size of
+    /// its gather axis, which the kind alone does not know: its pattern
+    /// here says 0, and `Problem::pattern` gives the one to plan.
     pub fn pattern(self) -> Pattern {
         use OpKind::*;
         match self {
+            AllGatherMatmulReduceScatter => Pattern::GatherScatter { gathered: 0 },
             AllGatherMatmul | MatmulAllGather => Pattern::Gather { accumulate: false },
             AllGatherMatmulContract | MatmulAllGatherContract => Pattern::Gather { accumulate: true },
             MatmulReduceScatter | MatmulReduceScatterCols => Pattern::Scatter,
@@ -150,6 +164,10 @@ pub struct Problem {
     group: usize,
     /// `Schedule::Sliced { slices }`: block indices are fine (`j * slices + c`).
     slices: Option<usize>,
+    /// Two-axis kinds: the size F of the gather axis (block `d * F + j` is
+    /// the scatter axis's row block d of the product with w's block j);
+    /// 1 for the others.
+    gathered: usize,
     outer: usize,
     /// Rows per segment (row kinds) or rows of the whole `m` dim.
     seg: usize,
@@ -320,6 +338,24 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
                     mismatch(k, kw)?;
                     (1, divide("the rows of `x`", m)?, k, n, vec![m, n])
                 }
+                AllGatherMatmulReduceScatter => {
+                    let (kb, c) = two("w", &xd)?;
+                    let (m, kx) = two("x", &wd)?;
+                    mismatch(kx, kb)?;
+                    let f = usize::try_from(dimension).ok().filter(|&f| f >= 1 && nr % f == 0).ok_or_else(|| {
+                        crate::error::Error::InvalidArgument(format!(
+                            "{name}: the gather axis size ({dimension}) must divide the group size {nr}"
+                        ))
+                    })?;
+                    let t = nr / f;
+                    if m % t != 0 {
+                        bail!(
+                            InvalidArgument,
+                            "{name}: the rows of `x` ({m}) must be divisible by the scatter axis size {t}"
+                        );
+                    }
+                    (1, m / t, kb, c, vec![f, m / t, c])
+                }
                 AllToAllMatmulContract => {
                     let (m, kb) = three("x", &xd)?;
                     let (kw, n) = two("w", &wd)?;
@@ -363,11 +399,13 @@ impl Problem {
                 out.dims
             );
         }
+        let gathered = if kind == OpKind::AllGatherMatmulReduceScatter { expected[0] } else { 1 };
         Ok(Problem {
             kind,
             x_parts: nr,
             group: nr,
             slices: None,
+            gathered,
             outer,
             seg,
             k,
@@ -453,6 +491,20 @@ impl Problem {
         (j < self.x_parts).then(|| j * part..(j + 1) * part)
     }
 
+    /// The size F of a two-axis kind's gather axis (1 for the others).
+    pub fn gathered(&self) -> usize {
+        self.gathered
+    }
+
+    /// The pattern this problem is planned with (`OpKind::pattern`, with a
+    /// two-axis kind's gather axis size filled in).
+    pub fn pattern(&self) -> Pattern {
+        match self.kind.pattern() {
+            Pattern::GatherScatter { .. } => Pattern::GatherScatter { gathered: self.gathered },
+            pattern => pattern,
+        }
+    }
+
     pub fn accumulator(&self) -> DType {
         DType::accumulator(self.input, self.output)
     }
@@ -484,6 +536,8 @@ impl Problem {
             AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.group, 0),
             MatmulReduceScatter | MatmulReduceScatterCols => (0, self.out_len),
             MatmulAllToAll | MatmulAllToAllCols | MatmulAllReduce => (0, self.out_len / self.group),
+            // The whole local w travels; a partial is one (row block, w block) product.
+            AllGatherMatmulReduceScatter => (self.x_len, self.out_len / self.gathered),
         };
         let parts = self.slices.unwrap_or(1);
         let (travel, partial) = (travel / parts, partial / parts);
@@ -566,6 +620,15 @@ impl Problem {
                 rhs: (Side::W, w_all),
                 dst: into(j * seg * n, seg, n, n),
             }],
+            // Row block d of the local x times the block of w that `src` holds.
+            AllGatherMatmulReduceScatter => vec![Gemm {
+                lhs: (Side::W, View::rows(j / self.gathered * seg * k, seg, k)),
+                rhs: (Side::Src, View::rows(0, k, n)),
+                dst: match dst {
+                    Buf::Slot(_) => View::rows(0, seg, n),
+                    _ => unreachable!("two-axis products go to a slot"),
+                },
+            }],
         }
     }
 
@@ -599,6 +662,12 @@ impl Problem {
 
     /// The elements of the output a `Sum` into `dst` writes.
     pub fn out_range(&self, dst: Buf) -> std::ops::Range<usize> {
+        if let (OpKind::AllGatherMatmulReduceScatter, Buf::OutBlock(b)) = (self.kind, dst) {
+            // The output is stacked by w's block: block d * F + j lands in out[j].
+            let block = self.out_len / self.gathered;
+            let j = b % self.gathered;
+            return j * block..(j + 1) * block;
+        }
         if let (Some(parts), Buf::OutBlock(b), OpKind::MatmulAllReduce) = (self.slices, dst, self.kind) {
             // Fine block b of the whole output: chunk b % parts of block b / parts.
             let chunk = self.out_len / (self.group * parts);

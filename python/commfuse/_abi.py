@@ -37,6 +37,9 @@ class Kind(enum.IntEnum):
     MATMUL_ALL_TO_ALL = 8            # x [N, C, k]; w [k, n]; out [N, C, n]
     MATMUL_ALL_TO_ALL_COLS = 9       # x [m, k]; w [k, N*c]; out [N, m, c]
     MATMUL_ALL_REDUCE = 10           # x [N*b, k]; w [k, n]; out [N*b, n]
+    # Two axes (A of F ranks, then B of T): (w [kb, c] travels over A, x [T*b, kb]); dimension = F;
+    # out [F, b, c] (block j: the product with A's rank j's w, rows scattered over B).
+    ALL_GATHER_MATMUL_REDUCE_SCATTER = 11
 
 
 # Schedule codes (``abi::SCHEDULES``): the low byte; "sliced" and "tiled"

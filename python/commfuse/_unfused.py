@@ -67,6 +67,10 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
         return a2a(dot(x, w))
     if kind == K.MATMUL_ALL_REDUCE:
         return jax.lax.psum(dot(x, w), axes)
+    if kind == K.ALL_GATHER_MATMUL_REDUCE_SCATTER:  # (w [kb, c] travels over axes[0], x [T*b, kb])
+        gathered = jax.lax.all_gather(x, axes[0], axis=1, tiled=True)
+        y = jax.lax.psum_scatter(dot(w, gathered), axes[1], scatter_dimension=0, tiled=True)
+        return jnp.moveaxis(y.reshape(y.shape[0], dimension, x.shape[1]), 1, 0)
     # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
     y = dot(x, w)
     return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))

@@ -69,6 +69,12 @@ pub enum Pattern {
     /// (an all-gather ring of sums, copied into the output as they pass):
     /// every rank ends with every block's sum, as an all-reduce does.
     AllReduce,
+    /// Two rings over a group of F x T ranks (rank `f * T + t`): the blocks of
+    /// `x` travel round the F ranks that share `t` (a gather), and the
+    /// product with each block is reduce-scattered round the T ranks that
+    /// share `f`, the partials summed on the way. `gathered` is F (0: not
+    /// known from the op kind alone, see `Problem::pattern`).
+    GatherScatter { gathered: usize },
 }
 
 impl Pattern {
@@ -91,7 +97,7 @@ impl Pattern {
 
     /// Whether partial products travel and are summed on the way.
     pub fn reduces(self) -> bool {
-        matches!(self, Pattern::Scatter | Pattern::AllReduce)
+        matches!(self, Pattern::Scatter | Pattern::AllReduce | Pattern::GatherScatter { .. })
     }
 }
 
@@ -174,7 +180,8 @@ impl Schedule {
             Schedule::Sequential => Schedule::Sequential,
             Schedule::Sliced { slices } => Schedule::Sliced { slices },
             Schedule::Tiled { tiles } => Schedule::Tiled { tiles },
-            _ if !pattern.uses_ring() => Schedule::Ring,
+            // Both rings run one way: one overlapped plan.
+            _ if !pattern.uses_ring() || matches!(pattern, Pattern::GatherScatter { .. }) => Schedule::Ring,
             Schedule::Auto if n <= 2 => Schedule::Ring,
             Schedule::Auto => Schedule::Bidirectional,
             other => other,

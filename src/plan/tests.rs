@@ -109,6 +109,7 @@ fn sliced_piece(pattern: Pattern, rank: usize, block: usize, k: usize) -> (usize
         Pattern::Gather { .. } => (block / k, block),
         Pattern::Scatter | Pattern::AllReduce | Pattern::MatmulThenExchange => (rank, block),
         Pattern::ExchangeThenMatmul { .. } => (block, rank),
+        Pattern::GatherScatter { .. } => unreachable!("two-axis plans have their own check (simulate_two_axis)"),
     }
 }
 
@@ -367,6 +368,7 @@ fn head_and_tail_are_not_exposed() {
                         assert!(own.deps.is_empty(), "{pattern:?}");
                         assert!(matches!(last.action, Action::Sum { .. }));
                     }
+                    Pattern::GatherScatter { .. } => unreachable!("not in PATTERNS"),
                 }
             }
         }
@@ -688,6 +690,180 @@ fn a_sliced_all_reduce_gathers_each_chunk_while_the_next_is_multiplied() {
                     let next_scatter =
                         p.steps.iter().find(|s| scatter_chunk(s) == Some(c + 1)).expect("a reduce-scatter");
                     assert!(gathers.iter().all(|g| g.id < next_scatter.id), "N={n} k={k} rank {rank} chunk {c}");
+                }
+            }
+        }
+    }
+}
+
+/// Partial products: (rank that multiplied, fine block d * F + j).
+type Pieces = BTreeSet<(usize, usize)>;
+
+/// What a buffer holds in the symbolic run of a two-axis plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TwoAxis {
+    /// Block j of w.
+    W(usize),
+    Partials(Pieces),
+}
+
+/// Runs every rank's plan of `Pattern::GatherScatter { gathered: f_size }`
+/// message by message: each product multiplies the block of w its fine
+/// block names, each sum adds partials of one fine block once each, and
+/// rank f*T + t ends with out[j] (fine block t * F + j) summed over the T
+/// ranks that share f, for every j, written once.
+fn simulate_two_axis(plans: &[Plan], f_size: usize, label: &str) {
+    let n = plans.len();
+    let t_size = n / f_size;
+    let mut cursor = vec![0usize; n];
+    let mut sent = vec![false; n];
+    let mut slots: Vec<HashMap<usize, TwoAxis>> = vec![HashMap::new(); n];
+    // Per rank, each output block's (writes, value).
+    let mut outs: Vec<HashMap<usize, (usize, Pieces)>> = vec![HashMap::new(); n];
+    let mut mailbox: HashMap<(usize, usize, Tag), TwoAxis> = HashMap::new();
+    let read = |slots: &HashMap<usize, TwoAxis>, r: usize, b: Buf| -> TwoAxis {
+        match b {
+            Buf::X => TwoAxis::W(r / t_size),
+            Buf::Slot(i) => slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
+            other => panic!("{label}: rank {r} reads {other:?}"),
+        }
+    };
+    loop {
+        let mut progressed = false;
+        for r in 0..n {
+            while let Some(step) = plans[r].steps.get(cursor[r]) {
+                match &step.action {
+                    Action::Matmul { block, src, dst: Buf::Slot(i), accumulate: false } => {
+                        assert_eq!(
+                            read(&slots[r], r, *src),
+                            TwoAxis::W(block % f_size),
+                            "{label}: rank {r} block {block}"
+                        );
+                        slots[r].insert(*i, TwoAxis::Partials([(r, *block)].into()));
+                    }
+                    Action::Sum { terms, dst } => {
+                        let mut acc = BTreeSet::new();
+                        for t in terms {
+                            let TwoAxis::Partials(v) = read(&slots[r], r, *t) else { panic!("{label}: sums w") };
+                            for item in v {
+                                assert!(acc.insert(item), "{label}: rank {r} counts {item:?} twice");
+                            }
+                        }
+                        let blocks: BTreeSet<usize> = acc.iter().map(|p| p.1).collect();
+                        assert_eq!(blocks.len(), 1, "{label}: rank {r} sums different blocks {blocks:?}");
+                        match dst {
+                            Buf::Slot(i) => {
+                                slots[r].insert(*i, TwoAxis::Partials(acc));
+                            }
+                            Buf::OutBlock(b) => {
+                                let entry = outs[r].entry(*b).or_insert((0, BTreeSet::new()));
+                                *entry = (entry.0 + 1, acc);
+                            }
+                            other => panic!("{label}: rank {r} sums into {other:?}"),
+                        }
+                    }
+                    Action::Exchange { sends, recvs } => {
+                        if !sent[r] {
+                            for t in sends {
+                                let v = read(&slots[r], r, t.buf);
+                                assert!(
+                                    mailbox.insert((r, t.peer, t.tag), v).is_none(),
+                                    "{label}: {:?} sent twice",
+                                    t.tag
+                                );
+                                if let (true, Buf::Slot(i)) = (plans[r].hands_over(t.buf), t.buf) {
+                                    slots[r].remove(&i);
+                                }
+                            }
+                            sent[r] = true;
+                        }
+                        if !recvs.iter().all(|t| mailbox.contains_key(&(t.peer, r, t.tag))) {
+                            break;
+                        }
+                        for t in recvs {
+                            let v = mailbox.remove(&(t.peer, r, t.tag)).expect("there");
+                            let Buf::Slot(i) = t.buf else { panic!("{label}: receives into {:?}", t.buf) };
+                            let fits = matches!(
+                                (&v, plans[r].slots[i]),
+                                (TwoAxis::W(_), SlotKind::Input) | (TwoAxis::Partials(_), SlotKind::Partial)
+                            );
+                            assert!(fits, "{label}: rank {r} receives {v:?} into a {:?} slot", plans[r].slots[i]);
+                            slots[r].insert(i, v);
+                        }
+                        sent[r] = false;
+                    }
+                    other => panic!("{label}: unexpected {other:?}"),
+                }
+                cursor[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..n).all(|r| cursor[r] == plans[r].steps.len()) {
+            break;
+        }
+        assert!(progressed, "{label}: deadlock at cursors {cursor:?}");
+    }
+    assert!(mailbox.is_empty(), "{label}: sends never received");
+    for (r, written) in outs.iter().enumerate() {
+        let (f, t) = (r / t_size, r % t_size);
+        assert_eq!(written.len(), f_size, "{label}: rank {r} writes {:?}", written.keys());
+        for j in 0..f_size {
+            let b = t * f_size + j;
+            let (count, v) = written.get(&b).unwrap_or_else(|| panic!("{label}: rank {r} never writes out[{j}]"));
+            assert_eq!(*count, 1, "{label}: rank {r} writes out[{j}] {count} times");
+            let want: Pieces = (0..t_size).map(|u| (f * t_size + u, b)).collect();
+            assert_eq!(*v, want, "{label}: rank {r} out[{j}]");
+        }
+    }
+}
+
+#[test]
+fn every_two_axis_plan_is_correct_and_race_free() {
+    let mut checked = 0;
+    for f_size in 1..=6 {
+        for t_size in 1..=6 {
+            let n = f_size * t_size;
+            let pattern = Pattern::GatherScatter { gathered: f_size };
+            for schedule in SCHEDULES {
+                let plans: Vec<Plan> = (0..n).map(|r| plan(pattern, schedule, n, r)).collect();
+                let label = format!("F={f_size} T={t_size} {schedule:?}");
+                for p in &plans {
+                    check_hazards(p, &format!("{label} rank={}", p.rank));
+                }
+                simulate_two_axis(&plans, f_size, &label);
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 36 * SCHEDULES.len());
+}
+
+/// The point of the two-axis plan: the products of block c wait for no
+/// transfer of block c-1's reduce-scatter (it runs while they do), only
+/// for the transfer that brought their block of w and for the end of block
+/// c-2's reduce-scatter, whose partial slots they reuse.
+#[test]
+fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
+    for (f_size, t_size) in [(4, 2), (3, 4), (8, 8), (2, 3), (5, 3)] {
+        let n = f_size * t_size;
+        for r in 0..n {
+            let p = plan(Pattern::GatherScatter { gathered: f_size }, Schedule::Ring, n, r);
+            let hb = happens_before(&p);
+            let products: Vec<StepId> =
+                p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect();
+            assert_eq!(products.len(), n);
+            for (i, &product) in products.iter().enumerate() {
+                let c = i / t_size;
+                for s in p.steps.iter().filter(|s| hb[s.id][product]) {
+                    if let Action::Exchange { recvs, .. } = &s.action {
+                        for t in recvs.iter().filter(|t| t.tag.direction == Direction::Forward) {
+                            assert!(
+                                c >= 2 && t.tag.step < (c - 1) * (t_size - 1),
+                                "F={f_size} T={t_size} rank {r}: block {c}'s product waits for {:?}",
+                                t.tag
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -43,9 +43,9 @@ fn number(v: f64) -> Value {
 pub fn explain(problem: &Problem, n: usize, machine: &Machine, choice: &Choice) -> Result<Value> {
     let kind = problem.kind;
     let input = problem.input;
-    let auto = auto_pick(choice, n, kind.pattern());
+    let auto = auto_pick(choice, n, problem.pattern());
     let timeline = predict(problem, auto, n, machine, Mode::Full)?;
-    let plan = plan::plan(kind.pattern(), auto, n, 0);
+    let plan = plan::plan(problem.pattern(), auto, n, 0);
     let link = &machine.link;
     let topology = match link.topology {
         Topology::Switch => "switch",
@@ -110,7 +110,7 @@ pub fn predicted_timeline(
     let ns = |s: f64| START_NS + (s.max(0.0) * 1e9) as u64;
     let mut events = Vec::new();
     for rank in 0..n {
-        let plan = plan::plan(problem.kind.pattern(), schedule, n, rank);
+        let plan = plan::plan(problem.pattern(), schedule, n, rank);
         let spans = timeline
             .steps
             .get(rank)

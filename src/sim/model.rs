@@ -22,7 +22,7 @@ pub enum Mode {
 fn cut(problem: &Problem, schedule: Schedule, n: usize) -> Result<Problem> {
     match schedule {
         Schedule::Sliced { .. } | Schedule::Tiled { .. } => {
-            if n < 2 || !Schedule::sliceable(problem.kind.pattern()) {
+            if n < 2 || !Schedule::sliceable(problem.pattern()) {
                 return Err(Error::InvalidArgument(format!(
                     "{}: no {} schedule for this op over {n} ranks",
                     problem.kind.name(),
@@ -78,7 +78,7 @@ pub fn step_seconds(problem: &Problem, plan: &Plan, step: &Step, machine: &Machi
 /// Simulates all `n` ranks of `problem` (not cut) under `schedule`.
 pub fn predict(problem: &Problem, schedule: Schedule, n: usize, machine: &Machine, mode: Mode) -> Result<Timeline> {
     let cut = cut(problem, schedule, n)?;
-    let plans: Vec<Plan> = (0..n).map(|r| plan::plan(problem.kind.pattern(), schedule, n, r)).collect();
+    let plans: Vec<Plan> = (0..n).map(|r| plan::plan(problem.pattern(), schedule, n, r)).collect();
     let mut link = machine.link;
     if mode == Mode::ComputeOnly {
         link.bytes_per_s = f64::INFINITY;
@@ -97,7 +97,7 @@ pub fn predict(problem: &Problem, schedule: Schedule, n: usize, machine: &Machin
 
 /// The schedules the planner compares for `problem` over `n` ranks.
 pub fn candidates(problem: &Problem, n: usize) -> Vec<Schedule> {
-    let pattern = problem.kind.pattern();
+    let pattern = problem.pattern();
     let mut out = vec![Schedule::Sequential, Schedule::Ring];
     if pattern.uses_ring() && n >= 3 {
         out.push(Schedule::Bidirectional);
@@ -180,7 +180,7 @@ pub fn choose(problem: &Problem, n: usize, machine: &Machine) -> Result<Choice> 
 /// the pieces differ in shape.
 pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f64> {
     use crate::problem::OpKind::*;
-    let plan = plan::plan(problem.kind.pattern(), Schedule::Ring, n, 0);
+    let plan = plan::plan(problem.pattern(), Schedule::Ring, n, 0);
     let pieces: Vec<(usize, usize, usize)> = plan
         .steps
         .iter()
@@ -200,6 +200,8 @@ pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f6
         AllGatherMatmul | MatmulReduceScatter | AllToAllMatmul | MatmulAllToAll | MatmulAllReduce => (m * count, k, c),
         AllGatherMatmulContract | MatmulAllGatherContract | AllToAllMatmulContract => (m, k * count, c),
         MatmulAllGather | MatmulReduceScatterCols | MatmulAllToAllCols => (m, k, c * count),
+        // Every row block by every block of w: x @ the gathered w.
+        AllGatherMatmulReduceScatter => (m * (count / problem.gathered()), k, c * problem.gathered()),
     };
     let shared = machine.shared_processors.map_or(1.0, |p| (n as f64 / p).max(1.0));
     Some(shared * machine.compute.gemm_s(m, k, c, problem.input, problem.accumulator(), false))
@@ -218,8 +220,8 @@ const TILED_MARGIN: f64 = 0.97;
 /// rule if the model cannot time it.
 pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule {
     match choose(problem, n, machine) {
-        Ok(choice) => auto_pick(&choice, n, problem.kind.pattern()),
-        Err(_) => Schedule::Auto.resolve(n, problem.kind.pattern()),
+        Ok(choice) => auto_pick(&choice, n, problem.pattern()),
+        Err(_) => Schedule::Auto.resolve(n, problem.pattern()),
     }
 }
 

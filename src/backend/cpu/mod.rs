@@ -681,7 +681,8 @@ mod tests {
                     scope.spawn(move || {
                         let group = Group { devices: (0..n as i64).map(|d| 900 + d).collect(), rank };
                         let [x, w, out] = dims.map(|d| (d, DType::F32));
-                        let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], 0, &group).unwrap();
+                        let dimension = example_dimension(kind);
+                        let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], dimension, &group).unwrap();
                         let bytes = |d: &[i64]| d.iter().product::<i64>() as usize * 4;
                         // f32 values of a few bits each, different on every rank: exact sums.
                         let fill = |len: usize| {
@@ -792,6 +793,59 @@ mod tests {
             OpKind::MatmulAllToAll => [vec![n, m, k], vec![k, c], vec![n, m, c]],
             OpKind::MatmulAllToAllCols => [vec![m, k], vec![k, n * c], vec![n, m, c]],
             OpKind::MatmulAllReduce => [vec![n * m, k], vec![k, c], vec![n * m, c]],
+            OpKind::AllGatherMatmulReduceScatter => {
+                let f = example_dimension(kind);
+                [vec![k, c], vec![n / f * m, k], vec![f, m, c]]
+            }
+        }
+    }
+
+    /// The `dimension` attribute of `kind`'s examples: a two-axis kind's
+    /// gather axis is 2 ranks (n = 2 x n/2).
+    fn example_dimension(kind: OpKind) -> i64 {
+        if kind == OpKind::AllGatherMatmulReduceScatter {
+            2
+        } else {
+            0
+        }
+    }
+
+    /// The two-axis op on the CPU backend against its definition: rank
+    /// (f, t) of F x T ends with out[j] = sum over t' of rank (f, t')'s rows
+    /// block t of x times rank (j, t')'s w (w's block j gathered over F, the
+    /// product's rows scattered over T).
+    #[test]
+    fn the_two_axis_op_computes_the_gathered_product_reduce_scattered() {
+        let (n, m, k, c) = (4usize, 3usize, 5usize, 2usize);
+        let (f_size, t_size) = (2, 2);
+        let kind = OpKind::AllGatherMatmulReduceScatter;
+        let dims = example_dims(kind, n as i64, m as i64, k as i64, c as i64);
+        let dims: [&[i64]; 3] = [&dims[0], &dims[1], &dims[2]];
+        // The values `run_ranks_as` fills rank `rank`'s operand of `len` floats with.
+        let fill = |rank: usize, len: usize| -> Vec<f64> {
+            (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f64 - 8.0).collect()
+        };
+        for (i, schedule) in [Schedule::Ring, Schedule::Sequential].into_iter().enumerate() {
+            let runs = run_ranks_as(kind, schedule, n, dims, 7500 + i as i64, None, Lanes::Threads);
+            for (r, run) in runs.iter().enumerate() {
+                let (f, t) = (r / t_size, r % t_size);
+                let got: Vec<f32> = bytemuck::cast_slice(&run.out).to_vec();
+                for j in 0..f_size {
+                    for row in 0..m {
+                        for col in 0..c {
+                            let want: f64 = (0..t_size)
+                                .map(|u| {
+                                    let x = fill(f * t_size + u, t_size * m * k);
+                                    let w = fill(j * t_size + u, k * c);
+                                    (0..k).map(|q| x[(t * m + row) * k + q] * w[q * c + col]).sum::<f64>()
+                                })
+                                .sum();
+                            let at = (j * m + row) * c + col;
+                            assert_eq!(got[at] as f64, want, "{schedule:?} rank {r} out[{j}][{row}][{col}]");
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -422,12 +422,12 @@ type Issued = Vec<Result<(usize, Vec<Vec<Cmd>>)>>;
 
 /// Issues every rank's call, each rank on a thread of its own (the copy
 /// transport's hosts wait for each other), into fresh device memory.
-fn issue_all(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup: Setup) -> (Memory, Issued) {
+fn issue_all(problem: &Problem, schedule: Schedule, n: usize, setup: Setup) -> (Memory, Issued) {
     let sizes = problem.sizes();
     let mut mem = Memory::default();
     let mut sites = Vec::new();
     for rank in 0..n {
-        let p = plan(kind.pattern(), schedule, n, rank);
+        let p = plan(problem.pattern(), schedule, n, rank);
         let site = SiteOps::new(problem, &p).unwrap();
         let id = mem.buffers.len();
         mem.buffers.push(fill(sizes.x, rank));
@@ -557,7 +557,7 @@ fn run_streams(mut mem: Memory, ranks: &[(usize, Vec<Vec<Cmd>>)], order: Order) 
 
 /// The outputs of every rank through the emulated CUDA path, for each order.
 fn emulated(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, setup: Setup) -> Vec<Vec<Vec<u8>>> {
-    let (mem, issued) = issue_all(problem, kind, schedule, n, setup);
+    let (mem, issued) = issue_all(problem, schedule, n, setup);
     let ranks: Vec<_> =
         issued.into_iter().map(|r| r.unwrap_or_else(|e| panic!("{kind:?} {schedule:?}: {e}"))).collect();
     ORDERS
@@ -580,7 +580,7 @@ fn on_cpu(problem: &Problem, kind: OpKind, schedule: Schedule, n: usize, site: i
             .map(|rank| {
                 let group = group.clone();
                 scope.spawn(move || {
-                    let p = plan(kind.pattern(), schedule, n, rank);
+                    let p = plan(problem.pattern(), schedule, n, rank);
                     let layout = cpu::CpuLayout::new(problem).unwrap();
                     let (x, w) = (fill(sizes.x, rank), fill(sizes.w, 100 + rank));
                     let mut out = vec![0u8; sizes.result * 4];
@@ -611,7 +611,9 @@ pub type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>);
 pub fn problem_of(case: &Case, n: usize, schedule: Schedule) -> Problem {
     let (kind, x, w, out) = case;
     let op = |dims| Operand { dims, dtype: DType::F32 };
-    Problem::new(*kind, op(x), op(w), op(out), 0, n).unwrap().for_schedule(schedule).unwrap()
+    // A two-axis kind's `dimension` is its gather axis's size: the output's leading dim.
+    let dimension = if *kind == OpKind::AllGatherMatmulReduceScatter { out[0] } else { 0 };
+    Problem::new(*kind, op(x), op(w), op(out), dimension, n).unwrap().for_schedule(schedule).unwrap()
 }
 
 /// Small shapes of every op kind for `n` ranks (dimension 0 for row kinds).
@@ -629,6 +631,8 @@ pub fn cases(n: i64) -> Vec<Case> {
         (MatmulAllToAll, vec![n, 3, 8], vec![8, 6], vec![n, 3, 6]),
         (MatmulAllToAllCols, vec![5, 8], vec![8, 3 * n], vec![n, 5, 3]),
         (MatmulAllReduce, vec![3 * n, 8], vec![8, 6], vec![3 * n, 6]),
+        // Over F x T ranks: F = 2 where n is even, else 1.
+        (AllGatherMatmulReduceScatter, vec![8, 6], vec![3 * n / (2 - n % 2), 8], vec![2 - n % 2, 3, 6]),
     ]
 }
 
@@ -701,7 +705,7 @@ fn the_model_catches_a_missing_dependency_of_the_copy_transport() {
 fn ring_of_four(setup: Setup) -> (Duration, Issued) {
     let case = &cases(4)[0];
     let started = Instant::now();
-    let (_, issued) = issue_all(&problem_of(case, 4, Schedule::Ring), case.0, Schedule::Ring, 4, setup);
+    let (_, issued) = issue_all(&problem_of(case, 4, Schedule::Ring), Schedule::Ring, 4, setup);
     (started.elapsed(), issued)
 }
 
@@ -821,7 +825,7 @@ fn the_copy_transport_serves_calls_in_turn_over_one_mailbox() {
 /// to reproduce the group's result (the model of the whole group over NCCL,
 /// run forwards).
 pub fn solo_inbox(case: &Case, schedule: Schedule, n: usize, rank: usize) -> Vec<Vec<Vec<u8>>> {
-    let (mem, issued) = issue_all(&problem_of(case, n, schedule), case.0, schedule, n, Setup::NCCL);
+    let (mem, issued) = issue_all(&problem_of(case, n, schedule), schedule, n, Setup::NCCL);
     let ranks: Vec<_> = issued.into_iter().map(Result::unwrap).collect();
     let mem = run_streams(mem, &ranks, Order::Forward).unwrap();
     let mut inbox = vec![Vec::new(); n];
@@ -854,7 +858,7 @@ fn solo_issue(
 ) -> SoloIssued {
     let problem = problem_of(case, n, schedule);
     let sizes = problem.sizes();
-    let p = plan(case.0.pattern(), schedule, n, rank);
+    let p = plan(problem.pattern(), schedule, n, rank);
     let site = SiteOps::new(&problem, &p).unwrap();
     let mut mem = Memory::default();
     mem.buffers.push(fill(sizes.x, rank));

@@ -82,7 +82,7 @@ pub fn run(call: &SoloCall) -> Result<SoloResult> {
     let stream = Stream::new()?;
     let xla = CallStream::playing_xla(&stream)?;
     let sizes = call.problem.sizes();
-    let p = plan(call.problem.kind.pattern(), call.schedule, call.n, call.rank);
+    let p = plan(call.problem.pattern(), call.schedule, call.n, call.rank);
     let mut site = SiteOps::new(call.problem, &p)?;
     let largest_message = site
         .steps

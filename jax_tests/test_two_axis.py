@@ -1,0 +1,114 @@
+"""The two-axis fused op, ``all_gather_matmul_reduce_scatter``:
+
+    psum_scatter(x @ all_gather(w, A, axis=1, tiled=True), B, scatter_dimension=0, tiled=True)
+
+over meshes of two axes (A, B), every schedule, against the literal jax.lax
+expression and a float64 numpy model on random operands; its gradients
+against jax.lax's; the compiled program (one fused call, none of XLA's
+gathers or reduce-scatters under "ring"); and the errors that name the
+argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import commfuse
+from conftest import P, assert_close, rand
+from programs import collectives, make_mesh
+
+OP = commfuse.all_gather_matmul_reduce_scatter
+
+
+def lax_two_axis(x, w, gather_axis, scatter_axis):
+    gathered = jax.lax.all_gather(w, gather_axis, axis=1, tiled=True)
+    return jax.lax.psum_scatter(x @ gathered, scatter_axis, scatter_dimension=0, tiled=True)
+
+
+def _case(shape, m, k, n, dtype, seed=0, lead=()):
+    """A mesh of `shape` (A, B), global x [F*m, *lead, k] (rows over A,
+    contraction over B) and w [k, n] (rows over B, columns over A)."""
+    f, t = shape
+    mesh = make_mesh({"A": f, "B": t})
+    x = rand((f * m, *lead, k), dtype, seed=seed)
+    w = rand((k, n), dtype, seed=seed + 1)
+    x_spec = P("A", *([None] * len(lead)), "B")
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    ws = jax.device_put(w, NamedSharding(mesh, P("B", "A")))
+    spec = dict(mesh=mesh, in_specs=(x_spec, P("B", "A")), out_specs=P(("A", "B")))
+    return mesh, x, w, xs, ws, spec
+
+
+def _model(x, w):
+    """What the devices hold, concatenated along dim 0 in (A, B) order: each
+    A-row of x's rows times the whole w, its rows split over B in order."""
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "sequential", "auto", "unfused"])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2), (3, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_matches_jax_lax_and_the_model(shape, dtype, schedule):
+    f, t = shape
+    mesh, x, w, xs, ws, spec = _case(shape, 4 * t, 8 * t, 6 * f, dtype, seed=f * 10 + t)
+    fused = jax.jit(jax.shard_map(lambda a, b: OP(a, b, "A", "B", schedule=schedule), **spec))(xs, ws)
+    plain = jax.jit(jax.shard_map(lambda a, b: lax_two_axis(a, b, "A", "B"), **spec))(xs, ws)
+    assert fused.shape == plain.shape == (f * 4 * t, 6 * f)
+    assert_close(np.asarray(fused), np.asarray(plain), dtype)
+    assert_close(np.asarray(fused), _model(x, w), dtype)
+
+
+def test_rows_of_a_rank_3_x_and_gradients_match_jax_lax():
+    mesh, x, w, xs, ws, spec = _case((2, 4), 4, 16, 10, np.float32, seed=3, lead=(3,))
+    spec = dict(spec, in_specs=(P("A", None, "B"), P("B", "A")))
+
+    def loss(op):
+        return lambda a, b: jnp.sum(jnp.sin(jax.shard_map(op, **spec)(a, b)))
+
+    fused = lambda a, b: OP(a, b, "A", "B", schedule="ring")  # noqa: E731
+    plain = lambda a, b: lax_two_axis(a, b, "A", "B")  # noqa: E731
+    out = jax.jit(jax.shard_map(fused, **spec))(xs, ws)
+    assert out.shape == (2 * 4, 3, 10)
+    assert_close(np.asarray(out), np.asarray(jax.jit(jax.shard_map(plain, **spec))(xs, ws)), np.float32)
+    got = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(xs, ws)
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(xs, ws)
+    for g, w_ in zip(got, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+
+
+def test_ring_leaves_xla_no_gather_or_reduce_scatter():
+    mesh, x, w, xs, ws, spec = _case((2, 4), 8, 32, 12, np.float32)
+    text = jax.jit(jax.shard_map(lambda a, b: OP(a, b, "A", "B", schedule="ring"), **spec)).lower(xs, ws) \
+        .compile().as_text()
+    assert collectives(text) == {"commfuse": 1}, collectives(text)
+    plain = jax.jit(jax.shard_map(lambda a, b: lax_two_axis(a, b, "A", "B"), **spec)).lower(xs, ws) \
+        .compile().as_text()
+    assert collectives(plain).get("all-gather") and collectives(plain).get("reduce-scatter"), collectives(plain)
+
+
+def _errors(mesh_shape, x_shape, w_shape, in_specs, *args, **kwargs):
+    mesh = make_mesh(dict(zip(("A", "B"), mesh_shape)))
+    x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=NamedSharding(mesh, in_specs[0]))
+    w = jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh, in_specs[1]))
+    f = jax.shard_map(lambda a, b: OP(a, b, *args, **kwargs), mesh=mesh, in_specs=in_specs, out_specs=P(("A", "B")))
+    return jax.jit(f).trace(x, w)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    (("A", "A"), {}, "gather_axis and scatter_axis must be two mesh axes"),
+    (("A", "B"), {"schedule": "bidirectional"}, "schedule 'bidirectional' does not exist"),
+    (("A", "C"), {}, "unknown axis_name 'C'"),
+    ((("A",), "B"), {}, "gather_axis must name one mesh axis"),
+])
+def test_bad_arguments_are_named(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _errors((2, 2), (8, 8), (8, 8), (P("A", "B"), P("B", "A")), *args, **kwargs)
+
+
+def test_rows_that_do_not_divide_over_the_scatter_axis_are_an_error():
+    # 2 rows per device (x [4, 8] over A = 2), scattered over B = 4.
+    with pytest.raises(ValueError, match="x's leading dim .* divisible by the size of scatter_axis 'B' .4."):
+        _errors((2, 4), (4, 8), (8, 8), (P("A", "B"), P("B", "A")), "A", "B", schedule="ring")

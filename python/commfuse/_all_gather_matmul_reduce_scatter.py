@@ -1,0 +1,166 @@
+"""all_gather_matmul_reduce_scatter: ``psum_scatter(x @ all_gather(w,
+gather_axis, axis=1), scatter_axis, scatter_dimension=0)``, a dot with a
+gather on one mesh axis and a reduce-scatter on another (an FSDP x TP
+row-parallel layer: the weight's columns sharded over FSDP, its rows and
+the activation's contraction over TP, the output sequence-parallel).
+
+One fused op (``Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER``) over the group of
+both axes: the blocks of ``w`` travel round the gather axis's ring while,
+for each block in the order they arrive, the product's row blocks are
+reduce-scattered round the scatter axis's ring (``Pattern::GatherScatter``
+in ``src/plan/build.rs``). Each block's products run while the next block
+of ``w`` arrives over one axis and the previous block's partial sums leave
+over the other; only the last block's reduce-scatter is left at the tail.
+The library returns the result stacked by block of ``w`` (``[F, b, c]``);
+it is laid out as ``[b, F*c]`` here.
+
+VJP (not fused yet): ``dx = all_gather(dy, scatter_axis) @ all_gather(w,
+gather_axis)ᵀ`` and ``dw = psum_scatter(xᵀ @ all_gather(dy, scatter_axis),
+gather_axis, scatter_dimension=1)``, as jax.lax's collectives and dots.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _abi, _checks, _fused, _op, _varying
+from ._decide import Policy, decide as decide_call
+from ._decision import Call, Decision
+from ._op import OpDecision
+
+OP = "all_gather_matmul_reduce_scatter"
+KIND = _abi.Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER
+
+
+class _Settings(NamedTuple):
+    gather_axis: str
+    scatter_axis: str
+    gathered: int       # F: the gather axis's size
+    scattered: int      # T: the scatter axis's size
+    forward: Decision   # the fused op (or not fused: jax.lax's gather, dot and reduce-scatter)
+    out_dtype: object
+    fast_f32: bool
+
+
+def all_gather_matmul_reduce_scatter(x, w, gather_axis, scatter_axis, *, schedule="auto", precision=None,
+                                     preferred_element_type=None):
+    """Returns ``jax.lax.psum_scatter(x @ jax.lax.all_gather(w, gather_axis,
+    axis=1, tiled=True), scatter_axis, scatter_dimension=0, tiled=True)``.
+
+    Call inside a ``jax.shard_map`` body mapping both axes. ``x`` has rank
+    >= 2 (its leading dim is scattered over ``scatter_axis``, so it must
+    divide by that axis's size) and contracts its last dim with 2-D ``w``'s
+    first; ``w``'s columns are gathered over ``gather_axis``. One fused op
+    runs both collectives: ``w``'s blocks travel round ``gather_axis`` while
+    the product's row blocks are reduce-scattered round ``scatter_axis``.
+    ``schedule``: "auto" (the cost model decides, or jax.lax's collectives
+    and dot where fusing does not pay), "ring" (both rings, overlapped),
+    "sequential" (every block of ``w`` gathered, then each block's products
+    and reduce-scatter in turn; overlaps nothing) or "unfused" (jax.lax's
+    own collectives and dot).
+    """
+    return run(decide(x, w, gather_axis, scatter_axis, schedule=schedule, precision=precision,
+                      preferred_element_type=preferred_element_type), x, w)
+
+
+def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", precision=None, preferred_element_type=None,
+           policy: Policy = Policy()) -> OpDecision:
+    """What ``all_gather_matmul_reduce_scatter(x, w, ...)`` runs as, from
+    shapes (see `_op.OpDecision`)."""
+    def checked():
+        for arg, axis in (("gather_axis", gather_axis), ("scatter_axis", scatter_axis)):
+            if not isinstance(axis, str):
+                raise ValueError(f"commfuse.{OP}: {arg} must name one mesh axis, got {axis!r}")
+        if gather_axis == scatter_axis:
+            raise ValueError(f"commfuse.{OP}: gather_axis and scatter_axis must be two mesh axes, both are "
+                             f"{gather_axis!r}; for one axis use all_gather_matmul or matmul_reduce_scatter")
+        (_, gathered), (_, scattered) = (_checks.axis_group(OP, gather_axis), _checks.axis_group(OP, scatter_axis))
+        axes, ranks = _checks.axis_group(OP, (gather_axis, scatter_axis))
+        _checks.check_matmul_operands(OP, x, w)
+        code = _checks.check_schedule(OP, schedule)
+        if code == _abi.SCHEDULES["bidirectional"]:
+            raise ValueError(f"commfuse.{OP}: schedule 'bidirectional' does not exist for this op: both rings run "
+                             "one way ('ring'), or nothing overlaps ('sequential')")
+        if x.shape[0] % scattered:
+            raise ValueError(f"commfuse.{OP}: x's leading dim ({x.shape[0]}, x.shape={tuple(x.shape)}) must be "
+                             f"divisible by the size of scatter_axis {scatter_axis!r} ({scattered})")
+        fast = _checks.fast_f32(OP, precision)
+        dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
+        rows = math.prod(x.shape[:-1])
+        call = Call.of(KIND, ranks, gathered, w.shape, (rows, x.shape[-1]), dtype, out_dtype)
+        asked = policy.with_asked(code)
+        if asked.asked == _abi.UNFUSED:
+            forward = Decision(call, _abi.UNFUSED, "as asked", (gathered, rows // scattered, w.shape[1]))
+        else:
+            forward = decide_call(call, asked, axes)
+        settings = _Settings(gather_axis, scatter_axis, gathered, scattered, forward, np.dtype(out_dtype), fast)
+        static = _op.Static(axes, ranks, gathered, asked, out_dtype, fast, forward)
+        return OpDecision(OP, static, (forward,), settled={"settings": settings})
+
+    return _op.decided(OP, policy.strict, checked)
+
+
+def run(decision: OpDecision, x, w):
+    """``all_gather_matmul_reduce_scatter`` of `x` and `w` as `decision` (made for their shapes) says."""
+    x, w = _op.prepared_operands(OP, x, w, decision)
+    settings = decision.settled["settings"]
+    if _op.forward_mode(x, w):
+        unfused = Decision(settings.forward.call, _abi.UNFUSED, "forward-mode differentiation", ())
+        return forward(x, w, settings._replace(forward=unfused))
+    return _both(x, w, settings)
+
+
+def forward(x, w, static: _Settings):
+    """The product, its gather and its reduce-scatter (operands promoted and
+    typed): one fused op, or jax.lax's collectives and dot."""
+    axes = (static.gather_axis, static.scatter_axis)
+    out_shape = (x.shape[0] // static.scattered,) + x.shape[1:-1] + (static.gathered * w.shape[1],)
+    if static.forward.fused:
+        stacked = _fused.bind(static.forward, w, _fused.rows_2d(x), axes=axes, fast_f32=static.fast_f32)
+    else:
+        from ._unfused import unfused
+
+        stacked = unfused(KIND, w, _fused.rows_2d(x), out_dtype=static.out_dtype, axes=axes,
+                          ranks=static.gathered * static.scattered, dimension=static.gathered,
+                          fast_f32=static.fast_f32)
+    # [F, b, c] -> [b, F*c]: block j of w's columns is out[j].
+    return jnp.moveaxis(stacked, 0, 1).reshape(out_shape)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _both(x, w, static):
+    return forward(x, w, static)
+
+
+def _fwd(x, w, static):
+    return _both(x, w, static), (x, w)
+
+
+def _bwd(static, residuals, dy):
+    x, w = residuals
+    precision = None if static.fast_f32 else jax.lax.Precision.HIGHEST
+    dy_rows = jax.lax.all_gather(_fused.rows_2d(dy), static.scatter_axis, axis=0, tiled=True)
+    w_all = jax.lax.all_gather(w, static.gather_axis, axis=1, tiled=True)
+    dy_rows, w_all = _varying.vary_together(dy_rows, w_all, ())
+    dx = jnp.matmul(dy_rows, w_all.T, precision=precision).astype(x.dtype).reshape(x.shape)
+    x_rows, dy_rows = _varying.vary_together(_fused.rows_2d(x), dy_rows, ())
+    dw_all = jnp.matmul(x_rows.T, dy_rows, precision=precision)
+    dw = jax.lax.psum_scatter(dw_all, static.gather_axis, scatter_dimension=1, tiled=True).astype(w.dtype)
+    return _match(dx, x), _match(dw, w)
+
+
+def _match(ct, primal):
+    """A cotangent typed as varying over exactly the primal's axes."""
+    if not _varying.vma_checked():
+        return ct
+    extra = _varying.varying_axes(ct) - _varying.varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
+_both.defvjp(_fwd, _bwd)

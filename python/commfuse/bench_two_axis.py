@@ -1,0 +1,140 @@
+"""The two-axis fused op against the one-sided fusions and XLA, on 8 CPU
+devices as a 2 x 4 (fsdp x tp) mesh, under the link model:
+
+    python -m commfuse.bench_two_axis [--reps 7] [--gbytes-per-s G]
+
+The step is an FSDP x TP row-parallel layer, ``psum_scatter(x @
+all_gather(w, "fsdp", axis=1), "tp", scatter_dimension=0)``, at shapes
+where the weight's gather and the product's reduce-scatter move the same
+bytes. The link model (``COMMFUSE_CPU_LINK``, switch topology: one port out
+and one in per device) throttles commfuse's transfers only; XLA's own
+collectives run at memory speed, so the one-sided fusions, which leave one
+collective to XLA, are also given with that collective charged the link's
+time ("+link"). Each way's median of `reps` interleaved rounds of one
+jitted step; ratios from this one run, never asserted.
+
+Columns: T_compute (the local product alone, every device at once: one
+GEMM of x by the gathered w), the link's time for each collective, and
+each way's time against two floors: max(T_compute, gather, reduce-scatter)
+(each collective on links of its own) and max(T_compute, gather +
+reduce-scatter) (both through one port per device, as this link model and
+an NVSwitch have them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # before JAX creates its CPU backend
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import commfuse
+
+LINK_VAR = "COMMFUSE_CPU_LINK"
+LATENCY_US = 20.0
+F, T = 2, 4
+
+
+def _gather(w):
+    return jax.lax.all_gather(w, "fsdp", axis=1, tiled=True)
+
+
+def _scatter(y):
+    return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+
+
+def ways():
+    """(name, per-device body, collective left to XLA or None)."""
+    fused = commfuse.all_gather_matmul_reduce_scatter
+    return [
+        ("xla", lambda x, w: _scatter(x @ _gather(w)), "both"),
+        ("two-axis ring", lambda x, w: fused(x, w, "fsdp", "tp", schedule="ring"), None),
+        ("two-axis sequential", lambda x, w: fused(x, w, "fsdp", "tp", schedule="sequential"), None),
+        ("gather fused (ring)", lambda x, w: _scatter(commfuse.matmul_all_gather(x, w, "fsdp", gather_dimension=1,
+                                                                                 schedule="ring")), "scatter"),
+        ("reduce fused (ring)", lambda x, w: commfuse.matmul_reduce_scatter(x, _gather(w), "tp", scatter_dimension=0,
+                                                                            schedule="ring"), "gather"),
+    ]
+
+
+def _time(fns, args, reps):
+    for f in fns:
+        jax.block_until_ready(f(*args))
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            start = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--gbytes-per-s", type=float, default=None,
+                        help="the link's bandwidth (default: the reduce-scatter's bytes in T_compute)")
+    parser.add_argument("--rows", type=int, default=256, help="rows of x per device")
+    args = parser.parse_args(argv)
+
+    mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
+    m = args.rows
+    # The gather moves (F-1) kb*c, the reduce-scatter F (T-1) (m/T) c: equal for kb = F (T-1) m / (T (F-1)).
+    kb, c = F * (T - 1) * m // (T * (F - 1)), 256
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.standard_normal((F * m, T * kb), np.float32), NamedSharding(mesh, P("fsdp", "tp")))
+    w = jax.device_put(rng.standard_normal((T * kb, F * c), np.float32) / kb, NamedSharding(mesh, P("tp", "fsdp")))
+    spec = dict(mesh=mesh, in_specs=(P("fsdp", "tp"), P("tp", "fsdp")), out_specs=P(("fsdp", "tp")))
+
+    # T_compute: each device's whole local product at once, w already gathered.
+    w_full = jax.device_put(np.asarray(w).reshape(T, kb, F * c).repeat(F, axis=0).reshape(F * T * kb, F * c),
+                            NamedSharding(mesh, P(("fsdp", "tp"))))
+    compute = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("fsdp", "tp"), P(("fsdp", "tp"))),
+                                    out_specs=P(("fsdp", "tp"))))
+    os.environ.pop(LINK_VAR, None)
+    t_compute = _time([compute], (x, w_full), args.reps)[0]
+
+    gather_bytes = (F - 1) * kb * c * 4
+    scatter_bytes = F * (T - 1) * (m // T) * c * 4
+    gbps = args.gbytes_per_s or scatter_bytes / t_compute / 1e9
+    link = lambda nbytes, steps: nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6  # noqa: E731
+    t_gather, t_scatter = link(gather_bytes, F - 1), link(scatter_bytes, F * (T - 1))
+    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
+
+    fns = [jax.jit(jax.shard_map(body, **spec)) for _, body, _ in ways()]
+    want = np.asarray(fns[0](x, w))
+    for (name, _, _), f in zip(ways(), fns):
+        got = np.asarray(f(x, w))
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
+    measured = _time(fns, (x, w), args.reps)
+    os.environ.pop(LINK_VAR, None)
+
+    own = max(t_compute, t_gather, t_scatter)
+    shared = max(t_compute, t_gather + t_scatter)
+    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; x per device "
+          f"[{m}, {kb}], w per device [{kb}, {c}], f32; link {gbps:.4f} GB/s, {LATENCY_US:.0f} us, switch; "
+          f"medians of {args.reps} interleaved rounds")
+    print(f"T_compute {ms(t_compute)} ms; link: gather {ms(t_gather)} ms ({gather_bytes} B), reduce-scatter "
+          f"{ms(t_scatter)} ms ({scatter_bytes} B)")
+    print(f"floors: own links max(compute, gather, reduce-scatter) = {ms(own)} ms; one port "
+          f"max(compute, gather + reduce-scatter) = {ms(shared)} ms")
+    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
+    for (name, _, left), t in zip(ways(), measured):
+        charged = t + {"scatter": t_scatter, "gather": t_gather, "both": t_gather + t_scatter, None: 0.0}[left]
+        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

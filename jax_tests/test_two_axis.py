@@ -48,13 +48,15 @@ def _model(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
 
 
-@pytest.mark.parametrize("schedule", ["ring", "sequential", "auto", "unfused"])
+@pytest.mark.parametrize("schedule,slices", [("ring", None), ("sequential", None), ("auto", None),
+                                             ("unfused", None), ("ring", 3), ("auto", 2)])
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2), (3, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_matches_jax_lax_and_the_model(shape, dtype, schedule):
+def test_matches_jax_lax_and_the_model(shape, dtype, schedule, slices):
     f, t = shape
     mesh, x, w, xs, ws, spec = _case(shape, 4 * t, 8 * t, 6 * f, dtype, seed=f * 10 + t)
-    fused = jax.jit(jax.shard_map(lambda a, b: OP(a, b, "A", "B", schedule=schedule), **spec))(xs, ws)
+    op = lambda a, b: OP(a, b, "A", "B", schedule=schedule, slices=slices)  # noqa: E731
+    fused = jax.jit(jax.shard_map(op, **spec))(xs, ws)
     plain = jax.jit(jax.shard_map(lambda a, b: lax_two_axis(a, b, "A", "B"), **spec))(xs, ws)
     assert fused.shape == plain.shape == (f * 4 * t, 6 * f)
     assert_close(np.asarray(fused), np.asarray(plain), dtype)

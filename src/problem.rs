@@ -444,6 +444,22 @@ impl Problem {
     /// `sliced` and `tiled`; `what` and `unit` name the schedule and its chunks in errors.
     fn cut_blocks(mut self, slices: usize, what: &str, unit: &str) -> Result<Problem> {
         let name = self.kind.name();
+        if self.kind == OpKind::AllGatherMatmulReduceScatter {
+            // Each block of w's columns is cut into `slices` chunks, each reduce-scattered on its own ring.
+            if what != "sliced" {
+                bail!(InvalidArgument, "{name}: no {what} schedule; \"sliced\" cuts each block of w's columns");
+            }
+            if slices == 0 || slices > self.n.max(1) || self.n % slices != 0 {
+                bail!(
+                    InvalidArgument,
+                    "{name}: {unit}={slices} must divide the {} columns of each block of w (the sliced schedule \
+                     cuts them into {unit} chunks)",
+                    self.n
+                );
+            }
+            self.slices = Some(slices);
+            return Ok(self);
+        }
         if !self.kind.cuts_rows() {
             bail!(InvalidArgument, "{name}: the {what} schedule needs a row gather, scatter or all-reduce");
         }
@@ -536,8 +552,10 @@ impl Problem {
             AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.group, 0),
             MatmulReduceScatter | MatmulReduceScatterCols => (0, self.out_len),
             MatmulAllToAll | MatmulAllToAllCols | MatmulAllReduce => (0, self.out_len / self.group),
-            // The whole local w travels; a partial is one (row block, w block) product.
-            AllGatherMatmulReduceScatter => (self.x_len, self.out_len / self.gathered),
+            // The whole local w travels, however its columns are sliced (the
+            // division by the slices below is undone); a partial is one (row
+            // block, chunk of w's columns) product.
+            AllGatherMatmulReduceScatter => (self.x_len * self.slices.unwrap_or(1), self.out_len / self.gathered),
         };
         let parts = self.slices.unwrap_or(1);
         let (travel, partial) = (travel / parts, partial / parts);
@@ -557,6 +575,9 @@ impl Problem {
     pub fn gemms(&self, block: usize, src: Buf, dst: Buf) -> Vec<Gemm> {
         use OpKind::*;
         let Problem { group: nr, outer, seg, k, n, .. } = *self;
+        if self.kind == AllGatherMatmulReduceScatter {
+            return vec![self.two_axis_gemm(block, dst)];
+        }
         if let Some(parts) = self.slices {
             return self.sliced_gemms(parts, block, src, dst);
         }
@@ -620,15 +641,26 @@ impl Problem {
                 rhs: (Side::W, w_all),
                 dst: into(j * seg * n, seg, n, n),
             }],
-            // Row block d of the local x times the block of w that `src` holds.
-            AllGatherMatmulReduceScatter => vec![Gemm {
-                lhs: (Side::W, View::rows(j / self.gathered * seg * k, seg, k)),
-                rhs: (Side::Src, View::rows(0, k, n)),
-                dst: match dst {
-                    Buf::Slot(_) => View::rows(0, seg, n),
-                    _ => unreachable!("two-axis products go to a slot"),
-                },
-            }],
+            AllGatherMatmulReduceScatter => unreachable!("two_axis_gemm"),
+        }
+    }
+
+    /// The GEMM of a two-axis kind's `block` = `d * F * S + j * S + u` (S
+    /// the slices, 1 unsliced): row block d of the local x times column
+    /// chunk u of the block of w that the step's source holds (j's), into a
+    /// slot of one chunk's partial.
+    fn two_axis_gemm(&self, block: usize, dst: Buf) -> Gemm {
+        let Problem { seg, k, n, .. } = *self;
+        let slices = self.slices.unwrap_or(1);
+        let (d, u) = (block / (self.gathered * slices), block % slices);
+        let cols = n / slices;
+        Gemm {
+            lhs: (Side::W, View::rows(d * seg * k, seg, k)),
+            rhs: (Side::Src, View { offset: u * cols, rows: k, cols, row_stride: n }),
+            dst: match dst {
+                Buf::Slot(_) => View::rows(0, seg, cols),
+                _ => unreachable!("two-axis products go to a slot"),
+            },
         }
     }
 
@@ -663,10 +695,11 @@ impl Problem {
     /// The elements of the output a `Sum` into `dst` writes.
     pub fn out_range(&self, dst: Buf) -> std::ops::Range<usize> {
         if let (OpKind::AllGatherMatmulReduceScatter, Buf::OutBlock(b)) = (self.kind, dst) {
-            // The output is stacked by w's block: block d * F + j lands in out[j].
-            let block = self.out_len / self.gathered;
-            let j = b % self.gathered;
-            return j * block..(j + 1) * block;
+            // The output is stacked by chunk of w's columns: block d * F * S + q lands in out[q].
+            let chunks = self.gathered * self.slices.unwrap_or(1);
+            let block = self.out_len / chunks;
+            let q = b % chunks;
+            return q * block..(q + 1) * block;
         }
         if let (Some(parts), Buf::OutBlock(b), OpKind::MatmulAllReduce) = (self.slices, dst, self.kind) {
             // Fine block b of the whole output: chunk b % parts of block b / parts.

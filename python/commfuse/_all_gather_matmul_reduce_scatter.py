@@ -11,8 +11,10 @@ reduce-scattered round the scatter axis's ring (``Pattern::GatherScatter``
 in ``src/plan/build.rs``). Each block's products run while the next block
 of ``w`` arrives over one axis and the previous block's partial sums leave
 over the other; only the last block's reduce-scatter is left at the tail.
-The library returns the result stacked by block of ``w`` (``[F, b, c]``);
-it is laid out as ``[b, F*c]`` here.
+Sliced (``slices=S``), each block's columns are cut into S chunks, each
+reduce-scattered on its own ring, so the tail is 1 / (F x S) of the
+reduce-scatter. The library returns the result stacked by chunk of ``w``'s
+columns (``[F, S, b, c / S]``); it is laid out as ``[b, F*c]`` here.
 
 VJP (not fused yet): ``dx = all_gather(dy, scatter_axis) @ all_gather(w,
 gather_axis)ᵀ`` and ``dw = psum_scatter(xᵀ @ all_gather(dy, scatter_axis),
@@ -48,8 +50,8 @@ class _Settings(NamedTuple):
     fast_f32: bool
 
 
-def all_gather_matmul_reduce_scatter(x, w, gather_axis, scatter_axis, *, schedule="auto", precision=None,
-                                     preferred_element_type=None):
+def all_gather_matmul_reduce_scatter(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None,
+                                     precision=None, preferred_element_type=None):
     """Returns ``jax.lax.psum_scatter(x @ jax.lax.all_gather(w, gather_axis,
     axis=1, tiled=True), scatter_axis, scatter_dimension=0, tiled=True)``.
 
@@ -63,14 +65,20 @@ def all_gather_matmul_reduce_scatter(x, w, gather_axis, scatter_axis, *, schedul
     and dot where fusing does not pay), "ring" (both rings, overlapped),
     "sequential" (every block of ``w`` gathered, then each block's products
     and reduce-scatter in turn; overlaps nothing) or "unfused" (jax.lax's
-    own collectives and dot).
+    own collectives and dot). ``slices`` (> 1, dividing ``w``'s columns):
+    each block of ``w``'s columns is cut into that many chunks, each
+    reduce-scattered on its own ring while the next is multiplied, so only
+    the last chunk's reduce-scatter is left at the tail; with "auto" it
+    fixes the plan (the call is fused). Unset, "ring" runs one chunk per
+    block and "auto" picks among the unsliced and sliced (2, 4, 8) plans by
+    the cost model.
     """
-    return run(decide(x, w, gather_axis, scatter_axis, schedule=schedule, precision=precision,
+    return run(decide(x, w, gather_axis, scatter_axis, schedule=schedule, slices=slices, precision=precision,
                       preferred_element_type=preferred_element_type), x, w)
 
 
-def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", precision=None, preferred_element_type=None,
-           policy: Policy = Policy()) -> OpDecision:
+def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None, precision=None,
+           preferred_element_type=None, policy: Policy = Policy()) -> OpDecision:
     """What ``all_gather_matmul_reduce_scatter(x, w, ...)`` runs as, from
     shapes (see `_op.OpDecision`)."""
     def checked():
@@ -87,6 +95,18 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", precision=None, 
         if code == _abi.SCHEDULES["bidirectional"]:
             raise ValueError(f"commfuse.{OP}: schedule 'bidirectional' does not exist for this op: both rings run "
                              "one way ('ring'), or nothing overlaps ('sequential')")
+        most = _abi.LIMITS["max_chunks"]
+        if slices is not None and (not isinstance(slices, int) or isinstance(slices, bool) or not 1 <= slices <= most):
+            raise ValueError(f"commfuse.{OP}: slices must be an int in [1, {most}], got {slices!r}")
+        if slices not in (None, 1):
+            if code == _abi.SCHEDULES["sequential"]:
+                raise ValueError(f"commfuse.{OP}: slices={slices} with schedule='sequential': chunks overlap nothing "
+                                 "there; leave slices unset or pick 'ring' or 'auto'")
+            if w.shape[1] % slices:
+                raise ValueError(f"commfuse.{OP}: slices={slices} must divide w's {w.shape[1]} columns (each block "
+                                 f"of w's columns is cut into slices chunks)")
+            if code != _abi.UNFUSED:
+                code = _abi.schedule_code("sliced", slices)
         if x.shape[0] % scattered:
             raise ValueError(f"commfuse.{OP}: x's leading dim ({x.shape[0]}, x.shape={tuple(x.shape)}) must be "
                              f"divisible by the size of scatter_axis {scatter_axis!r} ({scattered})")
@@ -123,6 +143,11 @@ def forward(x, w, static: _Settings):
     out_shape = (x.shape[0] // static.scattered,) + x.shape[1:-1] + (static.gathered * w.shape[1],)
     if static.forward.fused:
         stacked = _fused.bind(static.forward, w, _fused.rows_2d(x), axes=axes, fast_f32=static.fast_f32)
+        code = static.forward.schedule
+        slices = _abi.chunks_of(code) if _abi.cut_schedule(code) == "sliced" else 1
+        f, b, c = stacked.shape
+        # [F, S, b, c/S] -> [F, b, c]: chunk u of block j holds columns u*c/S.. of out[j].
+        stacked = jnp.moveaxis(stacked.reshape(f, slices, b, c // slices), 1, 2).reshape(f, b, c)
     else:
         from ._unfused import unfused
 

@@ -198,6 +198,12 @@ def check_schedule(op: str, schedule, slices=_ABSENT, tiles=_ABSENT) -> int:
 def check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> None:
     """A sliced or tiled call must be a row gather or scatter whose block rows divide into the chunks."""
     schedule = cut_schedule(code)
+    if kind == Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER and schedule == "sliced":
+        # Sliced, each block of w's columns (`x_shape`: w [kb, c], the operand that travels) is cut into chunks.
+        if x_shape[1] % chunks_of(code):
+            raise ValueError(f"commfuse ({kind.name.lower()}): slices={chunks_of(code)} must divide w's "
+                             f"{x_shape[1]} columns")
+        return
     if kind not in _abi.CUT_KINDS:
         raise ValueError(
             f"commfuse ({kind.name.lower()}): schedule={schedule!r} exists only for all_gather_matmul and "

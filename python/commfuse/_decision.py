@@ -97,7 +97,9 @@ def as_asked(call: Call, schedule: int, why: str = "as asked") -> Decision:
         return empty
     if _abi.cut_schedule(schedule):
         check_cut(call.kind, call.x, call.dimension, call.ranks, schedule)
-    recut = bool(_abi.cut_schedule(schedule)) and (len(call.x) != 2 or call.dimension != 0)
+    # (A two-axis call's dimension is its gather axis's size; its chunks cut w's columns.)
+    recut = (bool(_abi.cut_schedule(schedule)) and call.kind != Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER
+             and (len(call.x) != 2 or call.dimension != 0))
     if recut:
         out = tuple(_abi.prepare(call.shapes(_abi.UNFUSED))["out"])
         return Decision(call, schedule, why, out, (0, 0), True)

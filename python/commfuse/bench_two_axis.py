@@ -60,6 +60,9 @@ def ways():
     return [
         ("xla", lambda x, w: _scatter(x @ _gather(w)), "both"),
         ("two-axis ring", lambda x, w: fused(x, w, "fsdp", "tp", schedule="ring"), None),
+        ("two-axis sliced(2)", lambda x, w: fused(x, w, "fsdp", "tp", schedule="ring", slices=2), None),
+        ("two-axis sliced(4)", lambda x, w: fused(x, w, "fsdp", "tp", schedule="ring", slices=4), None),
+        ("two-axis auto", lambda x, w: fused(x, w, "fsdp", "tp", schedule="auto"), None),
         ("two-axis sequential", lambda x, w: fused(x, w, "fsdp", "tp", schedule="sequential"), None),
         ("gather fused (ring)", lambda x, w: _scatter(commfuse.matmul_all_gather(x, w, "fsdp", gather_dimension=1,
                                                                                  schedule="ring")), "scatter"),

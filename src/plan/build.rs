@@ -22,6 +22,10 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
         assert!(k >= 1, "{schedule:?} needs at least one chunk");
         let tiled = matches!(schedule, Schedule::Tiled { .. });
         match pattern {
+            Pattern::GatherScatter { gathered } if !tiled => {
+                assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no gather axis size of a group of {n}");
+                b.gather_scatter(gathered, k, false)
+            }
             Pattern::Gather { accumulate: false } if tiled => b.gather_tiled(k),
             Pattern::Gather { accumulate: false } => b.gather_sliced(k),
             Pattern::Scatter | Pattern::AllReduce if tiled => b.scatter_tiled(k),
@@ -33,7 +37,7 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
     match pattern {
         Pattern::GatherScatter { gathered } => {
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no gather axis size of a group of {n}");
-            b.gather_scatter(gathered, sequential);
+            b.gather_scatter(gathered, 1, sequential);
         }
         Pattern::Gather { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
@@ -661,19 +665,21 @@ impl Builder {
 
     /// Two rings (`Pattern::GatherScatter`): rank `f * T + t` holds w's
     /// block f. For each block of w, in the order they arrive (block f - c
-    /// at step c), the T row-block products are reduce-scattered round the
-    /// T ranks that share f, as one chunk of a sliced scatter (the adds on
-    /// the comm lane), ending in that block's part of the own output. The
-    /// blocks of w travel round the F ranks that share t two blocks ahead:
-    /// the transfer that brings block c+2 is posted with the first transfer
-    /// of block c's reduce-scatter, so the two rings' links carry data at
-    /// once, while the compute lane multiplies block c+1 (three slots for
-    /// w). Only the last block's reduce-scatter is left at the tail, as in
-    /// a sliced scatter. Sequential: every block gathered first, then each
-    /// block's products and then its reduce-scatter, nothing overlapped.
-    fn gather_scatter(&mut self, gathered: usize, sequential: bool) {
+    /// at step c), the T row-block products of each of its `slices` column
+    /// chunks are reduce-scattered round the T ranks that share f, as one
+    /// chunk of a sliced scatter (the adds on the comm lane), ending in that
+    /// chunk's part of the own output. The blocks of w travel round the F
+    /// ranks that share t two blocks ahead: the transfer that brings block
+    /// c+2 is posted with the first transfer of block c's first
+    /// reduce-scatter, so the two rings' links carry data at once, while the
+    /// compute lane multiplies on (three slots for w). Only the last chunk's
+    /// reduce-scatter is left at the tail: 1 / (F x slices) of them.
+    /// Sequential: every block gathered first, then each chunk's products
+    /// and then its reduce-scatter, nothing overlapped.
+    fn gather_scatter(&mut self, gathered: usize, slices: usize, sequential: bool) {
         let (n, f_size) = (self.n, gathered);
         let t_size = n / f_size;
+        let chunks = f_size * slices;
         let (f, t) = (self.rank / t_size, self.rank % t_size);
         let rank_of = |f: usize, t: usize| (f % f_size) * t_size + t % t_size;
         let (next_f, prev_f) = (rank_of(f + 1, t), rank_of(f + f_size - 1, t));
@@ -688,7 +694,7 @@ impl Builder {
             let tag = tag(Direction::Backward, c);
             (Transfer { peer: next_f, buf: held(c), tag }, Transfer { peer: prev_f, buf: held(c + 1), tag })
         };
-        let sets: Vec<Vec<usize>> = (0..f_size.min(2)).map(|_| self.slots(SlotKind::Partial, t_size)).collect();
+        let sets: Vec<Vec<usize>> = (0..chunks.min(2)).map(|_| self.slots(SlotKind::Partial, t_size)).collect();
         let incoming = self.slots(SlotKind::Partial, (t_size - 1).min(2));
         // The row block B's ring reduces at its step s; the own one last.
         let row_at = |s: usize| (t + 2 * t_size - 1 - s) % t_size;
@@ -698,37 +704,40 @@ impl Builder {
         let gathers_first = if sequential { f_size - 1 } else { 1.min(f_size - 1) };
         for c in 0..gathers_first {
             let (send, recv) = gather(c);
-            arrived.push(Some(self.push(
-                Lane::Comm,
-                Action::Exchange { sends: vec![send], recvs: vec![recv] },
-                vec![],
-            )));
+            let exchange = Action::Exchange { sends: vec![send], recvs: vec![recv] };
+            arrived.push(Some(self.push(Lane::Comm, exchange, vec![])));
         }
+        // reduced[q]: the end of chunk q's reduce-scatter (chunk q = c * slices + u).
         let mut reduced: Vec<StepId> = vec![];
-        for c in 0..f_size {
-            let j = block_at(c);
-            let set = &sets[c % 2];
+        for q in 0..chunks {
+            let (c, u) = (q / slices, q % slices);
+            let fine = block_at(c) * slices + u;
+            let set = &sets[q % 2];
             let mut last = 0;
             for s in 0..t_size {
                 let d = row_at(s);
-                let mut deps: Vec<StepId> = if s == 0 { arrived[c].into_iter().collect() } else { vec![] };
-                if sequential && c == 0 && s == 0 {
+                let mut deps: Vec<StepId> = if s == 0 && u == 0 { arrived[c].into_iter().collect() } else { vec![] };
+                if sequential && q == 0 && s == 0 {
                     // Sequential: the first product waits for the whole gather.
                     deps.extend(arrived.last().copied().flatten());
                 }
-                // The set was last used by block c-2's reduce-scatter (sequential: block c-1's).
+                // The set was last used by chunk q-2's reduce-scatter (sequential: chunk q-1's).
                 let before = if sequential { 1 } else { 2 };
-                if s == 0 && c >= before {
-                    deps.push(reduced[c - before]);
+                if s == 0 && q >= before {
+                    deps.push(reduced[q - before]);
                 }
-                let action =
-                    Action::Matmul { block: d * f_size + j, src: held(c), dst: Buf::Slot(set[d]), accumulate: false };
+                let action = Action::Matmul {
+                    block: d * chunks + fine,
+                    src: held(c),
+                    dst: Buf::Slot(set[d]),
+                    accumulate: false,
+                };
                 last = self.push(Lane::Compute, action, deps);
             }
-            // The transfer that brings block c+2, posted with this block's
-            // first partial: its slot held block c-1, multiplied before this
-            // block and sent on by an earlier exchange on this lane.
-            let mut ahead = (!sequential && c + 2 < f_size).then(|| gather(c + 1));
+            // The transfer that brings block c+2, posted with block c's first
+            // partial: its slot held block c-1, multiplied before this block
+            // and sent on by an earlier exchange on this lane.
+            let mut ahead = (!sequential && u == 0 && c + 2 < f_size).then(|| gather(c + 1));
             let mut deps = vec![last];
             for s in 0..t_size - 1 {
                 let slot = Buf::Slot(set[row_at(s)]);
@@ -736,7 +745,7 @@ impl Builder {
                     let terms = vec![slot, Buf::Slot(incoming[(s - 1) % incoming.len()])];
                     self.push(Lane::Comm, Action::Sum { terms, dst: slot }, std::mem::take(&mut deps));
                 }
-                let tag = tag(Direction::Forward, c * (t_size - 1) + s);
+                let tag = tag(Direction::Forward, q * (t_size - 1) + s);
                 let mut sends = vec![Transfer { peer: next_t, buf: slot, tag }];
                 let mut recvs = vec![Transfer { peer: prev_t, buf: Buf::Slot(incoming[s % incoming.len()]), tag }];
                 if let Some((send, recv)) = ahead.take() {
@@ -748,17 +757,14 @@ impl Builder {
             }
             if let Some((send, recv)) = ahead {
                 // No reduce-scatter transfer to go with (T = 1).
-                arrived.push(Some(self.push(
-                    Lane::Comm,
-                    Action::Exchange { sends: vec![send], recvs: vec![recv] },
-                    vec![last],
-                )));
+                let exchange = Action::Exchange { sends: vec![send], recvs: vec![recv] };
+                arrived.push(Some(self.push(Lane::Comm, exchange, vec![last])));
             }
             let mut terms = vec![Buf::Slot(set[t])];
             if t_size > 1 {
                 terms.push(Buf::Slot(incoming[(t_size - 2) % incoming.len()]));
             }
-            let dst = Buf::OutBlock(t * f_size + j);
+            let dst = Buf::OutBlock(t * chunks + fine);
             reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, deps));
         }
     }

@@ -153,7 +153,18 @@ impl std::fmt::Display for Schedule {
 impl Schedule {
     /// Whether sliced and tiled plans exist for `pattern`.
     pub fn sliceable(pattern: Pattern) -> bool {
-        matches!(pattern, Pattern::Gather { accumulate: false } | Pattern::Scatter | Pattern::AllReduce)
+        matches!(
+            pattern,
+            Pattern::Gather { accumulate: false }
+                | Pattern::Scatter
+                | Pattern::AllReduce
+                | Pattern::GatherScatter { .. }
+        )
+    }
+
+    /// Whether tiled plans exist for `pattern` (the sliceable ones but the two-axis).
+    pub fn tileable(pattern: Pattern) -> bool {
+        Schedule::sliceable(pattern) && !matches!(pattern, Pattern::GatherScatter { .. })
     }
 
     /// The chunks each block is cut into: a sliced schedule's slices or a

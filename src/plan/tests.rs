@@ -715,6 +715,9 @@ enum TwoAxis {
 fn simulate_two_axis(plans: &[Plan], f_size: usize, label: &str) {
     let n = plans.len();
     let t_size = n / f_size;
+    // Sliced: each block of w's columns cut into `slices` chunks.
+    let slices = plans[0].schedule.chunks();
+    let chunks = f_size * slices;
     let mut cursor = vec![0usize; n];
     let mut sent = vec![false; n];
     let mut slots: Vec<HashMap<usize, TwoAxis>> = vec![HashMap::new(); n];
@@ -734,11 +737,8 @@ fn simulate_two_axis(plans: &[Plan], f_size: usize, label: &str) {
             while let Some(step) = plans[r].steps.get(cursor[r]) {
                 match &step.action {
                     Action::Matmul { block, src, dst: Buf::Slot(i), accumulate: false } => {
-                        assert_eq!(
-                            read(&slots[r], r, *src),
-                            TwoAxis::W(block % f_size),
-                            "{label}: rank {r} block {block}"
-                        );
+                        let j = block % chunks / slices;
+                        assert_eq!(read(&slots[r], r, *src), TwoAxis::W(j), "{label}: rank {r} block {block}");
                         slots[r].insert(*i, TwoAxis::Partials([(r, *block)].into()));
                     }
                     Action::Sum { terms, dst } => {
@@ -806,9 +806,9 @@ fn simulate_two_axis(plans: &[Plan], f_size: usize, label: &str) {
     assert!(mailbox.is_empty(), "{label}: sends never received");
     for (r, written) in outs.iter().enumerate() {
         let (f, t) = (r / t_size, r % t_size);
-        assert_eq!(written.len(), f_size, "{label}: rank {r} writes {:?}", written.keys());
-        for j in 0..f_size {
-            let b = t * f_size + j;
+        assert_eq!(written.len(), chunks, "{label}: rank {r} writes {:?}", written.keys());
+        for j in 0..chunks {
+            let b = t * chunks + j;
             let (count, v) = written.get(&b).unwrap_or_else(|| panic!("{label}: rank {r} never writes out[{j}]"));
             assert_eq!(*count, 1, "{label}: rank {r} writes out[{j}] {count} times");
             let want: Pieces = (0..t_size).map(|u| (f * t_size + u, b)).collect();
@@ -824,7 +824,8 @@ fn every_two_axis_plan_is_correct_and_race_free() {
         for t_size in 1..=6 {
             let n = f_size * t_size;
             let pattern = Pattern::GatherScatter { gathered: f_size };
-            for schedule in SCHEDULES {
+            let sliced = [1, 2, 3].map(|slices| Schedule::Sliced { slices });
+            for schedule in SCHEDULES.into_iter().chain(sliced) {
                 let plans: Vec<Plan> = (0..n).map(|r| plan(pattern, schedule, n, r)).collect();
                 let label = format!("F={f_size} T={t_size} {schedule:?}");
                 for p in &plans {
@@ -835,24 +836,26 @@ fn every_two_axis_plan_is_correct_and_race_free() {
             }
         }
     }
-    assert_eq!(checked, 36 * SCHEDULES.len());
+    assert_eq!(checked, 36 * (SCHEDULES.len() + 3));
 }
 
-/// The point of the two-axis plan: the products of block c wait for no
-/// transfer of block c-1's reduce-scatter (it runs while they do), only
-/// for the transfer that brought their block of w and for the end of block
+/// The point of the two-axis plan: the products of chunk c wait for no
+/// transfer of chunk c-1's reduce-scatter (it runs while they do), only
+/// for the transfer that brought their block of w and for the end of chunk
 /// c-2's reduce-scatter, whose partial slots they reuse.
 #[test]
 fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
-    for (f_size, t_size) in [(4, 2), (3, 4), (8, 8), (2, 3), (5, 3)] {
+    for (f_size, t_size, slices) in [(4, 2, 1), (3, 4, 1), (8, 8, 1), (2, 3, 1), (5, 3, 1), (2, 4, 3), (3, 2, 2)] {
         let n = f_size * t_size;
+        let schedule = if slices == 1 { Schedule::Ring } else { Schedule::Sliced { slices } };
         for r in 0..n {
-            let p = plan(Pattern::GatherScatter { gathered: f_size }, Schedule::Ring, n, r);
+            let p = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, r);
             let hb = happens_before(&p);
             let products: Vec<StepId> =
                 p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect();
-            assert_eq!(products.len(), n);
+            assert_eq!(products.len(), n * slices);
             for (i, &product) in products.iter().enumerate() {
+                // Chunk c's products (c = block of w x slices + column chunk).
                 let c = i / t_size;
                 for s in p.steps.iter().filter(|s| hb[s.id][product]) {
                     if let Action::Exchange { recvs, .. } = &s.action {

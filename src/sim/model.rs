@@ -234,7 +234,13 @@ pub fn auto_pick(choice: &Choice, n: usize, pattern: crate::plan::Pattern) -> Sc
             .iter()
             .filter(|(s, _)| match s {
                 Schedule::Ring | Schedule::Bidirectional => !tiled,
-                Schedule::Sliced { .. } => !tiled && pattern == crate::plan::Pattern::AllReduce,
+                Schedule::Sliced { .. } => {
+                    !tiled
+                        && matches!(
+                            pattern,
+                            crate::plan::Pattern::AllReduce | crate::plan::Pattern::GatherScatter { .. }
+                        )
+                }
                 Schedule::Tiled { .. } => tiled,
                 _ => false,
             })

@@ -813,10 +813,11 @@ mod tests {
     /// The two-axis op on the CPU backend against its definition: rank
     /// (f, t) of F x T ends with out[j] = sum over t' of rank (f, t')'s rows
     /// block t of x times rank (j, t')'s w (w's block j gathered over F, the
-    /// product's rows scattered over T).
+    /// product's rows scattered over T); sliced into S column chunks, the
+    /// output is stacked by chunk: [F, S, rows, c / S].
     #[test]
     fn the_two_axis_op_computes_the_gathered_product_reduce_scattered() {
-        let (n, m, k, c) = (4usize, 3usize, 5usize, 2usize);
+        let (n, m, k, c) = (4usize, 3usize, 5usize, 4usize);
         let (f_size, t_size) = (2, 2);
         let kind = OpKind::AllGatherMatmulReduceScatter;
         let dims = example_dims(kind, n as i64, m as i64, k as i64, c as i64);
@@ -825,7 +826,9 @@ mod tests {
         let fill = |rank: usize, len: usize| -> Vec<f64> {
             (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f64 - 8.0).collect()
         };
-        for (i, schedule) in [Schedule::Ring, Schedule::Sequential].into_iter().enumerate() {
+        let schedules = [Schedule::Ring, Schedule::Sequential, Schedule::Sliced { slices: 2 }];
+        for (i, schedule) in schedules.into_iter().enumerate() {
+            let slices = schedule.chunks();
             let runs = run_ranks_as(kind, schedule, n, dims, 7500 + i as i64, None, Lanes::Threads);
             for (r, run) in runs.iter().enumerate() {
                 let (f, t) = (r / t_size, r % t_size);
@@ -840,7 +843,8 @@ mod tests {
                                     (0..k).map(|q| x[(t * m + row) * k + q] * w[q * c + col]).sum::<f64>()
                                 })
                                 .sum();
-                            let at = (j * m + row) * c + col;
+                            let (chunk, within) = (col / (c / slices), col % (c / slices));
+                            let at = ((j * slices + chunk) * m + row) * (c / slices) + within;
                             assert_eq!(got[at] as f64, want, "{schedule:?} rank {r} out[{j}][{row}][{col}]");
                         }
                     }

@@ -645,8 +645,9 @@ pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Ve
 /// The schedules to emulate for `kind` (cut into blocks of 3 rows where the kind takes that).
 pub fn schedules(kind: OpKind) -> Vec<Schedule> {
     let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-    if kind.cuts_rows() {
-        schedules.push(Schedule::Sliced { slices: 3 }); // the cases' blocks have 3 rows
+    if kind.cuts_rows() || kind == OpKind::AllGatherMatmulReduceScatter {
+        // The cases' blocks have 3 rows (the two-axis case: w's blocks 6 columns).
+        schedules.push(Schedule::Sliced { slices: 3 });
     }
     schedules
 }

@@ -81,6 +81,22 @@ def test_rows_of_a_rank_3_x_and_gradients_match_jax_lax():
         assert_close(np.asarray(g), np.asarray(w_), np.float32)
 
 
+@pytest.mark.parametrize("slices", [None, 2])
+def test_vmap_over_x_matches_jax_lax(slices):
+    # No fused form batches this kind: jax.lax's collectives and dot, batched,
+    # laid out as the library lays out the (sliced) call it stands in for.
+    mesh, x, w, xs, ws, spec = _case((2, 2), 4, 8, 4, np.float32, seed=5)
+    batch = jax.device_put(np.stack([x, 2 * x + 1]), NamedSharding(mesh, P(None, "A", "B")))
+    spec = dict(spec, in_specs=(P(None, "A", "B"), P("B", "A")), out_specs=P(None, ("A", "B")))
+
+    def batched(op):
+        return jax.jit(jax.shard_map(lambda a, b: jax.vmap(op, in_axes=(0, None))(a, b), **spec))
+
+    fused = batched(lambda a, b: OP(a, b, "A", "B", schedule="ring", slices=slices))(batch, ws)
+    plain = batched(lambda a, b: lax_two_axis(a, b, "A", "B"))(batch, ws)
+    assert_close(np.asarray(fused), np.asarray(plain), np.float32)
+
+
 def test_ring_leaves_xla_no_gather_or_reduce_scatter():
     mesh, x, w, xs, ws, spec = _case((2, 4), 8, 32, 12, np.float32)
     text = jax.jit(jax.shard_map(lambda a, b: OP(a, b, "A", "B", schedule="ring"), **spec)).lower(xs, ws) \
@@ -102,7 +118,9 @@ def _errors(mesh_shape, x_shape, w_shape, in_specs, *args, **kwargs):
 @pytest.mark.parametrize("args,kwargs,match", [
     (("A", "A"), {}, "gather_axis and scatter_axis must be two mesh axes"),
     (("A", "B"), {"schedule": "bidirectional"}, "schedule 'bidirectional' does not exist"),
-    (("A", "C"), {}, "unknown axis_name 'C'"),
+    (("A", "B"), {"schedule": "tiled"}, "schedule 'tiled' does not exist"),
+    (("A", "C"), {}, "unknown scatter_axis 'C'"),
+    (("Z", "B"), {}, "unknown gather_axis 'Z'"),
     ((("A",), "B"), {}, "gather_axis must name one mesh axis"),
 ])
 def test_bad_arguments_are_named(args, kwargs, match):

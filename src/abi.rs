@@ -121,7 +121,7 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                 Schedule::Tiled { tiles: chunks }
             })
         }
-        2 if kind == OpKind::AllGatherMatmulReduceScatter => Err(Error::InvalidArgument(format!(
+        2 if kind == OpKind::AllGatherMatmulReduceScatter && code == 2 => Err(Error::InvalidArgument(format!(
             "{name}: schedule \"bidirectional\" does not exist here: both rings run one way (\"ring\"), or nothing \
              overlaps (\"sequential\")"
         ))),

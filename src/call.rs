@@ -94,6 +94,13 @@ impl SiteInstance {
     }
 }
 
+/// The sites an instance's state (`instance_state` of one of its calls)
+/// holds, one per device that has called it; None for another state.
+#[cfg(test)]
+pub fn instance_sites(state: &(dyn Any + Send + Sync)) -> Option<usize> {
+    state.downcast_ref::<SiteInstance>().map(|instance| lock(&instance.sites).len())
+}
+
 /// How call sites were kept in this process, for tests and benchmarks:
 /// instances whose state XLA keeps, sites decoded into them, and sites
 /// decoded into the process's map (`sites`).

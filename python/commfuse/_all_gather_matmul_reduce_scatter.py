@@ -88,25 +88,32 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None, pre
         if gather_axis == scatter_axis:
             raise ValueError(f"commfuse.{OP}: gather_axis and scatter_axis must be two mesh axes, both are "
                              f"{gather_axis!r}; for one axis use all_gather_matmul or matmul_reduce_scatter")
-        (_, gathered), (_, scattered) = (_checks.axis_group(OP, gather_axis), _checks.axis_group(OP, scatter_axis))
-        axes, ranks = _checks.axis_group(OP, (gather_axis, scatter_axis))
+        _, gathered = _checks.axis_group(OP, gather_axis, "gather_axis")
+        _, scattered = _checks.axis_group(OP, scatter_axis, "scatter_axis")
+        axes, ranks = (gather_axis, scatter_axis), gathered * scattered
+        if ranks > _abi.LIMITS["max_ranks"]:
+            raise ValueError(f"commfuse.{OP}: gather_axis and scatter_axis span {ranks} devices; the fused ops take "
+                             f"at most {_abi.LIMITS['max_ranks']}")
         _checks.check_matmul_operands(OP, x, w)
+        if schedule in ("bidirectional", "sliced", "tiled"):
+            raise ValueError(f"commfuse.{OP}: schedule {schedule!r} does not exist for this op: both rings run "
+                             "one way ('ring', with slices= to cut each block of w's columns), or nothing overlaps "
+                             "('sequential')")
         code = _checks.check_schedule(OP, schedule)
-        if code == _abi.SCHEDULES["bidirectional"]:
-            raise ValueError(f"commfuse.{OP}: schedule 'bidirectional' does not exist for this op: both rings run "
-                             "one way ('ring'), or nothing overlaps ('sequential')")
         most = _abi.LIMITS["max_chunks"]
-        if slices is not None and (not isinstance(slices, int) or isinstance(slices, bool) or not 1 <= slices <= most):
+        if slices is not None and (not isinstance(slices, (int, np.integer)) or isinstance(slices, bool)
+                                   or not 1 <= slices <= most):
             raise ValueError(f"commfuse.{OP}: slices must be an int in [1, {most}], got {slices!r}")
-        if slices not in (None, 1):
+        cut = None if slices is None else int(slices)
+        if cut not in (None, 1):
             if code == _abi.SCHEDULES["sequential"]:
-                raise ValueError(f"commfuse.{OP}: slices={slices} with schedule='sequential': chunks overlap nothing "
+                raise ValueError(f"commfuse.{OP}: slices={cut} with schedule='sequential': chunks overlap nothing "
                                  "there; leave slices unset or pick 'ring' or 'auto'")
-            if w.shape[1] % slices:
-                raise ValueError(f"commfuse.{OP}: slices={slices} must divide w's {w.shape[1]} columns (each block "
+            if w.shape[1] % cut:
+                raise ValueError(f"commfuse.{OP}: slices={cut} must divide w's {w.shape[1]} columns (each block "
                                  f"of w's columns is cut into slices chunks)")
             if code != _abi.UNFUSED:
-                code = _abi.schedule_code("sliced", slices)
+                code = _abi.schedule_code("sliced", cut)
         if x.shape[0] % scattered:
             raise ValueError(f"commfuse.{OP}: x's leading dim ({x.shape[0]}, x.shape={tuple(x.shape)}) must be "
                              f"divisible by the size of scatter_axis {scatter_axis!r} ({scattered})")

@@ -13,29 +13,30 @@ import numpy as np
 from . import _abi, _native
 from ._abi import CUT_SCHEDULES, DTYPE_CODES, FP8_CODES, SCHEDULES, Kind, chunks_of, cut_schedule
 
-def axis_group(op: str, axis_name) -> tuple[tuple[str, ...], int]:
-    """The op's mesh axes and the group size; raises if not inside a shard_map over them."""
+def axis_group(op: str, axis_name, arg: str = "axis_name") -> tuple[tuple[str, ...], int]:
+    """The op's mesh axes and the group size; raises if not inside a
+    shard_map over them. `arg`: the argument's name in messages."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if not names:
-        raise ValueError(f"commfuse.{op}: axis_name must name at least one mesh axis")
+        raise ValueError(f"commfuse.{op}: {arg} must name at least one mesh axis")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.manual_axes:
         raise ValueError(
             f"commfuse.{op} must be called inside a jax.shard_map body (no manual mesh axes are in "
-            f"scope here), with axis_name naming one of the shard_map's mesh axes")
+            f"scope here), with {arg} naming one of the shard_map's mesh axes")
     for name in names:
         if name not in mesh.axis_names:
-            raise ValueError(f"commfuse.{op}: unknown axis_name {name!r}; the mesh axes are {mesh.axis_names}")
+            raise ValueError(f"commfuse.{op}: unknown {arg} {name!r}; the mesh axes are {mesh.axis_names}")
         if name not in mesh.manual_axes:
             raise ValueError(
-                f"commfuse.{op}: axis_name {name!r} is not mapped by the enclosing jax.shard_map; call "
+                f"commfuse.{op}: {arg} {name!r} is not mapped by the enclosing jax.shard_map; call "
                 f"the op inside a shard_map over it")
     if len(set(names)) != len(names):
-        raise ValueError(f"commfuse.{op}: axis_name {names} repeats an axis")
+        raise ValueError(f"commfuse.{op}: {arg} {names} repeats an axis")
     ranks = math.prod(mesh.shape[name] for name in names)
     if ranks > _abi.LIMITS["max_ranks"]:
         raise ValueError(
-            f"commfuse.{op}: axis_name {names} spans {ranks} devices; the fused ops take at most "
+            f"commfuse.{op}: {arg} {names} spans {ranks} devices; the fused ops take at most "
             f"{_abi.LIMITS['max_ranks']}")
     return names, ranks
 

@@ -168,8 +168,9 @@ def _lower_cpu(ctx, x, w, *scales, kind, workspace, **params):
     return _lower_target(_native.CPU_TARGET, ctx, x, w, kind=kind, workspace_bytes=workspace[0], **params)
 
 
-def _unfused_call(x, w, *, kind, out_dtype, axes, ranks, dimension, fast_f32, **_):
-    return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension, fast_f32=fast_f32)
+def _unfused_call(x, w, *, kind, out_dtype, axes, ranks, dimension, fast_f32, schedule, **_):
+    return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension, fast_f32=fast_f32,
+                   schedule=schedule)
 
 
 _SAID: set = set()
@@ -254,7 +255,7 @@ def _batch(args, dims, *, kind, dimension, out_dtype, schedule, axes, ranks, fas
         # its cotangent, which may be `w`): jax.lax's collective and dot, batched.
         def one(x, w):
             return unfused(kind, x, w, out_dtype=out_dtype, axes=axes, ranks=ranks, dimension=dimension,
-                           fast_f32=fast_f32)
+                           fast_f32=fast_f32, schedule=schedule)
 
         in_axes = tuple(None if d is _NOT_MAPPED else d for d in dims)
         return jax.vmap(one, in_axes=in_axes)(x, w), 0

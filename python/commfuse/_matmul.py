@@ -729,9 +729,11 @@ def _mesh_axes(mesh, sharding, ndim: int) -> tuple:
     need of it too)."""
     if isinstance(sharding, NamedSharding):
         return spec_axes(sharding.spec, ndim)
+    if sharding is None:
+        return ((),) * ndim
     try:
         spec = _compat.mesh_spec_of(sharding, mesh)
-    except Exception:  # noqa: BLE001 - JAX's decoder raises KeyError/ValueError/AssertionError alike
+    except (KeyError, ValueError, AssertionError):  # what JAX's decoder raises for a sharding no spec names
         return ((),) * ndim
     return spec_axes(spec, ndim)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import _abi
 from ._abi import Kind
 from ._varying import make_varying, varying_axes, vma_checked
 
@@ -27,9 +28,11 @@ def empty_result(kind: "Kind", x, w, shape, dtype, axes):
     return make_varying(zeros, result_varying(kind, varying_axes(x) | varying_axes(w), axes))
 
 
-def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, fast_f32: bool):
+def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, fast_f32: bool, schedule=None):
     """`kind`'s op in its canonical layout (see `Kind`) as jax.lax's own
-    collective and dot: what the fused op computes, and its fallback."""
+    collective and dot: what the fused op computes, and its fallback.
+    `schedule`: the fused call's code where this stands in for one (a
+    sliced two-axis call lays its result out by chunk)."""
     K = Kind
     precision = None if fast_f32 else jax.lax.Precision.HIGHEST
     axes = tuple(axes)
@@ -70,7 +73,10 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
     if kind == K.ALL_GATHER_MATMUL_REDUCE_SCATTER:  # (w [kb, c] travels over axes[0], x [T*b, kb])
         gathered = jax.lax.all_gather(x, axes[0], axis=1, tiled=True)
         y = jax.lax.psum_scatter(dot(w, gathered), axes[1], scatter_dimension=0, tiled=True)
-        return jnp.moveaxis(y.reshape(y.shape[0], dimension, x.shape[1]), 1, 0)
+        # [b, F*c] as the library lays it out: [F, S, b, c/S] (S the slices, 1 unsliced).
+        b, (f, c) = y.shape[0], (dimension, x.shape[1])
+        slices = _abi.chunks_of(schedule) if schedule is not None and _abi.cut_schedule(schedule) == "sliced" else 1
+        return jnp.moveaxis(y.reshape(b, f, slices, c // slices), 0, 2).reshape(f, b, c)
     # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
     y = dot(x, w)
     return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))

@@ -162,11 +162,6 @@ impl Schedule {
         )
     }
 
-    /// Whether tiled plans exist for `pattern` (the sliceable ones but the two-axis).
-    pub fn tileable(pattern: Pattern) -> bool {
-        Schedule::sliceable(pattern) && !matches!(pattern, Pattern::GatherScatter { .. })
-    }
-
     /// The chunks each block is cut into: a sliced schedule's slices or a
     /// tiled schedule's tiles, else 1.
     pub fn chunks(self) -> usize {

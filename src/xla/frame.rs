@@ -63,6 +63,9 @@ pub struct Frame<'a> {
     attrs: Attrs,
     /// Which results were handed out: each at most once, so no two `&mut` alias.
     taken: Vec<bool>,
+    /// Whether the handler runs an INSTANTIATE stage (`guard::Stages`): only
+    /// then does it keep instance state for its calls to read.
+    instance_stage: bool,
     _call: PhantomData<&'a mut sys::XLA_FFI_CallFrame>,
 }
 
@@ -243,6 +246,7 @@ impl<'a> Frame<'a> {
                 rets,
                 attrs,
                 taken: vec![false; rets.len],
+                instance_stage: false,
                 _call: PhantomData,
             })
         }
@@ -251,6 +255,15 @@ impl<'a> Frame<'a> {
     /// The execution stage of this call (see `guard::Stages`).
     pub fn stage(&self) -> Stage {
         self.stage
+    }
+
+    /// Whether the handler runs an INSTANTIATE stage (see `state`).
+    pub(super) fn instance_stage(&self) -> bool {
+        self.instance_stage
+    }
+
+    pub(super) fn set_instance_stage(&mut self, on: bool) {
+        self.instance_stage = on;
     }
 
     /// XLA's API table and execution context of this call (for `state`).

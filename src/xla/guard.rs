@@ -76,6 +76,7 @@ where
         // SAFETY: `preflight` checked this is a full call frame, which XLA
         // keeps alive for the call.
         let mut frame = unsafe { Frame::from_raw(call_frame) }?;
+        frame.set_instance_stage(stages == Stages::InstantiateAndExecute);
         body(&mut frame)
     }));
     let err = match outcome {
@@ -141,8 +142,12 @@ unsafe fn preflight(name: &str, cf: *mut sys::XLA_FFI_CallFrame, stages: Stages)
         if !runs {
             return Preflight::Done(ptr::null_mut());
         }
-        if let Some(earlier) = take_unreported() {
-            return Preflight::Done(create_error(api, &earlier, name));
+        // An earlier error no call could carry goes back with the next EXECUTE
+        // (not with an INSTANTIATE, which would fail an unrelated compile).
+        if stage == sys::XLA_FFI_ExecutionStage_EXECUTE {
+            if let Some(earlier) = take_unreported() {
+                return Preflight::Done(create_error(api, &earlier, name));
+            }
         }
         Preflight::Execute(api)
     }

@@ -48,6 +48,14 @@ unsafe extern "C" fn drop_instance_state(state: *mut c_void) {
 }
 
 impl Frame<'_> {
+    /// Whether this call's API has the state calls of version 0.3 (with a stage).
+    fn state_api(&self) -> bool {
+        // SAFETY: `api` is XLA's table, non-null (checked before any handler
+        // body runs); `api_version` is among its first fields.
+        let version = unsafe { (*self.api()).api_version };
+        (version.major_version, version.minor_version) >= (0, 3)
+    }
+
     /// XLA's id of `InstanceState`, registered through this call's API table
     /// on first use.
     fn instance_type_id(&self) -> Result<i64> {
@@ -88,7 +96,9 @@ impl Frame<'_> {
         if self.stage() != Stage::Instantiate {
             return Err(Error::Internal("instance state is set at the instantiate stage only".into()));
         }
-        INSTANTIATED.store(true, Ordering::Release);
+        if !self.state_api() {
+            return Err(Error::Unimplemented("this XLA's FFI API predates per-stage state (0.3)".into()));
+        }
         let mut type_id = sys::XLA_FFI_TypeId { type_id: self.instance_type_id()? };
         let state = Box::into_raw(Box::new(InstanceState(value)));
         // SAFETY: as in `instance_type_id`; on success XLA owns `state` and
@@ -109,9 +119,11 @@ impl Frame<'_> {
                 }
             }
         };
-        if result.is_err() {
+        match result {
+            // XLA keeps state for instances: its runtime hands the store to their calls.
+            Ok(()) => INSTANTIATED.store(true, Ordering::Release),
             // SAFETY: XLA did not take it.
-            drop(unsafe { Box::from_raw(state) });
+            Err(_) => drop(unsafe { Box::from_raw(state) }),
         }
         result
     }
@@ -120,7 +132,8 @@ impl Frame<'_> {
     /// one: None where no instantiate stage ever ran in this process, where
     /// this instance made none, or where this XLA has no state API.
     pub fn instance_state(&self) -> Option<&(dyn Any + Send + Sync)> {
-        if self.stage() == Stage::Instantiate || !INSTANTIATED.load(Ordering::Acquire) {
+        let asks = self.instance_stage() && self.stage() != Stage::Instantiate && self.state_api();
+        if !asks || !INSTANTIATED.load(Ordering::Acquire) {
             return None;
         }
         let mut type_id = sys::XLA_FFI_TypeId { type_id: *TYPE_ID.get()? };

@@ -191,6 +191,12 @@ pub fn drop_fake_instance(instance: usize) -> usize {
 pub fn fake_api() -> sys::XLA_FFI_Api {
     sys::XLA_FFI_Api {
         struct_size: sys::XLA_FFI_Api_STRUCT_SIZE as usize,
+        api_version: sys::XLA_FFI_Api_Version {
+            struct_size: sys::XLA_FFI_Api_Version_STRUCT_SIZE as usize,
+            extension_start: ptr::null_mut(),
+            major_version: sys::XLA_FFI_API_MAJOR as i32,
+            minor_version: sys::XLA_FFI_API_MINOR as i32,
+        },
         XLA_FFI_Error_Create: Some(fake_error_create),
         XLA_FFI_Error_GetMessage: Some(fake_error_get_message),
         XLA_FFI_Error_Destroy: Some(fake_error_destroy),

@@ -625,6 +625,41 @@ fn instance_state_made_at_instantiate_reaches_the_instances_calls_and_is_dropped
 }
 
 #[test]
+fn only_a_handler_with_an_instantiate_stage_reads_instance_state() {
+    let instance = 0x5a7e_0005;
+    assert_eq!(
+        run_stage(instance, sys::XLA_FFI_ExecutionStage_INSTANTIATE, |f| f.set_instance_state(Box::new(5u8))),
+        None
+    );
+    // A handler registered without INSTANTIATE (the CUDA target) never asks XLA for state.
+    let built = Call { instance, ..Default::default() }.build();
+    let err = take_error(unsafe {
+        super::handle_stages("test", built.frame, super::Stages::InitializeAndExecute, |frame| {
+            assert!(frame.instance_state().is_none());
+            Ok(())
+        })
+    });
+    assert_eq!(err, None);
+    assert_eq!(drop_fake_instance(instance), 1);
+}
+
+#[test]
+fn an_api_before_per_stage_state_keeps_none() {
+    let built =
+        Call { stage: sys::XLA_FFI_ExecutionStage_INSTANTIATE, instance: 0x5a7e_0006, ..Default::default() }.build();
+    unsafe { (*built.api).api_version.minor_version = 2 };
+    let err = take_error(unsafe {
+        super::handle_stages("test", built.frame, super::Stages::InstantiateAndExecute, |frame| {
+            let e = frame.set_instance_state(Box::new(6u8)).unwrap_err();
+            assert!(e.to_string().contains("predates per-stage state"), "{e}");
+            Ok(())
+        })
+    });
+    assert_eq!(err, None);
+    assert_eq!(drop_fake_instance(0x5a7e_0006), 0);
+}
+
+#[test]
 fn instance_state_is_set_at_instantiate_only() {
     let err =
         run_stage(0x5a7e_0003, sys::XLA_FFI_ExecutionStage_EXECUTE, |frame| frame.set_instance_state(Box::new(1u8)));
@@ -735,5 +770,12 @@ fn a_fused_call_decodes_its_site_from_the_instance_state() {
         ],
     };
     assert!(!sites::contains(&key), "the process's map was not used");
+    // The instance holds the one device's site.
+    let held = run_stage(instance, sys::XLA_FFI_ExecutionStage_EXECUTE, |frame| {
+        let state = frame.instance_state().expect("the instance's state");
+        assert_eq!(crate::call::instance_sites(state), Some(1));
+        Ok(())
+    });
+    assert_eq!(held, None);
     assert_eq!(drop_fake_instance(instance), 1);
 }

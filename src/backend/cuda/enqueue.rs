@@ -244,10 +244,9 @@ mod tests {
         // Plays XLA's stream.
         let xla_stream = Stream::new().unwrap();
         let xla = CallStream::playing_xla(&xla_stream).unwrap();
-        let kind = case.0;
         let problem = problem_of(case, n, schedule);
         let sizes = problem.sizes();
-        let p = plan(kind.pattern(), schedule, n, rank);
+        let p = plan(problem.pattern(), schedule, n, rank);
         let site = SiteOps::new(&problem, &p).unwrap();
         let memory = |bytes: &[u8]| DeviceMemory::with(bytes, "cuMemAlloc (test)").unwrap();
         let (xd, wd) = (memory(&fill(sizes.x, rank)), memory(&fill(sizes.w, 100 + rank)));

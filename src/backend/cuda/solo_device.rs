@@ -490,7 +490,7 @@ mod tests {
                         assert!(got.seconds.iter().all(|&s| s > 0.0), "{:?}", got.seconds);
                         // The device timeline: each step a slice, in lane order, after its
                         // dependencies (timing events resolve about half a microsecond).
-                        let p = plan(kind.pattern(), schedule, n, rank);
+                        let p = plan(problem.pattern(), schedule, n, rank);
                         let faults = timeline_faults(&p, &got.timeline.unwrap(), 1_000);
                         assert!(faults.is_empty(), "{kind:?} {schedule:?} rank {rank} of {n}: {faults:?}");
                     }

@@ -552,13 +552,14 @@ impl Problem {
             AllToAllMatmul | AllToAllMatmulContract => (self.x_len / self.group, 0),
             MatmulReduceScatter | MatmulReduceScatterCols => (0, self.out_len),
             MatmulAllToAll | MatmulAllToAllCols | MatmulAllReduce => (0, self.out_len / self.group),
-            // The whole local w travels, however its columns are sliced (the
-            // division by the slices below is undone); a partial is one (row
-            // block, chunk of w's columns) product.
-            AllGatherMatmulReduceScatter => (self.x_len * self.slices.unwrap_or(1), self.out_len / self.gathered),
+            // A partial is one (row block, block of w) product.
+            AllGatherMatmulReduceScatter => (self.x_len, self.out_len / self.gathered),
         };
         let parts = self.slices.unwrap_or(1);
-        let (travel, partial) = (travel / parts, partial / parts);
+        // Slices cut what travels, but a two-axis call's whole local w travels
+        // however its columns are sliced.
+        let travel = if self.kind == AllGatherMatmulReduceScatter { travel } else { travel / parts };
+        let partial = partial / parts;
         Sizes {
             x: self.x_len,
             w: self.w_len,

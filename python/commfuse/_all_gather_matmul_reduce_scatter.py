@@ -122,10 +122,7 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None, pre
         rows = math.prod(x.shape[:-1])
         call = Call.of(KIND, ranks, gathered, w.shape, (rows, x.shape[-1]), dtype, out_dtype)
         asked = policy.with_asked(code)
-        if asked.asked == _abi.UNFUSED:
-            forward = Decision(call, _abi.UNFUSED, "as asked", (gathered, rows // scattered, w.shape[1]))
-        else:
-            forward = decide_call(call, asked, axes)
+        forward = decide_call(call, asked, axes)
         settings = _Settings(gather_axis, scatter_axis, gathered, scattered, forward, np.dtype(out_dtype), fast)
         static = _op.Static(axes, ranks, gathered, asked, out_dtype, fast, forward)
         return OpDecision(OP, static, (forward,), settled={"settings": settings})
@@ -145,22 +142,17 @@ def run(decision: OpDecision, x, w):
 
 def forward(x, w, static: _Settings):
     """The product, its gather and its reduce-scatter (operands promoted and
-    typed): one fused op, or jax.lax's collectives and dot."""
+    typed), as the decision says: one fused op, or jax.lax's collectives and
+    dot (`_fused.bind`)."""
     axes = (static.gather_axis, static.scatter_axis)
     out_shape = (x.shape[0] // static.scattered,) + x.shape[1:-1] + (static.gathered * w.shape[1],)
-    if static.forward.fused:
-        stacked = _fused.bind(static.forward, w, _fused.rows_2d(x), axes=axes, fast_f32=static.fast_f32)
-        code = static.forward.schedule
-        slices = _abi.chunks_of(code) if _abi.cut_schedule(code) == "sliced" else 1
-        f, b, c = stacked.shape
+    stacked = _fused.bind(static.forward, w, _fused.rows_2d(x), axes=axes, fast_f32=static.fast_f32)
+    code = static.forward.schedule
+    if _abi.cut_schedule(code) == "sliced":
         # [F, S, b, c/S] -> [F, b, c]: chunk u of block j holds columns u*c/S.. of out[j].
+        f, b, c = stacked.shape
+        slices = _abi.chunks_of(code)
         stacked = jnp.moveaxis(stacked.reshape(f, slices, b, c // slices), 1, 2).reshape(f, b, c)
-    else:
-        from ._unfused import unfused
-
-        stacked = unfused(KIND, w, _fused.rows_2d(x), out_dtype=static.out_dtype, axes=axes,
-                          ranks=static.gathered * static.scattered, dimension=static.gathered,
-                          fast_f32=static.fast_f32)
     # [F, b, c] -> [b, F*c]: block j of w's columns is out[j].
     return jnp.moveaxis(stacked, 0, 1).reshape(out_shape)
 
@@ -184,15 +176,7 @@ def _bwd(static, residuals, dy):
     x_rows, dy_rows = _varying.vary_together(_fused.rows_2d(x), dy_rows, ())
     dw_all = jnp.matmul(x_rows.T, dy_rows, precision=precision)
     dw = jax.lax.psum_scatter(dw_all, static.gather_axis, scatter_dimension=1, tiled=True).astype(w.dtype)
-    return _match(dx, x), _match(dw, w)
-
-
-def _match(ct, primal):
-    """A cotangent typed as varying over exactly the primal's axes."""
-    if not _varying.vma_checked():
-        return ct
-    extra = _varying.varying_axes(ct) - _varying.varying_axes(primal)
-    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+    return _varying.match_primal(dx, x), _varying.match_primal(dw, w)
 
 
 _both.defvjp(_fwd, _bwd)

@@ -173,16 +173,7 @@ def _bwd(static, residuals, dy):
     dx = jnp.matmul(dy_x, w_x.T, precision=precision).astype(x.dtype)
     x2, dy2 = _varying.vary_together(_fused.rows_2d(x), _fused.rows_2d(dy), ())
     dw = jnp.matmul(x2.T, dy2, precision=precision).astype(w.dtype)
-    return _match(dx, x), _match(dw, w)
-
-
-def _match(ct, primal):
-    """A cotangent typed as varying over exactly the primal's axes (a product
-    of an invariant cotangent and a varying operand varies over more)."""
-    if not _varying.vma_checked():
-        return ct
-    extra = _varying.varying_axes(ct) - _varying.varying_axes(primal)
-    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+    return _varying.match_primal(dx, x), _varying.match_primal(dw, w)
 
 
 _all_reduce.defvjp(_fwd, _bwd)

@@ -41,3 +41,13 @@ def vma_checked() -> bool:
 def varying_axes(value) -> frozenset:
     """The mesh axes `value` is typed as varying over (empty under check_vma=False)."""
     return _compat.varying_axes(jax.typeof(value))
+
+
+def match_primal(ct, primal):
+    """A cotangent typed as varying over exactly `primal`'s axes: a product
+    of an invariant cotangent and a varying operand varies over more, which
+    a VJP sums away."""
+    if not vma_checked():
+        return ct
+    extra = varying_axes(ct) - varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct

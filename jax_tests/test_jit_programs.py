@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import commfuse
 from commfuse import _matmul
 from conftest import assert_close
-from programs import all_jit_programs, make_mesh
+from programs import all_jit_programs, collectives, make_mesh
 
 PROGRAMS = all_jit_programs()
 TARGET = 'custom_call_target="commfuse_collective_matmul'
@@ -195,7 +195,13 @@ def test_a_weight_gather_beside_an_activation_collective_is_xlas_and_the_other_f
     assert (gather.op, gather.axes, gather.dimension, gather.w_spec) == ("all_gather_matmul", ("tp",), 1,
                                                                          ((), ("tp",))), gather
     assert "w gathered over ('dp',) by XLA first" in gather.describe()
-    scatter = _choose(((), (), ("tp",)), (("tp",), ("dp",)), ((), ("tp",), ()))
+    # w's columns gathered over dp and the rows scattered over tp (FSDP x TP
+    # row-parallel): the op over both axes, and where it does not run, XLA's
+    # gather of w then the fused reduce-scatter.
+    both = _choose(((), (), ("tp",)), (("tp",), ("dp",)), ((), ("tp",), ()))
+    assert (both.op, both.axes, both.dimension, both.w_spec) == ("all_gather_matmul_reduce_scatter", ("dp", "tp"),
+                                                                 1, (("tp",), ("dp",))), both
+    scatter = both.otherwise
     assert (scatter.op, scatter.axes, scatter.dimension, scatter.w_spec) == ("matmul_reduce_scatter", ("tp",), 1,
                                                                              (("tp",), ())), scatter
 
@@ -402,3 +408,32 @@ def test_fewer_kv_heads_than_the_tensor_axis(schedule):
     # Every dot taken as written: none on the (kv, head_dim) split.
     assert not any("taken on the operands before the reshape" in line for line in rewritten.last_report), \
         rewritten.last_report
+
+
+@pytest.mark.parametrize("schedule", ["ring", "bidirectional"])
+def test_an_fsdp_tp_row_parallel_product_under_jit_is_one_op_over_both_axes(schedule):
+    # h's contraction and w's rows over tp, w's columns over fsdp, the result
+    # sequence-parallel: under ring one fused op runs both collectives; the
+    # op has no bidirectional schedule, so there XLA gathers w and the
+    # reduce-scatter is fused.
+    mesh = make_mesh({"fsdp": 2, "tp": 4})
+    rng = np.random.default_rng(17)
+    h = jax.device_put(rng.standard_normal((4, 16, 32), np.float32), NamedSharding(mesh, P("fsdp", None, "tp")))
+    w = jax.device_put(rng.standard_normal((32, 24), np.float32) / 6, NamedSharding(mesh, P("tp", "fsdp")))
+
+    def layer(h, w):
+        y = jax.lax.with_sharding_constraint(h @ w, NamedSharding(mesh, P("fsdp", "tp", None)))
+        return jnp.mean(y * y), y
+
+    ov = commfuse.overlap(layer, schedule=schedule)
+    _close(jax.jit(ov)(h, w), jax.jit(layer)(h, w), f"{schedule}: outputs")
+    counts = collectives(jax.jit(ov).lower(h, w).compile().as_text())
+    report = "\n".join(ov.last_report)
+    if schedule == "ring":
+        assert "all-gather" not in counts and "reduce-scatter" not in counts and counts["commfuse"] == 1, counts
+        assert "all_gather_matmul_reduce_scatter over ('fsdp', 'tp'), dimension 1" in report, report
+    else:
+        assert counts.get("all-gather") == 1 and counts["commfuse"] == 1, counts
+        assert "matmul_reduce_scatter over ('tp',), dimension 1" in report, report
+    want = jax.jit(jax.grad(_loss(layer), argnums=(0, 1)))(h, w)
+    _close(jax.jit(jax.grad(_loss(ov), argnums=(0, 1)))(h, w), want, f"{schedule}: gradients")

@@ -375,6 +375,24 @@ def test_a_dp_tp_step_leaves_xla_no_all_reduce_of_a_product():
         assert_close(np.asarray(got), np.asarray(want), np.float32)
 
 
+def test_an_fsdp_tp_row_parallel_layer_leaves_xla_no_gather_or_scatter():
+    # fsdp_tp_row_parallel: the weight's columns gathered over fsdp, the
+    # product reduce-scattered over tp along the sequence. Under ring both
+    # collectives run inside one op over both axes; plain XLA runs each.
+    from programs import fsdp_tp_row_parallel
+
+    program = fsdp_tp_row_parallel.PROGRAM
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(6))
+    ov = commfuse.overlap(fn, schedule="ring")
+    assert collectives(jax.jit(ov).lower(*args).compile().as_text()) == {"all-reduce": 1, "commfuse": 1}
+    assert collectives(jax.jit(fn).lower(*args).compile().as_text()) == \
+        {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
+    assert any("commfuse.all_gather_matmul_reduce_scatter(" in line for line in ov.last_report), ov.last_report
+    for got, want in zip(jax.tree.leaves(jax.jit(ov)(*args)), jax.tree.leaves(jax.jit(fn)(*args))):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)
+
+
 def test_sums_of_products_before_one_collective_are_one_fused_op():
     # psum_scatter(h @ W + (h @ A) @ B) and psum(h @ W + g @ V): under ring
     # XLA runs neither collective; only the scalar loss's psum is left.

@@ -107,6 +107,25 @@ def test_ring_leaves_xla_no_gather_or_reduce_scatter():
     assert collectives(plain).get("all-gather") and collectives(plain).get("reduce-scatter"), collectives(plain)
 
 
+@pytest.mark.parametrize("schedule", ["ring", "unfused"])
+def test_the_gradient_runs_its_reduce_scatter_and_a_gather_inside_fused_ops(schedule):
+    # dx gathers dy's rows over B inside all_gather_matmul, dw reduce-scatters
+    # its columns over A inside matmul_reduce_scatter; XLA gathers w's
+    # columns (for dx) and dy's rows (for dw). Unfused: jax.lax's own.
+    mesh, x, w, xs, ws, spec = _case((2, 4), 8, 32, 12, np.float32, seed=9)
+    f = jax.shard_map(lambda a, b: OP(a, b, "A", "B", schedule=schedule), **spec)
+    grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(f(a, b))), argnums=(0, 1)))
+    counts = collectives(grad.lower(xs, ws).compile().as_text())
+    if schedule == "ring":
+        assert counts == {"all-gather": 2, "commfuse": 3}, counts
+    else:
+        assert counts == {"all-gather": 2, "reduce-scatter": 2}, counts
+    plain = jax.shard_map(lambda a, b: lax_two_axis(a, b, "A", "B"), **spec)
+    want = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(plain(a, b))), argnums=(0, 1)))(xs, ws)
+    for g, w_ in zip(grad(xs, ws), want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+
+
 def _errors(mesh_shape, x_shape, w_shape, in_specs, *args, **kwargs):
     mesh = make_mesh(dict(zip(("A", "B"), mesh_shape)))
     x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=NamedSharding(mesh, in_specs[0]))
@@ -132,3 +151,69 @@ def test_rows_that_do_not_divide_over_the_scatter_axis_are_an_error():
     # 2 rows per device (x [4, 8] over A = 2), scattered over B = 4.
     with pytest.raises(ValueError, match="x's leading dim .* divisible by the size of scatter_axis 'B' .4."):
         _errors((2, 4), (4, 8), (8, 8), (P("A", "B"), P("B", "A")), "A", "B", schedule="ring")
+
+
+# --------------------------------------------------------------------------
+# Reached by overlap from the jax.lax expression
+# --------------------------------------------------------------------------
+def _fsdp_tp_layer(scatter_dimension):
+    """psum_scatter(x @ all_gather(w, A, axis=1), B) as a user writes it, x
+    of rank 3 (batch, sequence, contraction), scattered over B along the
+    batch (0) or the sequence (1)."""
+    mesh, x, w, xs, ws, spec = _case((2, 4), 4, 16, 6, np.float32, seed=21, lead=(8,))
+    x_spec = P("A", None, "B")
+    out_spec = P(("A", "B")) if scatter_dimension == 0 else P("A", "B")
+
+    def layer(a, b):
+        gathered = jax.lax.all_gather(b, "A", axis=1, tiled=True)
+        return jax.lax.psum_scatter(a @ gathered, "B", scatter_dimension=scatter_dimension, tiled=True)
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(x_spec, P("B", "A")), out_specs=out_spec)
+    return f, jax.device_put(x, NamedSharding(mesh, x_spec)), ws
+
+
+@pytest.mark.parametrize("scatter_dimension", [0, 1])
+@pytest.mark.parametrize("schedule", ["ring", "sequential"])
+def test_overlap_runs_a_gather_dot_and_reduce_scatter_as_one_op(schedule, scatter_dimension):
+    f, xs, ws = _fsdp_tp_layer(scatter_dimension)
+    ov = commfuse.overlap(f, schedule=schedule)
+    assert_close(np.asarray(jax.jit(ov)(xs, ws)), np.asarray(jax.jit(f)(xs, ws)), np.float32)
+    assert collectives(jax.jit(ov).lower(xs, ws).compile().as_text()) == {"commfuse": 1}
+    rewrote = [line for line in ov.last_report if "]: rewrote " in line]
+    assert len(rewrote) == 1 and "commfuse.all_gather_matmul_reduce_scatter(" in rewrote[0] \
+        and f"schedule={schedule!r}" in rewrote[0], ov.last_report
+    assert ("moved first" in rewrote[0]) == (scatter_dimension == 1), rewrote[0]
+    # Differentiated through the op's VJP, and the differentiated program rewritten.
+    loss = lambda g: lambda a, b: jnp.sum(jnp.sin(g(a, b)))  # noqa: E731
+    want = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(xs, ws)
+    got = jax.jit(jax.grad(loss(ov), argnums=(0, 1)))(xs, ws)
+    rewritten = jax.jit(commfuse.overlap(jax.grad(loss(f), argnums=(0, 1)), schedule=schedule))(xs, ws)
+    for g, r, w_ in zip(got, rewritten, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+        assert_close(np.asarray(r), np.asarray(w_), np.float32)
+
+
+def test_overlap_says_why_a_schedule_the_op_lacks_keeps_one_side():
+    f, xs, ws = _fsdp_tp_layer(0)
+    ov = commfuse.overlap(f, schedule="bidirectional")
+    assert_close(np.asarray(jax.jit(ov)(xs, ws)), np.asarray(jax.jit(f)(xs, ws)), np.float32)
+    assert not any("all_gather_matmul_reduce_scatter(" in line for line in ov.last_report), ov.last_report
+    assert any("not one op over both axes: it has no 'bidirectional' schedule" in line
+               for line in ov.last_report), ov.last_report
+
+
+def test_the_cost_model_orders_the_op_over_both_axes_by_its_time():
+    from commfuse import _both_sides, _explain
+    from commfuse._decide import Machine
+
+    shapes = ("matmul_all_gather", (256, 64), (64, 32), 2, 1, "psum_scatter", 4, (256, 64), (64, 64), 4,
+              np.dtype(np.float32))
+    two = _explain.predict("all_gather_matmul_reduce_scatter", (256, 64), (64, 32), 8, dimension=2,
+                           machine="h100_nvlink")
+    order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two)
+    assert sorted(order) == ["gather", "reduce", "tiles", "two_axis"] and "two_axis" in why
+    # The same prediction, its time cut to nothing or made the slowest, moves it first or last.
+    for scale, place in ((0.0, 0), (1e6, -1)):
+        scaled = dict(two, schedules={k: v * scale for k, v in two["schedules"].items()})
+        order, _ = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, scaled)
+        assert order[place] == "two_axis", order

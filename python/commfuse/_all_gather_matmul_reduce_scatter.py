@@ -16,9 +16,10 @@ reduce-scattered on its own ring, so the tail is 1 / (F x S) of the
 reduce-scatter. The library returns the result stacked by chunk of ``w``'s
 columns (``[F, S, b, c / S]``); it is laid out as ``[b, F*c]`` here.
 
-VJP (not fused yet): ``dx = all_gather(dy, scatter_axis) @ all_gather(w,
-gather_axis)ᵀ`` and ``dw = psum_scatter(xᵀ @ all_gather(dy, scatter_axis),
-gather_axis, scatter_dimension=1)``, as jax.lax's collectives and dots.
+VJP: ``dx = all_gather(dy, scatter_axis) @ all_gather(w, gather_axis)ᵀ``
+and ``dw = psum_scatter(xᵀ @ all_gather(dy, scatter_axis), gather_axis,
+scatter_dimension=1)``, each a fused one-axis op with its other collective
+XLA's (`_bwd`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from ._op import OpDecision
 
 OP = "all_gather_matmul_reduce_scatter"
 KIND = _abi.Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER
+# The schedules asked of a whole program (``overlap``, ``commfuse.matmul``)
+# that this op runs as they are named; under another, a program's dot of
+# this form fuses one side.
+SCHEDULES = ("auto", "ring", "sequential")
 
 
 class _Settings(NamedTuple):
@@ -48,6 +53,7 @@ class _Settings(NamedTuple):
     forward: Decision   # the fused op (or not fused: jax.lax's gather, dot and reduce-scatter)
     out_dtype: object
     fast_f32: bool
+    policy: Policy = Policy()  # what the backward's fused ops are decided under
 
 
 def all_gather_matmul_reduce_scatter(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None,
@@ -119,15 +125,24 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None, pre
                              f"divisible by the size of scatter_axis {scatter_axis!r} ({scattered})")
         fast = _checks.fast_f32(OP, precision)
         dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
-        rows = math.prod(x.shape[:-1])
-        call = Call.of(KIND, ranks, gathered, w.shape, (rows, x.shape[-1]), dtype, out_dtype)
         asked = policy.with_asked(code)
-        forward = decide_call(call, asked, axes)
-        settings = _Settings(gather_axis, scatter_axis, gathered, scattered, forward, np.dtype(out_dtype), fast)
+        settings = settle(x.shape, w.shape, dtype, out_dtype, axes=axes, sizes=(gathered, scattered), policy=asked,
+                          fast_f32=fast)
+        forward = settings.forward
         static = _op.Static(axes, ranks, gathered, asked, out_dtype, fast, forward)
         return OpDecision(OP, static, (forward,), settled={"settings": settings})
 
     return _op.decided(OP, policy.strict, checked)
+
+
+def settle(x_shape, w_shape, dtype, out_dtype, *, axes, sizes, policy: Policy, fast_f32: bool) -> _Settings:
+    """The settings one call on shapes that passed the op's checks runs
+    with: over mesh `axes` (gather axis, scatter axis) of `sizes` (F, T),
+    the decision of its library call under `policy`."""
+    rows = math.prod(x_shape[:-1])
+    call = Call.of(KIND, sizes[0] * sizes[1], sizes[0], w_shape, (rows, x_shape[-1]), dtype, out_dtype)
+    forward = decide_call(call, policy, tuple(axes))
+    return _Settings(*axes, *sizes, forward, np.dtype(out_dtype), fast_f32, policy)
 
 
 def run(decision: OpDecision, x, w):
@@ -167,15 +182,25 @@ def _fwd(x, w, static):
 
 
 def _bwd(static, residuals, dy):
+    """dx = all_gather(dy, B) @ all_gather(w, A)ᵀ: dy's row blocks travel
+    round B inside a fused ``all_gather_matmul`` (w's columns gathered by
+    XLA); dw = psum_scatter(xᵀ @ all_gather(dy, B), A, scatter_dimension=1):
+    the product's column blocks reduce-scattered round A inside a fused
+    ``matmul_reduce_scatter`` (dy gathered by XLA). Each is decided under the
+    forward's policy (a sliced forward's backward runs "ring"), so "unfused"
+    or a declining "auto" runs jax.lax's collectives and dots."""
     x, w = residuals
-    precision = None if static.fast_f32 else jax.lax.Precision.HIGHEST
-    dy_rows = jax.lax.all_gather(_fused.rows_2d(dy), static.scatter_axis, axis=0, tiled=True)
+    policy = static.policy._replace(strict=False)
+    if _abi.cut_schedule(policy.asked):
+        policy = policy.with_asked(_abi.SCHEDULES["ring"])
+    over = lambda axis, ranks, out: _op.Static((axis,), ranks, 0, policy, np.dtype(out), static.fast_f32)  # noqa: E731
+    dy_rows = _fused.rows_2d(dy)
     w_all = jax.lax.all_gather(w, static.gather_axis, axis=1, tiled=True)
-    dy_rows, w_all = _varying.vary_together(dy_rows, w_all, ())
-    dx = jnp.matmul(dy_rows, w_all.T, precision=precision).astype(x.dtype).reshape(x.shape)
-    x_rows, dy_rows = _varying.vary_together(_fused.rows_2d(x), dy_rows, ())
-    dw_all = jnp.matmul(x_rows.T, dy_rows, precision=precision)
-    dw = jax.lax.psum_scatter(dw_all, static.gather_axis, scatter_dimension=1, tiled=True).astype(w.dtype)
+    dx = _op.call_static(_abi.Kind.ALL_GATHER_MATMUL, dy_rows, w_all.T,
+                         over(static.scatter_axis, static.scattered, x.dtype)).reshape(x.shape)
+    dy_all = jax.lax.all_gather(dy_rows, static.scatter_axis, axis=0, tiled=True)
+    dw = _op.call_static(_abi.Kind.MATMUL_REDUCE_SCATTER_COLS, _fused.rows_2d(x).T, dy_all,
+                         over(static.gather_axis, static.gathered, w.dtype))
     return _varying.match_primal(dx, x), _varying.match_primal(dw, w)
 
 

@@ -3,7 +3,7 @@ axis and a sum (``psum``) or reduce-scatter of its result over another —
 FSDP weights gathered into a tensor-parallel product, or sequence-parallel
 activations gathered into a weight gradient that data parallelism sums.
 
-Three ways to run it, timed by the cost model (`choose`):
+The ways to run it, timed by the cost model (`choose`):
 
 * ``gather``: the gather fused with the dot, the sum exposed after it;
 * ``reduce``: the sum fused with the dot, the gather exposed before it;
@@ -11,13 +11,18 @@ Three ways to run it, timed by the cost model (`choose`):
   result keeps; each tile is one fused gather-and-multiply (moving 1/T of
   the operand, so the gather moves no more in all), and each tile's result
   is summed by XLA's own collective while the next tile's fused op runs
-  (no data dependence between them). Only the last tile's sum is exposed.
+  (no data dependence between them). Only the last tile's sum is exposed;
+* ``two_axis``: where the dot is ``psum_scatter(x @ all_gather(w, A,
+  axis=1), B)`` (an FSDP x TP row-parallel layer), one fused op over both
+  axes (``commfuse.all_gather_matmul_reduce_scatter``): w's blocks travel
+  round A while each block's partial sums leave round B.
 
 `Tiling` says how the operand is cut and the tiles' results put back.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -76,30 +81,50 @@ def find_tiling(operand_shape, gather_dim: int, free_dims: list, out_dim_of, sca
 
 def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind: str, n_reduce: int,
            reduce_x_shape, reduce_w_shape, tiles: int, dtype, machine: Machine | None = None,
-           decline: bool = True) -> tuple[str, str]:
-    """("gather" | "reduce" | "tiles", why): the fastest of the three ways by
-    the cost model: `op` is the gather's fused op on the whole operands
-    (one device's shapes), `reduce_kind` the sum's ("psum" or
-    "psum_scatter", over `n_reduce` ranks) on the dot as the reduce side's
-    fused op takes it. The sum's time alone is its reduce-scatter's
-    transfers (twice that for a psum: reduce-scatter, then all-gather), on
-    `machine` (None: the one the program runs on); a fused call's fixed cost
-    counts where "auto" may `decline` to fuse."""
+           decline: bool = True, two_axis: dict | None = None) -> tuple[list, str]:
+    """(the ways fastest first, why) by the cost model: "gather", "reduce",
+    "tiles" and, given `two_axis`, "two_axis". `op` is the gather's fused op
+    on the whole operands (one device's shapes), `reduce_kind` the sum's
+    ("psum" or "psum_scatter", over `n_reduce` ranks) on the dot as the
+    reduce side's fused op takes it. The sum's time alone is its
+    reduce-scatter's transfers (twice that for a psum: reduce-scatter, then
+    all-gather), on `machine` (None: the one the program runs on); a fused
+    call's fixed cost counts where "auto" may `decline` to fuse.
+    `two_axis`: the two-axis op's prediction (`_explain.predict` over both
+    axes' devices) where the dot has its form."""
     machine = machine or Machine.current()
-    gather = _explain.predict(op, x_shape, w_shape, n_gather, dimension=dimension, dtype=dtype, machine=machine.spec)
+    devices = n_gather * n_reduce
+    gather = _explain.predict(op, x_shape, w_shape, n_gather, dimension=dimension, dtype=dtype, machine=machine.spec,
+                              gemm_gflops=_rate_in_step(machine, n_gather, devices))
     reduce = _explain.predict("matmul_reduce_scatter", reduce_x_shape, reduce_w_shape, n_reduce, dtype=dtype,
                               machine=machine.spec)
     t_c, t_g = gather["t_compute"], gather["t_comm"]
     t_r = reduce["t_comm"] * (2 if reduce_kind == "psum" else 1)
-    fixed = 0.0
-    if decline and may_decline():
-        fixed = machine.call_overhead_s(n_gather)
+    # A fused call's fixed cost, as measured for the devices of both axes:
+    # each way runs on all of them at once (one group per other axis's index).
+    fixed = machine.call_overhead_s(devices) if decline and may_decline() else 0.0
     times = {
         "gather": max(t_c, t_g) + t_r + fixed,
         "reduce": t_g + max(t_c, t_r) + fixed,
         "tiles": max(t_c, t_g) + t_r / tiles + tiles * fixed,
     }
-    best = min(times, key=times.get)
+    if two_axis is not None:
+        # By its plan's predicted time (its adds and every exchange's cost
+        # in it), against the others' ideal overlap: it is taken only where
+        # it wins even so.
+        times["two_axis"] = two_axis["schedules"][two_axis["choice"]] + fixed
+    order = sorted(times, key=times.get)
     why = (f"predicted {', '.join(f'{k} {us(v)}' for k, v in times.items())} (compute {us(t_c)}, gather "
            f"{us(t_g)}, {reduce_kind} {us(t_r)})")
-    return best, why
+    return order, why
+
+
+def _rate_in_step(machine: Machine, ranks: int, devices: int) -> float | None:
+    """The GEMM rate to price a call over `ranks` of a step's `devices` at:
+    CPU devices share this host's cores, and the cost model shares them
+    among a call's ranks only, while in the step every device computes at
+    once (None: the machine's own rate, where devices do not share)."""
+    if not machine.is_cpu:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return machine.gemm_gflops * max(1.0, ranks / cores) / max(1.0, devices / cores)

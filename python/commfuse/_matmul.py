@@ -49,11 +49,14 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
+from . import _abi, _both_sides, _checks, _compat, _explain, _fused, _matmul_all_reduce
+from . import _all_gather_matmul_reduce_scatter as two_axis_op
 from ._decide import Policy, decide, decide_dot, mesh_of_trace
 from ._decision import Call, Decision
 from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
+
+TWO_AXIS_OP = two_axis_op.OP
 
 OP = "matmul"
 # The schedules the jit-level op takes ("sliced" and "tiled" need a shard_map
@@ -374,13 +377,17 @@ class Choice(NamedTuple):
     out_spec: tuple
     why: str = ""
     psum_axes: tuple = ()  # summed after the fused op (XLA's all-reduce)
+    # The op over both axes only: the choice where it does not run (XLA's
+    # gather of w, then the fused reduce-scatter).
+    otherwise: object = None
 
     def describe(self) -> str:
         if self.op == "local":
             return "a local dot (no collective needed)"
         if self.op == "fallback":
             return f"XLA's collectives, then a local dot ({self.why})"
-        where = f", dimension {self.dimension}" if self.op in ("all_gather_matmul", "matmul_reduce_scatter") else ""
+        where = f", dimension {self.dimension}" if self.op in ("all_gather_matmul", "matmul_reduce_scatter",
+                                                              TWO_AXIS_OP) else ""
         then = f", then psum over {self.psum_axes}" if self.psum_axes else ""
         first = f" ({self.why})" if self.why else ""
         return f"{self.op} over {self.axes}{where}{then}{first}"
@@ -468,7 +475,16 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
             gathered_w = (reduce, wn) if what == "gather_w_k" else (wk, outn)
             inner = choose(mesh_shape, x_shape, w_shape, x_spec, gathered_w, out_spec)
             if inner.op not in ("fallback", "local"):
-                return inner._replace(why=f"w gathered over {axes} by XLA first")
+                inner = inner._replace(why=f"w gathered over {axes} by XLA first")
+                rows = next(e for e in events if e is not weight[0])
+                if what == "gather_w_n" and rows[0] == "scatter_rows" and len(axes) == 1 and rows[1] == reduce \
+                        and len(reduce) == 1:
+                    # w's columns gathered over one axis, the rows scattered
+                    # over the contraction's (FSDP x TP row-parallel): one op
+                    # over both, where the policy runs it (`_decide_two_axis`).
+                    return Choice(TWO_AXIS_OP, Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER, axes + reduce, rows[2],
+                                  x_spec, w_spec, out_spec, otherwise=inner)
+                return inner
         return fallback("more than one collective: " + ", ".join(f"{e[0]} over {e[1]}" for e in events))
     if not events:
         if reduce:
@@ -499,12 +515,14 @@ class Decided(NamedTuple):
     shapes before anything is traced: its `choice`, the decisions of its
     library calls (`calls`, in the order they run) and, where the choice
     is a gather then a sum over other axes run as `_both_sides` tiles,
-    how (`tiling` and `why`), or `matmul_all_reduce`'s settings."""
+    how (`tiling` and `why`), or `matmul_all_reduce`'s or the op over both
+    axes' settings."""
     choice: Choice
     calls: tuple
     all_reduce: object = None
     tiling: object = None
     tiles_why: str = ""
+    two_axis: object = None  # the op over both axes' settings
 
     @property
     def fused(self) -> int:
@@ -555,6 +573,10 @@ def run_decided(decided: Decided, x, w, settings: Settings):
         return _local_dot(x, w, settings._replace(out_sharding=None))  # shards: no mesh here
     if decided.all_reduce is not None:
         return _matmul_all_reduce.forward(x, w, decided.all_reduce)
+    if decided.two_axis is not None:
+        # The op scatters x's leading dim: the scattered one moved there and back.
+        d = choice.dimension
+        return jnp.moveaxis(two_axis_op.forward(jnp.moveaxis(x, d, 0), w, decided.two_axis), 0, d)
     if decided.tiling is not None:
         side, *_ = _gathered_operand(choice.kind, x.ndim, choice.dimension)
         operand = (x, w)[side]
@@ -613,12 +635,12 @@ def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, r
         rows *= ranks
     machine = settings.policy.resolved_machine(choice.axes + choice.psum_axes)
     try:
-        way, why = _both_sides.choose(op, tuple(x_shape), tuple(w_shape), ranks, g, "psum", n_reduce, (rows, k),
-                                      (k, n), tiling.count, np.dtype(settings.out_dtype), machine,
-                                      settings.policy.decline)
+        order, why = _both_sides.choose(op, tuple(x_shape), tuple(w_shape), ranks, g, "psum", n_reduce, (rows, k),
+                                        (k, n), tiling.count, np.dtype(settings.out_dtype), machine,
+                                        settings.policy.decline)
     except (ValueError, TypeError, KeyError):
         return None
-    if way != "tiles":
+    if order[0] != "tiles":
         return None
     tile_shape = list(operand)
     tile_shape[tiling.dim] //= tiling.count
@@ -628,6 +650,40 @@ def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, r
         return None
     why = f"{tiling.count} tiles, each summed over {choice.psum_axes} while the next runs: {why}"
     return Decided(choice, (decision,) * tiling.count, tiling=tiling, tiles_why=why)
+
+
+def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings, sizes: dict) -> Decided | None:
+    """The op over both axes on these shards where it runs: under a
+    schedule it has that was asked for, or under "auto" where the cost model
+    times it below the choice otherwise made (`_both_sides`: XLA's gather,
+    then the fused reduce-scatter) and its own judgement fuses. None: the
+    choice otherwise made."""
+    policy = settings.policy
+    if policy.asked not in (_abi.SCHEDULES[name] for name in two_axis_op.SCHEDULES):
+        return None
+    f, t = (sizes[a] for a in choice.axes)
+    d = choice.dimension
+    moved = (x_shape[d], *x_shape[:d], *x_shape[d + 1:])
+    rows, k, c = math.prod(moved[:-1]), moved[-1], w_shape[1]
+    if rows == 0 or k == 0 or c == 0 or moved[0] % t:
+        return None
+    two = two_axis_op.settle(moved, w_shape, dtype, settings.out_dtype, axes=choice.axes, sizes=(f, t),
+                             policy=policy, fast_f32=settings.fast_f32)
+    if not two.forward.fused:
+        return None
+    if policy.asked == _abi.AUTO and dict(policy.imposed).get(two.forward.call) is None:
+        machine = policy.resolved_machine(choice.axes)
+        try:
+            both = _explain.predict(TWO_AXIS_OP, (rows, k), w_shape, f * t, dimension=f, dtype=settings.out_dtype,
+                                    machine=machine.spec)
+            order, _ = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
+                                          (rows, k), (k, f * c), 1, np.dtype(settings.out_dtype), machine,
+                                          policy.decline, both)
+        except (ValueError, TypeError, KeyError):
+            return None
+        if order.index("two_axis") > order.index("reduce"):
+            return None
+    return Decided(choice, (two.forward,), two_axis=two)
 
 
 # ----------------------------------------------------------------------------
@@ -750,8 +806,14 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     sizes = dict(mesh.shape)
     choice = choose(sizes, x.shape, w.shape, x_spec, w_spec, out_spec)
     settings = settings._replace(policy=settings.policy.placed(mesh))
-    decided = decide_choice(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
-                            np.dtype(x.dtype), settings, sizes)
+    decided = None
+    if choice.op == TWO_AXIS_OP:
+        decided = _decide_two_axis(choice, _local(x.shape, choice.x_spec, sizes),
+                                   _local(w.shape, choice.w_spec, sizes), np.dtype(x.dtype), settings, sizes)
+        choice = choice if decided is not None else choice.otherwise
+    if decided is None:
+        decided = decide_choice(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
+                                np.dtype(x.dtype), settings, sizes)
     _record(Partitioned(settings.site, tuple(x.shape), tuple(w.shape), decided, settings.policy.owner))
 
     def lower(x_local, w_local):

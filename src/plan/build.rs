@@ -713,7 +713,8 @@ impl Builder {
             let (c, u) = (q / slices, q % slices);
             let fine = block_at(c) * slices + u;
             let set = &sets[q % 2];
-            let mut last = 0;
+            // products[s]: the product the ring takes at its step s.
+            let mut products: Vec<StepId> = vec![];
             for s in 0..t_size {
                 let d = row_at(s);
                 let mut deps: Vec<StepId> = if s == 0 && u == 0 { arrived[c].into_iter().collect() } else { vec![] };
@@ -732,18 +733,23 @@ impl Builder {
                     dst: Buf::Slot(set[d]),
                     accumulate: false,
                 };
-                last = self.push(Lane::Compute, action, deps);
+                products.push(self.push(Lane::Compute, action, deps));
             }
+            let last = products[t_size - 1];
             // The transfer that brings block c+2, posted with block c's first
             // partial: its slot held block c-1, multiplied before this block
             // and sent on by an earlier exchange on this lane.
             let mut ahead = (!sequential && u == 0 && c + 2 < f_size).then(|| gather(c + 1));
-            let mut deps = vec![last];
+            // Each step of the ring waits for its own product only, so the
+            // ring runs while the compute lane multiplies the chunk's later
+            // row blocks (sequential: for the chunk's every product).
+            let ready = |s: usize| if sequential { last } else { products[s] };
+            let mut deps = vec![ready(0)];
             for s in 0..t_size - 1 {
                 let slot = Buf::Slot(set[row_at(s)]);
                 if s > 0 {
                     let terms = vec![slot, Buf::Slot(incoming[(s - 1) % incoming.len()])];
-                    self.push(Lane::Comm, Action::Sum { terms, dst: slot }, std::mem::take(&mut deps));
+                    self.push(Lane::Comm, Action::Sum { terms, dst: slot }, vec![ready(s)]);
                 }
                 let tag = tag(Direction::Forward, q * (t_size - 1) + s);
                 let mut sends = vec![Transfer { peer: next_t, buf: slot, tag }];
@@ -765,7 +771,8 @@ impl Builder {
                 terms.push(Buf::Slot(incoming[(t_size - 2) % incoming.len()]));
             }
             let dst = Buf::OutBlock(t * chunks + fine);
-            reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, deps));
+            // The own row block's product is the ring's last (`row_at`).
+            reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, vec![last]));
         }
     }
 

@@ -30,8 +30,9 @@ A dot_general is fused in its general form (``DotForm``): weights of rank
 matmul (batch dims) is one fused call per batch (``BatchedDot``), and
 expert parallelism's all_to_all over the expert dim one per local expert.
 A dot with a gather into it and a sum of its result over other axes is run
-as the cost model prefers (``_both_sides``): tiles that hide both, or one
-side fused; other dots next to two collectives are fused with the one that
+as the cost model prefers (``_both_sides``): one op over both axes
+(``psum_scatter(x @ all_gather(w, A, axis=1), B)``), tiles that hide both,
+or one side fused; other dots next to two collectives are fused with the one that
 moves more bytes. Every value the rewrite reads is there by construction:
 one no fusion produced is computed by its own equation (`Rewriter.read`).
 """
@@ -42,10 +43,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from .. import _all_gather_matmul_reduce_scatter as two_axis_op
 from .. import _both_sides as both_sides
-from .. import _compat
+from .. import _compat, _explain
 from .._dot_form import BatchedDot, DotForm, SummedForm, Unsupported
 from . import regroup, rowwise, variance
 from .jaxpr import (
@@ -71,6 +74,7 @@ from .jaxpr import (
 from .state import State
 
 _TRANSPOSES = frozenset(("transpose",))
+TWO_AXIS_OP = two_axis_op.OP
 
 
 @dataclass
@@ -432,8 +436,12 @@ class Rewriter:
     def _two_sided(self, group: list) -> list:
         """`group` (one dot's candidates) in the order to try them. A gather
         into the dot and a sum of its result over other axes are timed by
-        the cost model (`both_sides`): the composition that hides both comes
-        first when it is the fastest, else the side whose fusion saves more."""
+        the cost model (`both_sides`): the one op over both axes
+        (`_TwoAxis`, where the dot has its form) or the tiled composition
+        come first when they are the fastest, else the side whose fusion
+        saves more. Under a schedule asked for (not "auto") the op over
+        both axes comes first wherever the dot has its form: it is the one
+        way that fuses both collectives."""
         ins = [f for f in group if f.side == "in" and self.jaxpr.eqns[f.coll].primitive.name == GATHERS[0]
                and not f.local and f.regroup is None]
         outs = [f for f in group if f.side == "out" and self.jaxpr.eqns[f.coll].primitive.name in PSUM + REDUCE_SCATTER
@@ -443,21 +451,64 @@ class Rewriter:
         f_in, f_out = ins[0], outs[0]
         if set(collective_axes(self.jaxpr.eqns[f_in.coll])) & set(collective_axes(self.jaxpr.eqns[f_out.coll])):
             return group
-        plan = self._both_plan(f_in, f_out)
+        two = self._two_axis(f_in, f_out)
+        asked = self.state.schedule != "auto"
+        # Why not one op, said where the dot has a reduce-scatter (a psum has no such op).
+        alone = f"; not one op over both axes: {two}" if isinstance(two, str) \
+            and self.jaxpr.eqns[f_out.coll].primitive.name in REDUCE_SCATTER else ""
+        plan = self._both_plan(f_in, f_out, two if isinstance(two, _TwoAxis) else None)
         if isinstance(plan, str):
+            if isinstance(two, _TwoAxis) and asked:
+                return [two, *group]
             self.reasons[f_out.coll].append(f"not fused with the gather into the same dot: {plan}")
+            if alone:
+                self.reasons[f_in.coll].append(alone[2:])  # said by whichever stays XLA's
+                self.reasons[f_out.coll].append(alone[2:])
             return group
-        way = plan["way"]
+        order = plan["order"]
+        head = [two] if isinstance(two, _TwoAxis) and (asked or order[0] == "two_axis") else []
+        plan["why"] += alone
+        way = next(w for w in order if w != "two_axis")
+        rest = [f for f in group if f is not f_in and f is not f_out]
         if way == "tiles":
-            return [_Both(f_in, f_out, plan)] + [f for f in group if f is not f_in and f is not f_out] + [f_in, f_out]
+            return head + [_Both(f_in, f_out, plan)] + rest + [f_in, f_out]
         first, second = (f_in, f_out) if way == "gather" else (f_out, f_in)
-        note = f"of a gather into this dot and a sum of its result, the cost model fuses the {way} side: {plan['why']}"
+        note = (f"of a gather into this dot and a sum of its result, the cost model fuses the {way} side: "
+                f"{plan['why']}")
         self.reasons[second.coll].append(note)
         self.tried.add(id(second))  # its reason is said; not "fused with ... instead" as well
-        return [first, second] + [f for f in group if f is not f_in and f is not f_out]
+        return head + [first, second] + rest
 
-    def _both_plan(self, f_in: Fusion, f_out: Fusion):
-        """How to run a dot with a gather in and a sum out (`both_sides`), or why not."""
+    def _two_axis(self, f_in: Fusion, f_out: Fusion):
+        """The dot of `f_in` and `f_out` as the two-axis op takes it
+        (`_TwoAxis`): ``psum_scatter(x @ all_gather(w, A, axis=1,
+        tiled=True), B, scatter_dimension=d, tiled=True)`` with w 2-D, d one
+        of x's dims but its last (moved first for the op, which scatters x's
+        leading dim) and one mesh axis each; else why not, said in the report."""
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        (lc, rc), (lb, _) = dot.params["dimension_numbers"]
+        x, w = dot.invars
+        if f_in.operand != 1 or w.aval.ndim != 2 or gather.params["all_gather_dimension"] != 1 \
+                or not gather.params.get("tiled", False):
+            return "the gather is not of the columns of a 2-D right operand (all_gather(w, axis=1, tiled=True))"
+        if tuple(lb) or tuple(lc) != (x.aval.ndim - 1,) or tuple(rc) != (0,):
+            return "the dot is not x @ w (x's last dim contracted with w's first)"
+        if coll.primitive.name not in REDUCE_SCATTER or not coll.params.get("tiled", False) \
+                or any(eqns[j].primitive.name not in CASTS for j in f_out.chain):
+            return "the product is not psum_scatter'd as it is (tiled, no transpose or cast between)"
+        if coll.params["scatter_dimension"] >= x.aval.ndim - 1:
+            return "the psum_scatter splits the product's columns, not its rows"
+        gather_axes, scatter_axes = axes_of(gather.params["axis_name"]), collective_axes(coll)
+        if len(gather_axes) != 1 or len(scatter_axes) != 1:
+            return "the gather or the psum_scatter spans several mesh axes (the op takes one each)"
+        if self.state.schedule not in two_axis_op.SCHEDULES:
+            return f"it has no {self.state.schedule!r} schedule (it runs {', '.join(two_axis_op.SCHEDULES)})"
+        return _TwoAxis(f_in, f_out, gather_axes[0], scatter_axes[0], coll.params["scatter_dimension"])
+
+    def _both_plan(self, f_in: Fusion, f_out: Fusion, two: "_TwoAxis | None" = None):
+        """How to run a dot with a gather in and a sum out (`both_sides`;
+        `two`: its form for the op over both axes), or why not."""
         eqns = self.jaxpr.eqns
         gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
         (lc, rc), (lb, _) = dot.params["dimension_numbers"]
@@ -506,12 +557,16 @@ class Rewriter:
         policy = self.state.policy
         machine = policy.resolved_machine(collective_axes(gather) + collective_axes(coll))
         try:
-            way, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
-                                         "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk), (kk, n),
-                                         tiling.count, dtype, machine, policy.decline)
+            both = None
+            if two is not None:
+                both = _explain.predict(TWO_AXIS_OP, (m, kk), tuple(w_local), ranks * n_reduce, dimension=ranks,
+                                        dtype=dtype, machine=machine.spec)
+            order, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
+                                           "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk),
+                                           (kk, n), tiling.count, dtype, machine, policy.decline, both)
         except (ValueError, TypeError, KeyError) as e:
             return f"the cost model cannot time it ({e})"
-        return {"way": way, "why": why, "tiling": tiling, "role": role, "ranks": ranks}
+        return {"order": order, "why": why, "tiling": tiling, "role": role, "ranks": ranks}
 
     def _chain_perm(self, f: Fusion) -> list:
         """The transposes on the way from the dot to collective `f` as one permutation."""
@@ -604,11 +659,60 @@ class Rewriter:
         self.done[f_out.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
         return True
 
+    def _fuse_two_axis(self, two: "_TwoAxis") -> bool:
+        """The gather, the dot and the reduce-scatter as one op over both
+        axes (`commfuse.all_gather_matmul_reduce_scatter`), x's scattered
+        dim moved first for it and back after."""
+        f_in, f_out = two.f_in, two.f_out
+        self.tried.update((id(f_in), id(f_out)))
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        if f_in.dot in self.evaluated or f_out.coll in self.evaluated:
+            return False
+        cast_axes = self._cast_axes(f_out)
+        w = self.read(gather.invars[0])
+        for j in f_in.chain:
+            w = vary(w, axes_of(eqns[j].params.get("axes", ())))
+        w = vary(w, cast_axes)
+        x = vary(self.read(dot.invars[0]), cast_axes)
+        if self._forward_mode(f_out.coll, TWO_AXIS_OP, x, w):
+            return False
+        shape = list(x.shape)
+        shape.insert(0, shape.pop(two.rows))
+        decision = two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype), _struct(w), two.gather_axis,
+                                      two.scatter_axis, schedule=self.state.schedule,
+                                      precision=dot.params.get("precision"),
+                                      preferred_element_type=dot.params.get("preferred_element_type"),
+                                      policy=self.state.policy)
+        self.state.decisions.append(decision)  # accepted or not: the report is the decisions
+        if decision.refused is not None:
+            self.reasons[f_out.coll].append(f"not one op over both axes: {decision.refused}")
+            return False
+        if not decision.fused:
+            self.reasons[f_out.coll].append(f"kept as written: commfuse.{TWO_AXIS_OP} would run unfused "
+                                            f"({decision.why})")
+            return False
+        y = jnp.moveaxis(two_axis_op.run(decision, jnp.moveaxis(x, two.rows, 0), w), 0, two.rows)
+        want = coll.outvars[0].aval
+        out = match_vma(y, want)
+        _check_result(out, want, TWO_AXIS_OP)
+        self.write(coll.outvars[0], out)
+        self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
+        self.replaced.add(f_out.coll)
+        pair = f"{describe_collective(gather)} + {describe_dot(dot)} + {describe_collective(coll)}"
+        line = (f"overlap[{self.where}]: rewrote {pair} -> commfuse.{TWO_AXIS_OP}(x: {fmt(x)}, w: {fmt(w)}, "
+                f"gather_axis={two.gather_axis!r}, scatter_axis={two.scatter_axis!r}, "
+                f"schedule={self.state.schedule!r}) -> {fmt(want)}"
+                + (f" [x's dim {two.rows} moved first and back]" if two.rows else "") + f": {decision.why}")
+        self.done[f_in.coll].append(line)
+        self.done[f_out.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
+        return True
+
     def _fuse(self, f) -> bool:
         """Tries one candidate; whether it fused."""
-        if isinstance(f, _Both):
+        if isinstance(f, (_Both, _TwoAxis)):
             with _compat.source_context(self.jaxpr.eqns[f.f_in.dot]):
-                return self._fuse_both(f)
+                return self._fuse_both(f) if isinstance(f, _Both) else self._fuse_two_axis(f)
         self.tried.add(id(f))
         eqns = self.jaxpr.eqns
         target = eqns[f.dot].outvars[0] if f.side == "in" else eqns[f.coll].outvars[0]
@@ -1019,8 +1123,6 @@ class _StridedExperts:
         return d
 
     def products(self, form: DotForm, batched: BatchedDot, x_side: int, a, other) -> Products:
-        import jax.numpy as jnp
-
         calls = []
         for e in range(self.local):
             strided = jnp.take(a, jnp.arange(self.ranks) * self.local + e, axis=self.batch_dim)
@@ -1038,8 +1140,6 @@ def _expert_returns(batched: BatchedDot, split: int, x, w):
     experts: each expert's product, with a leading dim of 1, all-to-all'd
     along it gives ``[N, ...]`` blocks by sender; sender r's block of local
     expert e is expert ``r E/N + e`` of the result."""
-    import jax.numpy as jnp
-
     local = batched.batch_shape[0]
     sub_x = (1,) + batched.sub_lhs_shape
     (lc, rc), _ = batched.sub_dims
@@ -1054,6 +1154,25 @@ def _expert_returns(batched: BatchedDot, split: int, x, w):
 
     notes = " [experts back to their tokens: one fused call per local expert]"
     return Products(form, calls, combine, notes=notes), {"split_dimension": split + 1, "concat_dimension": 0}
+
+
+@dataclass
+class _TwoAxis:
+    """A gather candidate and a reduce-scatter candidate of one dot, as one
+    op over both axes (`Rewriter._two_axis`): `rows`, the dim of x the
+    reduce-scatter splits."""
+    f_in: Fusion
+    f_out: Fusion
+    gather_axis: str
+    scatter_axis: str
+    rows: int
+
+    @property
+    def coll(self) -> int:
+        return self.f_out.coll
+
+    def __str__(self) -> str:
+        return f"commfuse.{TWO_AXIS_OP} over {self.gather_axis!r} and {self.scatter_axis!r}"
 
 
 @dataclass

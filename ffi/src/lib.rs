@@ -14,3 +14,14 @@
 #![allow(rustdoc::all)]
 
 include!("bindings.rs");
+
+/// XLA's collectives extension (`xla/ffi/api/collectives_c_api.h`, jaxlib
+/// 0.11.2 and later: version 0.1, and 0.2 with symmetric-memory windows),
+/// generated from a newer jaxlib's headers than the bindings above. With it
+/// comes that FFI API's table (`XLA_FFI_Api` of API 0.5): its fields past the
+/// end of 0.3's table, `XLA_FFI_InvokeContext_FindExtension` among them, are
+/// read from a table only where its `struct_size` covers them. Its types
+/// that 0.3 also has are those of the newer header (some renamed there).
+pub mod collectives {
+    include!("collectives.rs");
+}

@@ -75,6 +75,9 @@ pub enum Stage {
     /// Once per compiled instance, from the attributes alone: no operands or
     /// results (see `state`).
     Instantiate,
+    /// Before execution, where what XLA acquires for it is asked for (XLA's
+    /// communicator: `collectives`).
+    Prepare,
     Initialize,
     Execute,
 }
@@ -234,6 +237,7 @@ impl<'a> Frame<'a> {
 
             let stage = match (*call_frame).stage {
                 sys::XLA_FFI_ExecutionStage_INSTANTIATE => Stage::Instantiate,
+                sys::XLA_FFI_ExecutionStage_PREPARE => Stage::Prepare,
                 sys::XLA_FFI_ExecutionStage_INITIALIZE => Stage::Initialize,
                 _ => Stage::Execute,
             };

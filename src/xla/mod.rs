@@ -27,6 +27,7 @@ macro_rules! api_fn {
     }};
 }
 
+mod collectives;
 mod deferred;
 mod frame;
 mod guard;
@@ -36,6 +37,7 @@ pub mod synthetic;
 #[cfg(test)]
 mod tests;
 
+pub use collectives::Collectives;
 pub use deferred::Deferred;
 pub use frame::{Buffer, BufferMut, DeviceBuffer, DeviceBytes, Frame, Stage};
 pub use guard::{handle, handle_named, handle_stages, take_unreported, Stages};

@@ -779,3 +779,247 @@ fn a_fused_call_decodes_its_site_from_the_instance_state() {
     assert_eq!(held, None);
     assert_eq!(drop_fake_instance(instance), 1);
 }
+
+// ---- XLA's collectives extension ---------------------------------------------
+
+mod collectives {
+    use std::mem::offset_of;
+    use std::ptr;
+
+    use super::super::synthetic::*;
+    use super::super::{sys, Stage};
+    use crate::error::Error;
+    use sys::collectives as c;
+
+    /// An API table of FFI API 0.5's layout: 0.3's table, then the lookup
+    /// (and the custom options call after it).
+    #[repr(C)]
+    struct Api05 {
+        base: sys::XLA_FFI_Api,
+        find_extension: c::XLA_FFI_InvokeContext_FindExtension,
+        custom_options: c::XLA_FFI_CustomOptions_Get,
+    }
+    const _: () =
+        assert!(offset_of!(Api05, find_extension) == offset_of!(c::XLA_FFI_Api, XLA_FFI_InvokeContext_FindExtension));
+
+    /// What the fake runtime keeps: the groups asked for, by stage.
+    #[derive(Default)]
+    struct Record {
+        requested: Vec<(i32, Vec<Vec<i64>>, i64)>,
+        got: Vec<(i32, Vec<Vec<i64>>, i64)>,
+    }
+
+    const COMM: usize = 0xc0ffee0;
+
+    unsafe fn groups_of(groups: *const c::XLA_FFI_ReplicaGroup, n: usize) -> Vec<Vec<i64>> {
+        (0..n)
+            .map(|i| unsafe {
+                let g = &*groups.add(i);
+                std::slice::from_raw_parts(g.ids, g.size).to_vec()
+            })
+            .collect()
+    }
+
+    unsafe extern "C" fn fake_request(
+        ext: *const c::XLA_FFI_Collectives_Extension,
+        args: *mut c::XLA_FFI_Communicator_Request_Args,
+    ) -> *mut c::XLA_FFI_Error {
+        unsafe {
+            let record = &mut *((*ext).state as *mut Record);
+            let a = &*args;
+            record.requested.push((a.group_mode as i32, groups_of(a.groups, a.num_groups), a.communication_id));
+        }
+        ptr::null_mut()
+    }
+
+    unsafe extern "C" fn fake_get(
+        ext: *const c::XLA_FFI_Collectives_Extension,
+        args: *mut c::XLA_FFI_Communicator_Get_Args,
+    ) -> *mut c::XLA_FFI_Error {
+        unsafe {
+            let record = &mut *((*ext).state as *mut Record);
+            let a = &mut *args;
+            record.got.push((a.group_mode as i32, groups_of(a.groups, a.num_groups), a.communication_id));
+            a.communicator = COMM as *mut c::XLA_FFI_Communicator;
+        }
+        ptr::null_mut()
+    }
+
+    unsafe extern "C" fn fake_request_window(
+        _: *const c::XLA_FFI_Collectives_Extension,
+        _: *mut c::XLA_FFI_Window_Request_Args,
+    ) -> *mut c::XLA_FFI_Error {
+        ptr::null_mut()
+    }
+
+    unsafe extern "C" fn fake_get_window(
+        _: *const c::XLA_FFI_Collectives_Extension,
+        _: *mut c::XLA_FFI_Window_Get_Args,
+    ) -> *mut c::XLA_FFI_Error {
+        ptr::null_mut()
+    }
+
+    /// The fake lookup: the call's context is the extension (or null: none).
+    unsafe extern "C" fn fake_find(args: *mut c::XLA_FFI_InvokeContext_FindExtension_Args) -> *mut c::XLA_FFI_Error {
+        unsafe {
+            let a = &mut *args;
+            a.extension = if a.extension_type == c::XLA_FFI_Extension_Collectives as i64 {
+                a.ctx as *const c::XLA_FFI_Extension
+            } else {
+                ptr::null()
+            };
+        }
+        ptr::null_mut()
+    }
+
+    /// A lookup that fails (as a runtime may answer for an extension it lacks).
+    unsafe extern "C" fn failing_find(_: *mut c::XLA_FFI_InvokeContext_FindExtension_Args) -> *mut c::XLA_FFI_Error {
+        let mut args = sys::XLA_FFI_Error_Create_Args {
+            struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
+            message: c"no such extension".as_ptr(),
+            errc: sys::XLA_FFI_Error_Code_NOT_FOUND,
+            ..Default::default()
+        };
+        unsafe { fake_error_create(&mut args) as *mut c::XLA_FFI_Error }
+    }
+
+    /// The extension as a runtime of minor version `minor` attaches it.
+    fn extension(record: &mut Record, minor: i32) -> c::XLA_FFI_Collectives_Extension {
+        c::XLA_FFI_Collectives_Extension {
+            extension_base: c::XLA_FFI_Extension {
+                struct_size: c::XLA_FFI_Collectives_Extension_STRUCT_SIZE as usize,
+                id: c::XLA_FFI_ExtensionId {
+                    extension_type: c::XLA_FFI_Extension_Collectives as i64,
+                    major_version: 0,
+                    minor_version: minor,
+                },
+                next: ptr::null(),
+            },
+            state: record as *mut Record as *mut c::XLA_FFI_CollectivesState,
+            request_communicator: Some(fake_request),
+            get_communicator: Some(fake_get),
+            request_window: Some(fake_request_window),
+            get_window: Some(fake_get_window),
+        }
+    }
+
+    /// A call at `stage` whose API has the lookup `find` (None: a 0.3
+    /// table) and whose context is `ext`.
+    struct Setup {
+        built: Built,
+        api: Box<Api05>,
+    }
+
+    fn call(
+        stage: sys::XLA_FFI_ExecutionStage,
+        find: c::XLA_FFI_InvokeContext_FindExtension,
+        ext: *mut c::XLA_FFI_Collectives_Extension,
+    ) -> Setup {
+        let built = Call { stage, ..Default::default() }.build();
+        let mut api = Box::new(Api05 { base: fake_api(), find_extension: find, custom_options: None });
+        if find.is_some() {
+            api.base.struct_size = c::XLA_FFI_Api_STRUCT_SIZE as usize;
+        }
+        unsafe {
+            (*built.frame).api = &api.base as *const sys::XLA_FFI_Api as *mut sys::XLA_FFI_Api;
+            (*built.frame).ctx = ext as *mut sys::XLA_FFI_ExecutionContext;
+        }
+        Setup { built, api }
+    }
+
+    fn unusable(setup: &Setup) -> String {
+        match setup.built.frame().collectives() {
+            Err(Error::Unimplemented(why)) => why,
+            other => panic!("expected an unusable extension, got {:?}", other.map(|c| c.map(|c| c.minor_version))),
+        }
+    }
+
+    const EXECUTE: sys::XLA_FFI_ExecutionStage = sys::XLA_FFI_ExecutionStage_EXECUTE;
+
+    #[test]
+    fn none_without_a_lookup_or_an_extension() {
+        let mut record = Record::default();
+        let mut ext = extension(&mut record, 2);
+        // FFI API 0.3: the table ends before the lookup.
+        let mut old = call(EXECUTE, Some(fake_find), &mut ext);
+        old.api.base.struct_size = sys::XLA_FFI_Api_STRUCT_SIZE as usize;
+        assert!(old.built.frame().collectives().unwrap().is_none());
+        // A long table whose lookup is unset, one that finds nothing, one that fails.
+        assert!(call(EXECUTE, None, &mut ext).built.frame().collectives().unwrap().is_none());
+        assert!(call(EXECUTE, Some(fake_find), ptr::null_mut()).built.frame().collectives().unwrap().is_none());
+        assert!(call(EXECUTE, Some(failing_find), &mut ext).built.frame().collectives().unwrap().is_none());
+    }
+
+    #[test]
+    fn found_with_its_version_and_windows_where_they_are() {
+        let mut record = Record::default();
+        for (minor, windows) in [(1, false), (2, true), (3, true)] {
+            let mut ext = extension(&mut record, minor);
+            let setup = call(EXECUTE, Some(fake_find), &mut ext);
+            let frame = setup.built.frame();
+            let found = frame.collectives().unwrap().expect("attached");
+            assert_eq!((found.minor_version, found.has_windows), (minor, windows));
+        }
+        // Minor version 2 in a struct that stops before the windows (or leaves them unset): none.
+        let mut ext = extension(&mut record, 2);
+        ext.extension_base.struct_size = offset_of!(c::XLA_FFI_Collectives_Extension, request_window);
+        let setup = call(EXECUTE, Some(fake_find), &mut ext);
+        assert!(!setup.built.frame().collectives().unwrap().unwrap().has_windows);
+        let mut ext = extension(&mut record, 2);
+        ext.get_window = None;
+        let setup = call(EXECUTE, Some(fake_find), &mut ext);
+        assert!(!setup.built.frame().collectives().unwrap().unwrap().has_windows);
+    }
+
+    #[test]
+    fn every_wrong_version_field_and_short_struct_is_named() {
+        let mut record = Record::default();
+        type Wrong = Box<dyn Fn(&mut c::XLA_FFI_Collectives_Extension)>;
+        let cases: Vec<(Wrong, &str)> = vec![
+            (Box::new(|e| e.extension_base.id.extension_type = 130), "found one of type 130"),
+            (Box::new(|e| e.extension_base.id.major_version = 1), "major version 1"),
+            (Box::new(|e| e.extension_base.id.major_version = -1), "major version -1"),
+            (Box::new(|e| e.extension_base.id.minor_version = 0), "minor version 0"),
+            (Box::new(|e| e.extension_base.struct_size = 8), "shorter than an extension's header"),
+            (
+                Box::new(|e| {
+                    e.extension_base.struct_size = offset_of!(c::XLA_FFI_Collectives_Extension, get_communicator)
+                }),
+                "stops before the communicator calls",
+            ),
+            (Box::new(|e| e.request_communicator = None), "request_communicator or get_communicator is not set"),
+            (Box::new(|e| e.get_communicator = None), "request_communicator or get_communicator is not set"),
+        ];
+        for (wrong, said) in cases {
+            let mut ext = extension(&mut record, 2);
+            wrong(&mut ext);
+            let why = unusable(&call(EXECUTE, Some(fake_find), &mut ext));
+            assert!(why.contains(said) && why.starts_with("XLA's collectives extension is unusable"), "{why}");
+        }
+    }
+
+    #[test]
+    fn the_communicator_is_requested_at_prepare_and_handed_out_at_initialize_or_execute() {
+        let mut record = Record::default();
+        let mut ext = extension(&mut record, 1);
+        let groups = vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]];
+
+        let prepare = call(sys::XLA_FFI_ExecutionStage_PREPARE, Some(fake_find), &mut ext);
+        let frame = prepare.built.frame();
+        assert_eq!(frame.stage(), Stage::Prepare);
+        let found = frame.collectives().unwrap().unwrap();
+        found.request_communicator(&groups, 7).unwrap();
+        assert!(matches!(found.communicator(&groups, 7), Err(Error::Internal(m)) if m.contains("not at Prepare")));
+
+        for stage in [sys::XLA_FFI_ExecutionStage_INITIALIZE, EXECUTE] {
+            let later = call(stage, Some(fake_find), &mut ext);
+            let frame = later.built.frame();
+            let found = frame.collectives().unwrap().unwrap();
+            assert_eq!(found.communicator(&groups, 7).unwrap() as usize, COMM);
+            assert!(matches!(found.request_communicator(&groups, 7), Err(Error::Internal(m)) if m.contains("PREPARE")));
+        }
+        let flattened = c::XLA_FFI_GROUP_FLATTENED_ID as i32;
+        assert_eq!(record.requested, vec![(flattened, groups.clone(), 7)]);
+        assert_eq!(record.got, vec![(flattened, groups.clone(), 7), (flattened, groups, 7)]);
+    }
+}

@@ -71,6 +71,7 @@ pub fn nccl_unique_id() -> Result<[u8; communicators::NCCL_ID_BYTES]> {
 pub fn handler(frame: &mut Frame<'_>) -> Result<()> {
     match frame.stage() {
         Stage::Instantiate => crate::call::instantiate(frame),
+        Stage::Prepare => Err(Error::Internal("the CUDA handler is registered without a PREPARE stage".into())),
         Stage::Initialize => initialize(frame),
         Stage::Execute => collective_matmul(frame),
     }

@@ -82,7 +82,9 @@ pub fn connect_handler(frame: &mut Frame<'_>) -> Result<()> {
             }
             connected
         }
-        Stage::Instantiate => Err(Error::Internal("the reshard programs have no instantiate stage".into())),
+        Stage::Instantiate | Stage::Prepare => {
+            Err(Error::Internal(format!("the reshard programs have no {:?} stage", frame.stage())))
+        }
         Stage::Execute => {
             let token = frame.device_ret_bytes(0, "connected")?;
             let dev = device::bind_for_execute(&stream)?;

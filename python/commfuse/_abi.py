@@ -176,8 +176,10 @@ def price_step(request: dict) -> dict:
 @functools.lru_cache(maxsize=64)
 def machine_summary(machine: str) -> dict:
     """What the library makes of a machine description: ``{"name",
-    "devices_per_node"}`` (None: one node); ValueError naming what it
-    refuses in `machine`."""
+    "devices_per_node"}`` (None: one node) and ``"shared_processors"`` (the
+    processors its devices share, as the cost model counts them: this
+    host's cores for ``cpu_here``; None for devices of their own);
+    ValueError naming what it refuses in `machine`."""
     return price_step({"machine": machine, "ops": []})["machine"]
 
 

@@ -40,8 +40,8 @@ from ._op import OpDecision
 OP = "all_gather_matmul_reduce_scatter"
 KIND = _abi.Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER
 # The schedules asked of a whole program (``overlap``, ``commfuse.matmul``)
-# that this op runs as they are named; under another, a program's dot of
-# this form fuses one side.
+# that this op runs as they are named; under "bidirectional" a program's
+# dot of this form fuses one side, under "unfused" neither.
 SCHEDULES = ("auto", "ring", "sequential")
 
 

@@ -22,13 +22,12 @@ The ways to run it, timed by the cost model (`choose`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from . import _explain
+from . import _abi, _explain
 from ._decide import Machine, may_decline, us
 
 TILES = (4, 2)
@@ -80,10 +79,11 @@ def find_tiling(operand_shape, gather_dim: int, free_dims: list, out_dim_of, sca
 
 
 def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind: str, n_reduce: int,
-           reduce_x_shape, reduce_w_shape, tiles: int, dtype, machine: Machine | None = None,
+           reduce_x_shape, reduce_w_shape, tiles: int | None, dtype, machine: Machine | None = None,
            decline: bool = True, two_axis: dict | None = None) -> tuple[list, str]:
     """(the ways fastest first, why) by the cost model: "gather", "reduce",
-    "tiles" and, given `two_axis`, "two_axis". `op` is the gather's fused op
+    "tiles" (given a count of `tiles`) and, given `two_axis`, "two_axis".
+    `op` is the gather's fused op
     on the whole operands (one device's shapes), `reduce_kind` the sum's
     ("psum" or "psum_scatter", over `n_reduce` ranks) on the dot as the
     reduce side's fused op takes it. The sum's time alone is its
@@ -106,8 +106,9 @@ def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind
     times = {
         "gather": max(t_c, t_g) + t_r + fixed,
         "reduce": t_g + max(t_c, t_r) + fixed,
-        "tiles": max(t_c, t_g) + t_r / tiles + tiles * fixed,
     }
+    if tiles:
+        times["tiles"] = max(t_c, t_g) + t_r / tiles + tiles * fixed
     if two_axis is not None:
         # By its plan's predicted time (its adds and every exchange's cost
         # in it), against the others' ideal overlap: it is taken only where
@@ -124,7 +125,7 @@ def _rate_in_step(machine: Machine, ranks: int, devices: int) -> float | None:
     CPU devices share this host's cores, and the cost model shares them
     among a call's ranks only, while in the step every device computes at
     once (None: the machine's own rate, where devices do not share)."""
-    if not machine.is_cpu:
+    cores = _abi.machine_summary(machine.spec)["shared_processors"]
+    if not machine.is_cpu or not cores:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return machine.gemm_gflops * max(1.0, ranks / cores) / max(1.0, devices / cores)

@@ -652,38 +652,43 @@ def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, r
     return Decided(choice, (decision,) * tiling.count, tiling=tiling, tiles_why=why)
 
 
-def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings, sizes: dict) -> Decided | None:
+def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings,
+                     sizes: dict) -> tuple[Decided | None, str]:
     """The op over both axes on these shards where it runs: under a
-    schedule it has that was asked for, or under "auto" where the cost model
-    times it below the choice otherwise made (`_both_sides`: XLA's gather,
-    then the fused reduce-scatter) and its own judgement fuses. None: the
-    choice otherwise made."""
+    schedule it has that was asked for, a decision imposed for it, or
+    "auto" where the cost model times it below the choice otherwise made
+    (`_both_sides`: XLA's gather, then the fused reduce-scatter) and its own
+    judgement fuses. (None, why not): the choice otherwise made."""
     policy = settings.policy
-    if policy.asked not in (_abi.SCHEDULES[name] for name in two_axis_op.SCHEDULES):
-        return None
     f, t = (sizes[a] for a in choice.axes)
     d = choice.dimension
     moved = (x_shape[d], *x_shape[:d], *x_shape[d + 1:])
     rows, k, c = math.prod(moved[:-1]), moved[-1], w_shape[1]
-    if rows == 0 or k == 0 or c == 0 or moved[0] % t:
-        return None
+    if rows == 0 or k == 0 or c == 0:
+        return None, "an operand has no elements"
+    if policy.asked == _abi.UNFUSED:
+        return None, "unfused, as asked"
+    asked = policy.asked if policy.asked in (_abi.SCHEDULES[n] for n in two_axis_op.SCHEDULES) else _abi.AUTO
     two = two_axis_op.settle(moved, w_shape, dtype, settings.out_dtype, axes=choice.axes, sizes=(f, t),
-                             policy=policy, fast_f32=settings.fast_f32)
+                             policy=policy.with_asked(asked), fast_f32=settings.fast_f32)
+    imposed = dict(policy.imposed).get(two.forward.call) is not None
+    if asked != policy.asked and not imposed:
+        return None, f"it has no {_abi.schedule_name(policy.asked)!r} schedule"
     if not two.forward.fused:
-        return None
-    if policy.asked == _abi.AUTO and dict(policy.imposed).get(two.forward.call) is None:
+        return None, two.forward.why
+    if asked == _abi.AUTO and not imposed:
         machine = policy.resolved_machine(choice.axes)
         try:
             both = _explain.predict(TWO_AXIS_OP, (rows, k), w_shape, f * t, dimension=f, dtype=settings.out_dtype,
                                     machine=machine.spec)
-            order, _ = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
-                                          (rows, k), (k, f * c), 1, np.dtype(settings.out_dtype), machine,
-                                          policy.decline, both)
-        except (ValueError, TypeError, KeyError):
-            return None
+            order, why = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
+                                            (rows, k), (k, f * c), None, np.dtype(settings.out_dtype), machine,
+                                            policy.decline, both)
+        except (ValueError, TypeError, KeyError) as e:
+            return None, f"the cost model cannot time it ({e})"
         if order.index("two_axis") > order.index("reduce"):
-            return None
-    return Decided(choice, (two.forward,), two_axis=two)
+            return None, f"the cost model fuses the reduce side: {why}"
+    return Decided(choice, (two.forward,), two_axis=two), ""
 
 
 # ----------------------------------------------------------------------------
@@ -808,9 +813,10 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     settings = settings._replace(policy=settings.policy.placed(mesh))
     decided = None
     if choice.op == TWO_AXIS_OP:
-        decided = _decide_two_axis(choice, _local(x.shape, choice.x_spec, sizes),
-                                   _local(w.shape, choice.w_spec, sizes), np.dtype(x.dtype), settings, sizes)
-        choice = choice if decided is not None else choice.otherwise
+        decided, why = _decide_two_axis(choice, _local(x.shape, choice.x_spec, sizes),
+                                        _local(w.shape, choice.w_spec, sizes), np.dtype(x.dtype), settings, sizes)
+        if decided is None:
+            choice = choice.otherwise._replace(why=f"{choice.otherwise.why}; not one op over both axes: {why}")
     if decided is None:
         decided = decide_choice(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
                                 np.dtype(x.dtype), settings, sizes)

@@ -872,3 +872,43 @@ fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
         }
     }
 }
+
+#[test]
+fn two_axis_ring_steps_wait_for_their_own_product_only() {
+    // Step s of a chunk's reduce-scatter ring sends the sum of the row block
+    // multiplied s-th: it runs while the compute lane multiplies the chunk's
+    // later row blocks, never after them.
+    for (f_size, t_size, slices) in [(2, 4, 1), (4, 2, 1), (3, 3, 1), (2, 4, 2), (2, 5, 3)] {
+        let n = f_size * t_size;
+        let schedule = if slices == 1 { Schedule::Ring } else { Schedule::Sliced { slices } };
+        for r in 0..n {
+            let p = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, r);
+            let hb = happens_before(&p);
+            let products: Vec<StepId> =
+                p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect();
+            for q in 0..f_size * slices {
+                for s in 0..t_size - 1 {
+                    let tag = q * (t_size - 1) + s;
+                    let exchange = p
+                        .steps
+                        .iter()
+                        .find(|e| match &e.action {
+                            Action::Exchange { sends, .. } => {
+                                sends.iter().any(|t| t.tag.direction == Direction::Forward && t.tag.step == tag)
+                            }
+                            _ => false,
+                        })
+                        .expect("every ring step is an exchange");
+                    assert!(hb[products[q * t_size + s]][exchange.id], "ring step {s} before its own product");
+                    for later in s + 1..t_size {
+                        assert!(
+                            !hb[products[q * t_size + later]][exchange.id],
+                            "F={f_size} T={t_size} S={slices} rank {r}: chunk {q}'s ring step {s} waits for its \
+                             product {later}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -31,7 +31,7 @@
 //! The answer (`Priced`): `total_s`, `compute_s`, `comm_s`, `exposed_comm_s`,
 //! `by_kind` (`gemm`, `memory`, `collective`, `fused` seconds),
 //! `collective_calls` (kind -> `{"count", "bytes"}`), `fused_ops`, `machine`
-//! (`{"name", "devices_per_node"}`) and `timeline` (`[{"start_s", "end_s"}]`
+//! (`{"name", "devices_per_node", "shared_processors"}`) and `timeline` (`[{"start_s", "end_s"}]`
 //! per top-level op, or null).
 #![forbid(unsafe_code)]
 
@@ -227,6 +227,9 @@ pub struct MachineSummary {
     pub name: String,
     /// Devices per node of its network (none: one node).
     pub devices_per_node: Option<usize>,
+    /// The processors its devices share (`cpu_here`: this host's cores as
+    /// the model counts them; none where each device computes on its own).
+    pub shared_processors: Option<f64>,
 }
 
 /// The answer: one device's step, in seconds.
@@ -525,8 +528,11 @@ pub fn price(request: &Request) -> Result<Priced> {
         None => 1.0,
     };
     let compute_slowdown = machine.shared_processors.map_or(1.0, |p| (devices / p).max(1.0));
-    let summary =
-        MachineSummary { name: machine.name.clone(), devices_per_node: machine.network.map(|n| n.devices_per_node) };
+    let summary = MachineSummary {
+        name: machine.name.clone(),
+        devices_per_node: machine.network.map(|n| n.devices_per_node),
+        shared_processors: machine.shared_processors,
+    };
     let mut pricer = Pricer {
         across_nodes: machine.across_nodes(),
         machine,
@@ -820,7 +826,12 @@ mod tests {
         assert_eq!(m.across_nodes().unwrap().link, net.link);
         assert!(Machine::h100_nvlink().across_nodes().is_none());
         let summary = |spec: &str| priced(json!({"machine": spec, "ops": []})).unwrap()["machine"].clone();
-        assert_eq!(summary("h100_cluster"), json!({"name": "h100_cluster", "devices_per_node": 8}));
+        assert_eq!(
+            summary("h100_cluster"),
+            json!({"name": "h100_cluster", "devices_per_node": 8, "shared_processors": null})
+        );
+        let cores = std::thread::available_parallelism().map_or(1, |p| p.get()) as f64;
+        assert_eq!(summary("cpu_here")["shared_processors"], cores);
         assert_eq!(summary("cpu_here:gpus_per_node=2")["devices_per_node"], 2);
         assert!(summary("h100_nvlink")["devices_per_node"].is_null());
         let e = Machine::from_spec("h100_nvlink:net_gbytes_per_s=25", None, 2).unwrap_err().to_string();

@@ -5,10 +5,10 @@
 //! and later), which an older API table lacks. What it finds is checked
 //! before any use: its type, major version 0, minor version at least 1, and
 //! `struct_size` before every field a shorter struct may lack (the windows of
-//! minor version 2 above all). Where there is no lookup or no extension the
-//! call has none (`Ok(None)`); where one is there but unusable, the error
-//! says which field is wrong (UNIMPLEMENTED: the caller keeps its own
-//! communicators).
+//! minor version 2 above all). Where there is no lookup or the lookup finds
+//! nothing the call has none (`Ok(None)`); where the lookup fails or what it
+//! finds is unusable, the error says why (UNIMPLEMENTED: the caller keeps
+//! its own communicators).
 //!
 //! The communicator is asked for at the PREPARE stage
 //! (`Collectives::request_communicator`) and handed out at INITIALIZE or
@@ -56,7 +56,8 @@ fn unusable(why: String) -> Error {
 impl<'a> Frame<'a> {
     /// XLA's collectives extension for this call: `None` where XLA's API has
     /// no extension lookup (FFI API before 0.4) or attaches none (CPU, jaxlib
-    /// before 0.11.2); an error where one is attached but unusable.
+    /// before 0.11.2); an error where the lookup fails or what it finds is
+    /// unusable.
     pub fn collectives<'f>(&'f self) -> Result<Option<Collectives<'f, 'a>>> {
         // SAFETY: `api` is XLA's table, read only as far as its struct_size
         // says it goes; the lookup's arguments are fully initialised and
@@ -72,8 +73,11 @@ impl<'a> Frame<'a> {
                 extension: ptr::null(),
             };
             let err = find(&mut args) as *mut sys::XLA_FFI_Error;
-            // An extension not attached may be an error or a null: either way none.
-            if self.check(err, "XLA_FFI_InvokeContext_FindExtension").is_err() || args.extension.is_null() {
+            // A failed lookup is said (an incompatible XLA must not pass for one without the extension).
+            if let Err(e) = self.check(err, "XLA_FFI_InvokeContext_FindExtension") {
+                return Err(unusable(format!("looking it up failed: {e}")));
+            }
+            if args.extension.is_null() {
                 return Ok(None);
             }
             let ext = args.extension as *const c::XLA_FFI_Collectives_Extension;

@@ -944,10 +944,19 @@ mod collectives {
         let mut old = call(EXECUTE, Some(fake_find), &mut ext);
         old.api.base.struct_size = sys::XLA_FFI_Api_STRUCT_SIZE as usize;
         assert!(old.built.frame().collectives().unwrap().is_none());
-        // A long table whose lookup is unset, one that finds nothing, one that fails.
-        assert!(call(EXECUTE, None, &mut ext).built.frame().collectives().unwrap().is_none());
+        // A long table whose lookup is unset, one that finds nothing.
+        let mut unset = call(EXECUTE, None, &mut ext);
+        unset.api.base.struct_size = c::XLA_FFI_Api_STRUCT_SIZE as usize;
+        assert!(unset.built.frame().collectives().unwrap().is_none());
         assert!(call(EXECUTE, Some(fake_find), ptr::null_mut()).built.frame().collectives().unwrap().is_none());
-        assert!(call(EXECUTE, Some(failing_find), &mut ext).built.frame().collectives().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_failed_lookup_is_said_not_taken_for_none() {
+        let mut record = Record::default();
+        let mut ext = extension(&mut record, 2);
+        let why = unusable(&call(EXECUTE, Some(failing_find), &mut ext));
+        assert!(why.contains("looking it up failed") && why.contains("no such extension"), "{why}");
     }
 
     #[test]

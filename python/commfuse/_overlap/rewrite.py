@@ -452,13 +452,14 @@ class Rewriter:
         if set(collective_axes(self.jaxpr.eqns[f_in.coll])) & set(collective_axes(self.jaxpr.eqns[f_out.coll])):
             return group
         two = self._two_axis(f_in, f_out)
-        asked = self.state.schedule != "auto"
+        # Asked for a schedule (or imposed): the one way that fuses both collectives.
+        first = isinstance(two, _TwoAxis) and (self.state.schedule != "auto" or two.imposed)
         # Why not one op, said where the dot has a reduce-scatter (a psum has no such op).
         alone = f"; not one op over both axes: {two}" if isinstance(two, str) \
             and self.jaxpr.eqns[f_out.coll].primitive.name in REDUCE_SCATTER else ""
         plan = self._both_plan(f_in, f_out, two if isinstance(two, _TwoAxis) else None)
         if isinstance(plan, str):
-            if isinstance(two, _TwoAxis) and asked:
+            if first:
                 return [two, *group]
             self.reasons[f_out.coll].append(f"not fused with the gather into the same dot: {plan}")
             if alone:
@@ -466,18 +467,18 @@ class Rewriter:
                 self.reasons[f_out.coll].append(alone[2:])
             return group
         order = plan["order"]
-        head = [two] if isinstance(two, _TwoAxis) and (asked or order[0] == "two_axis") else []
+        head = [two] if isinstance(two, _TwoAxis) and (first or order[0] == "two_axis") else []
         plan["why"] += alone
         way = next(w for w in order if w != "two_axis")
         rest = [f for f in group if f is not f_in and f is not f_out]
         if way == "tiles":
             return head + [_Both(f_in, f_out, plan)] + rest + [f_in, f_out]
-        first, second = (f_in, f_out) if way == "gather" else (f_out, f_in)
+        first_side, second = (f_in, f_out) if way == "gather" else (f_out, f_in)
         note = (f"of a gather into this dot and a sum of its result, the cost model fuses the {way} side: "
                 f"{plan['why']}")
         self.reasons[second.coll].append(note)
         self.tried.add(id(second))  # its reason is said; not "fused with ... instead" as well
-        return head + [first, second] + rest
+        return head + [first_side, second] + rest
 
     def _two_axis(self, f_in: Fusion, f_out: Fusion):
         """The dot of `f_in` and `f_out` as the two-axis op takes it
@@ -496,15 +497,37 @@ class Rewriter:
             return "the dot is not x @ w (x's last dim contracted with w's first)"
         if coll.primitive.name not in REDUCE_SCATTER or not coll.params.get("tiled", False) \
                 or any(eqns[j].primitive.name not in CASTS for j in f_out.chain):
-            return "the product is not psum_scatter'd as it is (tiled, no transpose or cast between)"
+            return "the product is not psum_scatter'd as it is (tiled, only pvary casts between)"
         if coll.params["scatter_dimension"] >= x.aval.ndim - 1:
             return "the psum_scatter splits the product's columns, not its rows"
         gather_axes, scatter_axes = axes_of(gather.params["axis_name"]), collective_axes(coll)
         if len(gather_axes) != 1 or len(scatter_axes) != 1:
             return "the gather or the psum_scatter spans several mesh axes (the op takes one each)"
-        if self.state.schedule not in two_axis_op.SCHEDULES:
+        two = _TwoAxis(f_in, f_out, gather_axes[0], scatter_axes[0], coll.params["scatter_dimension"])
+        two.imposed = self._imposed_two_axis(two)
+        if self.state.schedule not in two_axis_op.SCHEDULES and not two.imposed:
             return f"it has no {self.state.schedule!r} schedule (it runs {', '.join(two_axis_op.SCHEDULES)})"
-        return _TwoAxis(f_in, f_out, gather_axes[0], scatter_axes[0], coll.params["scatter_dimension"])
+        return two
+
+    def _imposed_two_axis(self, two: "_TwoAxis") -> bool:
+        """Whether a decision is imposed (a plan's) for the op `two` would call."""
+        if not self.state.policy.imposed:
+            return False
+        eqns = self.jaxpr.eqns
+        gather, dot = eqns[two.f_in.coll], eqns[two.f_in.dot]
+        x, w = dot.invars[0].aval, gather.invars[0].aval
+        shape = list(x.shape)
+        shape.insert(0, shape.pop(two.rows))
+        try:
+            settled = two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype),
+                                         jax.ShapeDtypeStruct(tuple(w.shape), w.dtype), two.gather_axis,
+                                         two.scatter_axis, schedule="auto",
+                                         precision=dot.params.get("precision"),
+                                         preferred_element_type=dot.params.get("preferred_element_type"),
+                                         policy=self.state.policy)
+        except ValueError:
+            return False
+        return settled.fused and dict(self.state.policy.imposed).get(settled.calls[0].call) is not None
 
     def _both_plan(self, f_in: Fusion, f_out: Fusion, two: "_TwoAxis | None" = None):
         """How to run a dot with a gather in and a sum out (`both_sides`;
@@ -529,7 +552,7 @@ class Rewriter:
 
         scatter = coll.params["scatter_dimension"] if coll.primitive.name in REDUCE_SCATTER else None
         tiling, why = both_sides.find_tiling(local, g, free, out_dim_of, scatter, ranks)
-        if tiling is None:
+        if tiling is None and two is None:
             return why
         # As x, a row gather (all_gather_matmul gathers any dim of x but the
         # contracted one); as w, a column or contraction gather (matmul_all_gather).
@@ -556,14 +579,17 @@ class Rewriter:
         dtype = np.dtype(dot.outvars[0].aval.dtype)
         policy = self.state.policy
         machine = policy.resolved_machine(collective_axes(gather) + collective_axes(coll))
-        try:
-            both = None
-            if two is not None:
+        both = None
+        if two is not None:
+            try:
                 both = _explain.predict(TWO_AXIS_OP, (m, kk), tuple(w_local), ranks * n_reduce, dimension=ranks,
                                         dtype=dtype, machine=machine.spec)
+            except (ValueError, TypeError, KeyError):
+                both = None  # timed as the other ways are, without it
+        try:
             order, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
                                            "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk),
-                                           (kk, n), tiling.count, dtype, machine, policy.decline, both)
+                                           (kk, n), tiling and tiling.count, dtype, machine, policy.decline, both)
         except (ValueError, TypeError, KeyError) as e:
             return f"the cost model cannot time it ({e})"
         return {"order": order, "why": why, "tiling": tiling, "role": role, "ranks": ranks}
@@ -679,8 +705,9 @@ class Rewriter:
             return False
         shape = list(x.shape)
         shape.insert(0, shape.pop(two.rows))
+        schedule = self.state.schedule if self.state.schedule in two_axis_op.SCHEDULES else "auto"  # imposed
         decision = two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype), _struct(w), two.gather_axis,
-                                      two.scatter_axis, schedule=self.state.schedule,
+                                      two.scatter_axis, schedule=schedule,
                                       precision=dot.params.get("precision"),
                                       preferred_element_type=dot.params.get("preferred_element_type"),
                                       policy=self.state.policy)
@@ -702,7 +729,7 @@ class Rewriter:
         pair = f"{describe_collective(gather)} + {describe_dot(dot)} + {describe_collective(coll)}"
         line = (f"overlap[{self.where}]: rewrote {pair} -> commfuse.{TWO_AXIS_OP}(x: {fmt(x)}, w: {fmt(w)}, "
                 f"gather_axis={two.gather_axis!r}, scatter_axis={two.scatter_axis!r}, "
-                f"schedule={self.state.schedule!r}) -> {fmt(want)}"
+                f"schedule={schedule!r}) -> {fmt(want)}"
                 + (f" [x's dim {two.rows} moved first and back]" if two.rows else "") + f": {decision.why}")
         self.done[f_in.coll].append(line)
         self.done[f_out.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
@@ -1166,6 +1193,7 @@ class _TwoAxis:
     gather_axis: str
     scatter_axis: str
     rows: int
+    imposed: bool = False  # a decision is imposed for its call (a plan's)
 
     @property
     def coll(self) -> int:

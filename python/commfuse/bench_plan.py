@@ -50,10 +50,9 @@ import jax
 import numpy as np
 
 import commfuse
-from commfuse import _abi
 from commfuse._decide import Machine
 from commfuse._planner import corpus, hooks
-from commfuse._planner.evaluate import Step, evaluate, layout_of, make_mesh
+from commfuse._planner.evaluate import Step, as_run, evaluate, layout_of, make_mesh
 from commfuse._planner.plan import GIB
 from commfuse._planner.price import price
 from commfuse._planner.space import Candidate
@@ -63,7 +62,6 @@ LATENCY_US = 20.0
 DEVICES = 8
 # Communication over compute of the plain FSDP layout at each bandwidth.
 LINK_RATIOS = (0.5, 2.0)
-SEQUENTIAL = _abi.SCHEDULES["sequential"]
 
 
 def spearman(a, b) -> float:
@@ -98,14 +96,10 @@ class Runner:
         leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(args)]
         self.state = jax.tree_util.tree_unflatten(step.treedef, [jax.device_put(leaf, s)
                                                                  for leaf, s in zip(leaves, shardings)])
-        if candidate.fused:
-            # The plan's decisions, but what it leaves unfused runs exposed
-            # through the link model as the plain layouts do (jax.lax's own
-            # collective would move at memory speed here, unthrottled).
-            exposed = [(d.call, SEQUENTIAL if d.schedule == _abi.UNFUSED else d.schedule) for d in decisions]
-            fn = commfuse.overlap(step.fn, schedule="sequential", machine="cpu_here", decisions=exposed)
-        else:
-            fn = commfuse.overlap(step.fn, schedule="sequential")
+        # What the planner priced (`as_run`): every product's collective
+        # through the link model (jax.lax's own would move at memory speed
+        # here, unthrottled).
+        fn = as_run(step.fn, candidate, "cpu_here", decisions)
         with hooks.tracing(layout_of(candidate, mesh)):
             self.compiled = jax.jit(fn, donate_argnums=step.donate).lower(*self.state).compile()
         m = self.compiled.memory_analysis()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from .. import _abi
 from .._overlap import library_decisions, overlap
 from . import hooks
 from .logical import Names, sharding_specs
@@ -102,9 +103,29 @@ def program(fn, candidate: Candidate, machine_spec: str, imposed=None):
     return ov, ov
 
 
+def as_run(fn, candidate: Candidate, machine_spec: str, decisions=()):
+    """The step as it runs on CPU devices under the link model, which
+    throttles commfuse's transport and not XLA's collectives: every
+    product's collective a commfuse call, so that its transfers take the
+    link's time: a plain layout's, and what a fused one's `decisions` (the
+    library decisions of its products) leave unfused, as "sequential"
+    calls (the transfers, then the product, as an unfused program waits
+    for them); the rest as decided."""
+    if not candidate.fused:
+        return overlap(fn, schedule="sequential")
+    sequential = _abi.SCHEDULES["sequential"]
+    exposed = [(d.call, sequential if d.schedule == _abi.UNFUSED else d.schedule) for d in decisions]
+    return overlap(fn, schedule="sequential", machine=machine_spec, decisions=exposed)
+
+
 def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gflops=None,
-             devices_per_node=None, collectives="async", keep_hlo: bool = False) -> Evaluation:
-    """`candidate` compiled for `devices` and judged on `machine` (see `Evaluation`)."""
+             devices_per_node=None, collectives="async", keep_hlo: bool = False,
+             priced_as_run: bool = False) -> Evaluation:
+    """`candidate` compiled for `devices` and judged on `machine` (see
+    `Evaluation`). `priced_as_run` (CPU devices under the link model): its
+    time is the cost model's on the program that runs there (`as_run`,
+    compiled too), each product a commfuse call with a fused call's fixed
+    cost; its memory and decisions stay the planned program's."""
     mesh = make_mesh(candidate, devices)
     out = Evaluation(candidate)
     start = time.perf_counter()
@@ -117,6 +138,12 @@ def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gf
             compiled = lowered.compile(compiler_options=COMPILE_OPTIONS)
         analysis = compiled.memory_analysis()
         text = compiled.as_text()
+        decisions = library_decisions(ov.last_decisions) if ov is not None else []
+        if priced_as_run:
+            run = as_run(step.fn, candidate, machine, decisions)
+            with hooks.tracing(layout_of(candidate, mesh)):
+                text = jax.jit(run, donate_argnums=step.donate).lower(*args) \
+                    .compile(compiler_options=COMPILE_OPTIONS).as_text()
     except Exception as e:  # noqa: BLE001 - a layout XLA or the step refuses is no candidate; said why
         out.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         out.compile_s = time.perf_counter() - start
@@ -129,8 +156,7 @@ def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gf
     out.priced = price(text, machine, gemm_gflops=gemm_gflops, devices_per_node=devices_per_node,
                        collectives=collectives)
     out.predicted_s = out.priced.total_s
-    if ov is not None:
-        out.decisions = library_decisions(ov.last_decisions)
+    out.decisions = decisions
     if keep_hlo:
         out.hlo = text
     return out

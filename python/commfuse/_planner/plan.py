@@ -11,8 +11,8 @@ fit are compiled again with each other remat policy and through
 schedule, or none, on the target machine. The baselines (pure DP, FSDP,
 Megatron TP+SP, FSDP x TP, each plain and through ``overlap``) are
 compiled as the step writes its remat. The plan is the fastest candidate
-that fits, a fused one ranked as if 5% slower (`FUSED_MARGIN`); every
-candidate's figures are kept.
+that fits; every candidate's figures are kept. On CPU devices (under the
+link model) a candidate is priced as it runs there (`evaluate.as_run`).
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
             seen.append(candidate)
         if candidate not in evaluated:
             e = evaluate(the_step, candidate, pool, machine=target.spec, gemm_gflops=gemm_gflops,
-                         devices_per_node=per_node, collectives=collectives)
+                         devices_per_node=per_node, collectives=collectives, priced_as_run=target.is_cpu)
             evaluated[candidate] = e
             say(f"  {candidate.label():<58} {_show(e, memory_limit)}")
         return evaluated[candidate]
@@ -377,7 +377,7 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
 
     # This plan's candidates (a shared cache may hold others).
     mine = [evaluated[c] for c in seen] + list(skipped.values())
-    pool_rows = sorted(mine, key=lambda e: (not fits(e), _rank_s(e) if e.ok else math.inf))
+    pool_rows = sorted(mine, key=lambda e: (not fits(e), e.predicted_s if e.ok else math.inf))
     winner = pool_rows[0]
     if not winner.ok:
         raise ValueError("commfuse.plan: no candidate compiled: " +
@@ -397,20 +397,6 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
     out.planning_s = time.perf_counter() - start
     out.evaluations = {e.candidate: e for e in mine}
     return out
-
-
-# A fused candidate ranks as if this much slower than predicted: its
-# products' decisions carry the cost model's largest errors. On CPU devices
-# under the link model, fused variants predicted 2-4% faster than their
-# plain layout measured 28-50% slower (docs/planning.md, "Measured"); a
-# tiled schedule must likewise beat the per-step ones by 3% (TILED_MARGIN
-# in src/sim/model.rs).
-FUSED_MARGIN = 0.95
-
-
-def _rank_s(e: Evaluation) -> float:
-    """The predicted step a candidate is ranked by (`FUSED_MARGIN`)."""
-    return e.predicted_s / FUSED_MARGIN if e.candidate.fused else e.predicted_s
 
 
 def _show(e: Evaluation, limit) -> str:
@@ -433,11 +419,7 @@ def _why(winner: Evaluation, table: dict, evaluated: list, limit) -> str:
     else:
         parts.append("no baseline fits the memory limit")
     fastest = min((e for e in evaluated if e.ok), key=lambda e: e.predicted_s)
-    if fastest is not winner and (limit is None or fastest.memory_bytes <= limit):
-        parts.append(f"the fastest candidate by prediction ({fastest.candidate.label()}, "
-                     f"{fastest.predicted_s * 1e3:.2f} ms) is fused and not {1 / FUSED_MARGIN - 1:.0%} faster than "
-                     f"the plan, the margin a fused layout must win by")
-    elif fastest is not winner:
+    if fastest is not winner and limit is not None and fastest.memory_bytes > limit:
         parts.append(f"the fastest candidate ({fastest.candidate.label()}, {fastest.predicted_s * 1e3:.2f} ms) needs "
                      f"{size_text(fastest.memory_bytes)}, over the limit")
     if winner.priced is not None:

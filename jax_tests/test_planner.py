@@ -197,15 +197,19 @@ def test_a_plan_runs_the_step_as_the_plain_step_does(planned):
         assert dict(sharding.mesh.shape) == plan.mesh_shape
 
 
-def test_a_step_without_the_remat_hook_keeps_its_own():
+def _small_step():
+    """A training step of one product, without the remat hook, and its abstract arguments."""
     def loss(w, x):
         return jnp.sum(jnp.tanh(x @ w) ** 2)
 
     def step(w, x):
         return w - 0.1 * jax.grad(loss)(w, x), loss(w, x)
 
-    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
-    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    return step, jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+
+def test_a_step_without_the_remat_hook_keeps_its_own():
+    step, w, x = _small_step()
     plan = commfuse.plan(step, w, x, devices=DEVICES, axes=("data", "tensor"), top=1)
     assert any("no commfuse.remat_policy" in note for note in plan.notes)
     assert plan.remat in (None, "nothing")
@@ -216,14 +220,7 @@ def test_on_cpu_devices_a_candidate_is_priced_as_it_runs_there():
     # CPU devices a plain layout's products run as commfuse calls
     # (`evaluate.as_run`) and are priced so, their fixed costs included; on
     # a GPU machine the same layout is XLA's program.
-    def loss(w, x):
-        return jnp.sum(jnp.tanh(x @ w) ** 2)
-
-    def step(w, x):
-        return w - 0.1 * jax.grad(loss)(w, x), loss(w, x)
-
-    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
-    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    step, w, x = _small_step()
     fused_ops = {}
     for machine in ("cpu_here", "h100_nvlink"):
         plan = commfuse.plan(step, w, x, devices=DEVICES, axes=("data", "tensor"), top=1, machine=machine)

@@ -843,6 +843,11 @@ fn every_two_axis_plan_is_correct_and_race_free() {
 /// transfer of chunk c-1's reduce-scatter (it runs while they do), only
 /// for the transfer that brought their block of w and for the end of chunk
 /// c-2's reduce-scatter, whose partial slots they reuse.
+/// The ids of a plan's products, in plan order.
+fn matmuls(p: &Plan) -> Vec<StepId> {
+    p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect()
+}
+
 #[test]
 fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
     for (f_size, t_size, slices) in [(4, 2, 1), (3, 4, 1), (8, 8, 1), (2, 3, 1), (5, 3, 1), (2, 4, 3), (3, 2, 2)] {
@@ -851,8 +856,7 @@ fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
         for r in 0..n {
             let p = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, r);
             let hb = happens_before(&p);
-            let products: Vec<StepId> =
-                p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect();
+            let products = matmuls(&p);
             assert_eq!(products.len(), n * slices);
             for (i, &product) in products.iter().enumerate() {
                 // Chunk c's products (c = block of w x slices + column chunk).
@@ -884,8 +888,7 @@ fn two_axis_ring_steps_wait_for_their_own_product_only() {
         for r in 0..n {
             let p = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, r);
             let hb = happens_before(&p);
-            let products: Vec<StepId> =
-                p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect();
+            let products = matmuls(&p);
             for q in 0..f_size * slices {
                 for s in 0..t_size - 1 {
                     let tag = q * (t_size - 1) + s;

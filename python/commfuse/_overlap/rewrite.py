@@ -670,20 +670,29 @@ class Rewriter:
             else:
                 y = jax.lax.psum(y, sum_axes)
             parts.append(y)
-        out = match_vma(tiling.combine(parts), coll.outvars[0].aval)
-        _check_result(out, coll.outvars[0].aval, op_name)
         how = decision.why
+        self._rewrote_both(f_in, f_out, tiling.combine(parts), op_name,
+                           f"{tiling.count} x commfuse.{op_name} (tiles of dim {tiling.dim} of the gathered operand"
+                           f"{', interleaved' if tiling.interleaved else ''}), each followed by jax.lax."
+                           f"{'psum_scatter' if coll.primitive.name in REDUCE_SCATTER else 'psum'} over {sum_axes} "
+                           f"while the next tile runs: {plan['why']}" + (f"; {how}" if how else ""))
+        return True
+
+    def _rewrote_both(self, f_in: Fusion, f_out: Fusion, y, op_name: str, what: str) -> None:
+        """`y`, computed by fused ops for a dot with a gather in (`f_in`)
+        and a sum out (`f_out`), written in place of the sum's result; the
+        report says `what` it became, of both collectives."""
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        out = match_vma(y, coll.outvars[0].aval)
+        _check_result(out, coll.outvars[0].aval, op_name)
         self.write(coll.outvars[0], out)
         self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
         self.replaced.add(f_out.coll)
         pair = f"{describe_collective(gather)} + {describe_dot(dot)} + {describe_collective(coll)}"
-        line = (f"overlap[{self.where}]: rewrote {pair} -> {tiling.count} x commfuse.{op_name} (tiles of dim "
-                f"{tiling.dim} of the gathered operand{', interleaved' if tiling.interleaved else ''}), each followed "
-                f"by jax.lax.{'psum_scatter' if coll.primitive.name in REDUCE_SCATTER else 'psum'} over {sum_axes} "
-                f"while the next tile runs: {plan['why']}" + (f"; {how}" if how else ""))
+        line = f"overlap[{self.where}]: rewrote {pair} -> {what}"
         self.done[f_in.coll].append(line)
         self.done[f_out.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
-        return True
 
     def _fuse_two_axis(self, two: "_TwoAxis") -> bool:
         """The gather, the dot and the reduce-scatter as one op over both
@@ -720,19 +729,11 @@ class Rewriter:
                                             f"({decision.why})")
             return False
         y = jnp.moveaxis(two_axis_op.run(decision, jnp.moveaxis(x, two.rows, 0), w), 0, two.rows)
-        want = coll.outvars[0].aval
-        out = match_vma(y, want)
-        _check_result(out, want, TWO_AXIS_OP)
-        self.write(coll.outvars[0], out)
-        self.evaluated.update([f_out.coll, f_in.dot, *f_out.chain])
-        self.replaced.add(f_out.coll)
-        pair = f"{describe_collective(gather)} + {describe_dot(dot)} + {describe_collective(coll)}"
-        line = (f"overlap[{self.where}]: rewrote {pair} -> commfuse.{TWO_AXIS_OP}(x: {fmt(x)}, w: {fmt(w)}, "
-                f"gather_axis={two.gather_axis!r}, scatter_axis={two.scatter_axis!r}, "
-                f"schedule={schedule!r}) -> {fmt(want)}"
-                + (f" [x's dim {two.rows} moved first and back]" if two.rows else "") + f": {decision.why}")
-        self.done[f_in.coll].append(line)
-        self.done[f_out.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
+        self._rewrote_both(f_in, f_out, y, TWO_AXIS_OP,
+                           f"commfuse.{TWO_AXIS_OP}(x: {fmt(x)}, w: {fmt(w)}, gather_axis={two.gather_axis!r}, "
+                           f"scatter_axis={two.scatter_axis!r}, schedule={schedule!r}) -> {fmt(coll.outvars[0].aval)}"
+                           + (f" [x's dim {two.rows} moved first and back]" if two.rows else "")
+                           + f": {decision.why}")
         return True
 
     def _fuse(self, f) -> bool:

@@ -125,7 +125,9 @@ def _rate_in_step(machine: Machine, ranks: int, devices: int) -> float | None:
     CPU devices share this host's cores, and the cost model shares them
     among a call's ranks only, while in the step every device computes at
     once (None: the machine's own rate, where devices do not share)."""
+    if not machine.is_cpu:
+        return None
     cores = _abi.machine_summary(machine.spec)["shared_processors"]
-    if not machine.is_cpu or not cores:
+    if not cores:
         return None
     return machine.gemm_gflops * max(1.0, ranks / cores) / max(1.0, devices / cores)

@@ -513,21 +513,22 @@ class Rewriter:
         """Whether a decision is imposed (a plan's) for the op `two` would call."""
         if not self.state.policy.imposed:
             return False
+        decision = self._two_axis_decision(two, "auto")
+        return decision.fused and dict(self.state.policy.imposed).get(decision.calls[0].call) is not None
+
+    def _two_axis_decision(self, two: "_TwoAxis", schedule: str):
+        """The op's decision (`OpDecision`) for the dot of `two` under
+        `schedule`, from its operands' shapes, x's scattered dim moved first."""
         eqns = self.jaxpr.eqns
         gather, dot = eqns[two.f_in.coll], eqns[two.f_in.dot]
         x, w = dot.invars[0].aval, gather.invars[0].aval
         shape = list(x.shape)
         shape.insert(0, shape.pop(two.rows))
-        try:
-            settled = two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype),
-                                         jax.ShapeDtypeStruct(tuple(w.shape), w.dtype), two.gather_axis,
-                                         two.scatter_axis, schedule="auto",
-                                         precision=dot.params.get("precision"),
-                                         preferred_element_type=dot.params.get("preferred_element_type"),
-                                         policy=self.state.policy)
-        except ValueError:
-            return False
-        return settled.fused and dict(self.state.policy.imposed).get(settled.calls[0].call) is not None
+        return two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
+                                  two.gather_axis, two.scatter_axis, schedule=schedule,
+                                  precision=dot.params.get("precision"),
+                                  preferred_element_type=dot.params.get("preferred_element_type"),
+                                  policy=self.state.policy)
 
     def _both_plan(self, f_in: Fusion, f_out: Fusion, two: "_TwoAxis | None" = None):
         """How to run a dot with a gather in and a sum out (`both_sides`;
@@ -712,14 +713,8 @@ class Rewriter:
         x = vary(self.read(dot.invars[0]), cast_axes)
         if self._forward_mode(f_out.coll, TWO_AXIS_OP, x, w):
             return False
-        shape = list(x.shape)
-        shape.insert(0, shape.pop(two.rows))
         schedule = self.state.schedule if self.state.schedule in two_axis_op.SCHEDULES else "auto"  # imposed
-        decision = two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype), _struct(w), two.gather_axis,
-                                      two.scatter_axis, schedule=schedule,
-                                      precision=dot.params.get("precision"),
-                                      preferred_element_type=dot.params.get("preferred_element_type"),
-                                      policy=self.state.policy)
+        decision = self._two_axis_decision(two, schedule)
         self.state.decisions.append(decision)  # accepted or not: the report is the decisions
         if decision.refused is not None:
             self.reasons[f_out.coll].append(f"not one op over both axes: {decision.refused}")

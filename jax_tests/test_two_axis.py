@@ -202,20 +202,27 @@ def test_overlap_says_why_a_schedule_the_op_lacks_keeps_one_side():
                for line in ov.last_report), ov.last_report
 
 
-def test_the_cost_model_orders_the_op_over_both_axes_by_its_time():
+def test_the_cost_model_orders_the_op_over_both_axes_by_its_time(monkeypatch):
     from commfuse import _both_sides, _explain
     from commfuse._decide import Machine
 
     shapes = ("matmul_all_gather", (256, 64), (64, 32), 2, 1, "psum_scatter", 4, (256, 64), (64, 64), 4,
               np.dtype(np.float32))
-    two = _explain.predict("all_gather_matmul_reduce_scatter", (256, 64), (64, 32), 8, dimension=2,
-                           machine="h100_nvlink")
-    order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two)
+    order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False)
+    assert sorted(order) == ["gather", "reduce", "tiles"], order
+    order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two_axis=True)
     assert sorted(order) == ["gather", "reduce", "tiles", "two_axis"] and "two_axis" in why
-    # The same prediction, its time cut to nothing or made the slowest, moves it first or last.
+    # Its prediction cut to nothing or made the slowest moves it first or last.
+    predict = _explain.predict
     for scale, place in ((0.0, 0), (1e6, -1)):
-        scaled = dict(two, schedules={k: v * scale for k, v in two["schedules"].items()})
-        order, _ = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, scaled)
+        def scaled(op, *args, scale=scale, **kwargs):
+            out = predict(op, *args, **kwargs)
+            if op == "all_gather_matmul_reduce_scatter":
+                out = dict(out, schedules={k: v * scale for k, v in out["schedules"].items()})
+            return out
+
+        monkeypatch.setattr(_both_sides._explain, "predict", scaled)
+        order, _ = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two_axis=True)
         assert order[place] == "two_axis", order
 
 

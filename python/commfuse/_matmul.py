@@ -49,7 +49,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _abi, _both_sides, _checks, _compat, _explain, _fused, _matmul_all_reduce
+from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
 from . import _all_gather_matmul_reduce_scatter as two_axis_op
 from ._decide import Policy, decide, decide_dot, mesh_of_trace
 from ._decision import Call, Decision
@@ -679,13 +679,13 @@ def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings
     if asked == _abi.AUTO and not imposed:
         machine = policy.resolved_machine(choice.axes)
         try:
-            both = _explain.predict(TWO_AXIS_OP, (rows, k), w_shape, f * t, dimension=f, dtype=settings.out_dtype,
-                                    machine=machine.spec)
             order, why = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
                                             (rows, k), (k, f * c), None, np.dtype(settings.out_dtype), machine,
-                                            policy.decline, both)
+                                            policy.decline, two_axis=True)
         except (ValueError, TypeError, KeyError) as e:
             return None, f"the cost model cannot time it ({e})"
+        if "two_axis" not in order:
+            return None, f"the cost model cannot time it: {why}"
         if order.index("two_axis") > order.index("reduce"):
             return None, f"the cost model fuses the reduce side: {why}"
     return Decided(choice, (two.forward,), two_axis=two), ""

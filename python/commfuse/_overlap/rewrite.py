@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import _all_gather_matmul_reduce_scatter as two_axis_op
 from .. import _both_sides as both_sides
-from .. import _compat, _explain
+from .. import _compat
 from .._dot_form import BatchedDot, DotForm, SummedForm, Unsupported
 from . import regroup, rowwise, variance
 from .jaxpr import (
@@ -580,17 +580,11 @@ class Rewriter:
         dtype = np.dtype(dot.outvars[0].aval.dtype)
         policy = self.state.policy
         machine = policy.resolved_machine(collective_axes(gather) + collective_axes(coll))
-        both = None
-        if two is not None:
-            try:
-                both = _explain.predict(TWO_AXIS_OP, (m, kk), tuple(w_local), ranks * n_reduce, dimension=ranks,
-                                        dtype=dtype, machine=machine.spec)
-            except (ValueError, TypeError, KeyError):
-                both = None  # timed as the other ways are, without it
         try:
             order, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
                                            "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk),
-                                           (kk, n), tiling and tiling.count, dtype, machine, policy.decline, both)
+                                           (kk, n), tiling and tiling.count, dtype, machine, policy.decline,
+                                           two_axis=two is not None)
         except (ValueError, TypeError, KeyError) as e:
             return f"the cost model cannot time it ({e})"
         return {"order": order, "why": why, "tiling": tiling, "role": role, "ranks": ranks}

@@ -107,6 +107,49 @@ def test_fsdp_gathers_each_weight_once_at_full_size():
     assert sum(priced.by_kind.values()) == pytest.approx(priced.compute_s + priced.comm_s)
 
 
+def test_the_planner_prices_this_hosts_measured_memory(tmp_path, monkeypatch):
+    from commfuse import _calibration
+    from commfuse._planner import host
+
+    monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
+    _calibration.forget()
+    try:
+        spec = host.with_measured_memory("cpu_here:gbytes_per_s=1", 2)
+        keys = dict(field.split("=") for field in spec.split(":", 1)[1].split(","))
+        assert keys["gbytes_per_s"] == "1"
+        assert 0 < float(keys["mem_gbytes_per_s"]) < 1e4 and 0 < float(keys["touch_gbytes_per_s"]) < 1e4
+        Machine.checked(spec)
+        # Measured once: a second call reads the figures.
+        assert host.with_measured_memory("cpu_here:gbytes_per_s=1", 2) == spec
+        # A description that sets its own rates keeps them.
+        assert host.with_measured_memory("cpu_here:mem_gbytes_per_s=3", 2) == "cpu_here:mem_gbytes_per_s=3"
+    finally:
+        _calibration.forget()
+    # Memory work costs less at twice the rate.
+    text, _ = fsdp_mlp()
+    slow, fast = (price(text, f"cpu_here:mem_gbytes_per_s={g}", gemm_gflops=50) for g in (10, 20))
+    assert fast.by_kind["memory"] < slow.by_kind["memory"]
+
+
+def test_temporaries_the_host_maps_afresh_cost_their_first_write():
+    from commfuse._planner import host
+
+    # glibc maps allocations from 32 MiB on anew each time; smaller ones are reused.
+    assert host.mapped_afresh(host.MAPPED_FROM_BYTES - 1) == 0
+    assert host.mapped_afresh(host.MAPPED_FROM_BYTES) == host.MAPPED_FROM_BYTES
+    text, _ = fsdp_mlp()
+    machine, fresh = "cpu_here:gemm_gflops=50,touch_gbytes_per_s=2", 10**8
+    without, with_fresh = (price(text, machine, fresh_bytes=b, collectives="blocking") for b in (0, fresh))
+    # 8 devices share the host's cores: each maps at its share of the rate.
+    cores = commfuse._abi.machine_summary("cpu_here")["shared_processors"]
+    first_write = fresh / 2e9 * max(8 / cores, 1.0)
+    assert with_fresh.by_kind["memory"] - without.by_kind["memory"] == pytest.approx(first_write)
+    assert with_fresh.total_s - without.total_s == pytest.approx(first_write)
+    # Without a measured rate (the preset, a GPU) nothing is mapped afresh.
+    for machine in ("cpu_here", "h100_nvlink"):
+        assert price(text, machine, fresh_bytes=fresh).total_s == price(text, machine).total_s
+
+
 def test_an_overlappable_collective_is_cheaper_async_than_blocking():
     # The second weight's gather does not wait for the first product.
     text, _ = fsdp_mlp()

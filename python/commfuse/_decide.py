@@ -140,8 +140,11 @@ class Machine:
         if not self.is_cpu:
             return GPU_CALL_OVERHEAD_S
         # Under the link model the fused call's transfers take modelled time:
-        # a figure of its own.
-        name = f"cpu_call_overhead_s/{n}" + self.spec[len("cpu_here"):]
+        # a figure of its own. The memory rates the planner adds
+        # (`_planner/host.py`) price XLA's work, not the call's.
+        link = [f for f in self.spec[len("cpu_here:"):].split(",")
+                if f and not f.startswith(("mem_gbytes_per_s=", "touch_gbytes_per_s="))]
+        name = f"cpu_call_overhead_s/{n}" + (":" + ",".join(link) if link else "")
         try:
             return _calibration.figure(
                 name, lambda: max(0.0, _calibration.robust(lambda: _fused.measure_call_overhead_s(n))))

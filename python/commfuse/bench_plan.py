@@ -53,6 +53,7 @@ import commfuse
 from commfuse._decide import Machine
 from commfuse._planner import corpus, hooks
 from commfuse._planner.evaluate import Step, as_run, evaluate, layout_of, make_mesh
+from commfuse._planner.host import mapped_afresh, with_measured_memory
 from commfuse._planner.plan import GIB
 from commfuse._planner.price import price
 from commfuse._planner.space import Candidate
@@ -109,8 +110,9 @@ class Runner:
         # op takes the collective: two collectives on one dot, an all-reduce's
         # gather half, a norm's gradient) move at memory speed here, not at
         # the link's: their bytes, and what the link model would charge them.
-        machine = Machine.named("cpu_here")
-        priced = price(self.compiled.as_text(), machine.spec, gemm_gflops=machine.gemm_gflops, collectives="blocking")
+        machine = Machine(with_measured_memory(Machine.named("cpu_here").spec, DEVICES))
+        priced = price(self.compiled.as_text(), machine.spec, gemm_gflops=machine.gemm_gflops, collectives="blocking",
+                       fresh_bytes=mapped_afresh(m.temp_size_in_bytes))
         self.xla_bytes = sum(priced.collective_bytes.values())
         self.xla_link_s = priced.by_kind["collective"]
         # The cost model on the program that runs (the plain layouts'

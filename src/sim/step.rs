@@ -26,7 +26,8 @@
 //!          {"deps": [], "collective": {"kind": "all-gather", "bytes": 32768, "ranks": 8, "crosses_nodes": false}},
 //!          {"deps": [1, 2], "fused": {"call": {<abi::CallShapes>}, "crosses_nodes": false, "overhead_s": 1.6e-5}},
 //!          {"deps": [3], "loop": {"trip_count": 4, "ops": [<ops; deps index this list>]}},
-//!          {"deps": [4], "conditional": {"branches": [[<ops>], [<ops>]]}}]}
+//!          {"deps": [4], "conditional": {"branches": [[<ops>], [<ops>]]}}],
+//!  "fresh_bytes": 0}
 //! ```
 //! The answer (`Priced`): `total_s`, `compute_s`, `comm_s`, `exposed_comm_s`,
 //! `by_kind` (`gemm`, `memory`, `collective`, `fused` seconds),
@@ -65,6 +66,12 @@ pub struct Request {
     /// Answer each top-level op's start and end too.
     #[serde(default)]
     pub timeline: bool,
+    /// Bytes the runtime maps afresh for each execution (on CPU devices,
+    /// XLA's temporaries where the host's allocator maps them anew): first
+    /// written on the compute lane at the machine's `fresh_bytes_per_s`,
+    /// before the first op.
+    #[serde(default)]
+    pub fresh_bytes: u64,
     pub ops: Vec<Op>,
 }
 
@@ -318,7 +325,7 @@ impl Pricer {
         })
     }
 
-    /// Seconds of `batch` GEMMs, one after another.
+    /// Seconds of `batch` GEMMs, one after another, in one kernel.
     fn gemm_s(&self, g: &Gemm) -> Result<f64> {
         for (name, dim) in [("batch", g.batch), ("m", g.m), ("k", g.k), ("n", g.n)] {
             if dim > MAX_GEMM_DIM {
@@ -328,7 +335,9 @@ impl Pricer {
         let (input, output) = (dtype(&g.input)?, dtype(&g.output)?);
         // As model.rs prices a plan's GEMM pieces, results written once.
         let one = self.machine.compute.gemm_s(g.m, g.k, g.n, input, output, false);
-        Ok(g.batch as f64 * one * self.compute_slowdown)
+        // A batched dot is one kernel: its fixed cost once, each product's work.
+        let fixed = self.machine.compute.overhead_s.min(one);
+        Ok((fixed + g.batch as f64 * (one - fixed)) * self.compute_slowdown)
     }
 
     /// Seconds to read and write `bytes` once, in one kernel.
@@ -379,8 +388,19 @@ impl Pricer {
 
     /// Simulates `ops` from time 0 on free lanes: the time the last one
     /// ends, what ran added to `tally`, and each op's span into `spans`.
-    fn run(&mut self, ops: &[Op], tally: &mut Tally, mut spans: Option<&mut Vec<Span>>) -> Result<f64> {
-        let (mut compute_free, mut comm_free, mut makespan) = (0.0f64, 0.0f64, 0.0f64);
+    fn run(&mut self, ops: &[Op], tally: &mut Tally, spans: Option<&mut Vec<Span>>) -> Result<f64> {
+        self.run_after(ops, tally, spans, 0.0)
+    }
+
+    /// `run`, with the compute lane busy until `compute_busy`.
+    fn run_after(
+        &mut self,
+        ops: &[Op],
+        tally: &mut Tally,
+        mut spans: Option<&mut Vec<Span>>,
+        compute_busy: f64,
+    ) -> Result<f64> {
+        let (mut compute_free, mut comm_free, mut makespan) = (compute_busy, 0.0f64, compute_busy);
         let mut ends: Vec<f64> = Vec::with_capacity(ops.len());
         for (i, op) in ops.iter().enumerate() {
             let mut ready = 0.0f64;
@@ -542,7 +562,12 @@ pub fn price(request: &Request) -> Result<Priced> {
     };
     let mut tally = Tally::default();
     let mut spans = request.timeline.then(Vec::new);
-    let total_s = pricer.run(&request.ops, &mut tally, spans.as_mut())?;
+    // Memory mapped afresh is mapped in as it is first written: memory
+    // work of the compute lane, before the ops that write it.
+    let fresh_s = request.fresh_bytes as f64 / pricer.machine.compute.fresh_bytes_per_s * compute_slowdown;
+    tally.compute_s += fresh_s;
+    tally.by_kind.memory += fresh_s;
+    let total_s = pricer.run_after(&request.ops, &mut tally, spans.as_mut(), fresh_s)?;
     let collective_calls = CollectiveKind::ALL.iter().zip(tally.calls).map(|(k, c)| (k.name(), c)).collect();
     Ok(Priced {
         total_s,
@@ -601,7 +626,9 @@ mod tests {
     #[test]
     fn independent_compute_adds_up_on_the_compute_lane() {
         let machine = Machine::h100_nvlink();
-        let g = 2.0 * machine.compute.gemm_s(4096, 4096, 4096, DType::BF16, DType::BF16, false);
+        // Each op is a batch of two products in one kernel.
+        let one = machine.compute.gemm_s(4096, 4096, 4096, DType::BF16, DType::BF16, false);
+        let g = 2.0 * one - machine.compute.overhead_s;
         let m = machine.compute.overhead_s + 1e9 / machine.compute.memory_bytes_per_s;
         let r = priced(json!({"machine": "h100_nvlink", "timeline": true,
                               "ops": [gemm(&[]), gemm(&[]), {"memory": {"bytes": 1_000_000_000u64}}]}))
@@ -744,6 +771,34 @@ mod tests {
         // A GPU per device shares nothing.
         let gpu = priced(json!({"machine": "h100_nvlink", "devices": 64, "ops": [gemm(&[])]})).unwrap();
         assert!(close(seconds(&gpu["total_s"]), alone("h100_nvlink", gemm(&[]))));
+    }
+
+    #[test]
+    fn a_batched_dot_pays_its_fixed_cost_once() {
+        let product = |batch: usize| {
+            json!({"deps": [], "gemm": {"batch": batch, "m": 64, "k": 16, "n": 64, "input": "float32",
+                                          "output": "float32"}})
+        };
+        for machine in ["cpu_here:gemm_gflops=10", "h100_nvlink"] {
+            let (one, many) = (alone(machine, product(1)), alone(machine, product(32)));
+            let fixed = Machine::from_spec(machine, None, 1).unwrap().compute.overhead_s;
+            assert!(fixed > 0.0 && close(many, fixed + 32.0 * (one - fixed)), "{machine}: {one} {many}");
+        }
+    }
+
+    #[test]
+    fn fresh_memory_is_first_written_at_the_touch_rate_before_the_ops() {
+        let machine = "cpu_here:gemm_gflops=10,touch_gbytes_per_s=2";
+        let ops = alone(machine, gemm(&[]));
+        let answer = priced(json!({"machine": machine, "fresh_bytes": 4_000_000_000u64, "ops": [gemm(&[])]})).unwrap();
+        // 4 GB at 2 GB/s on the compute lane, then the GEMM after it.
+        assert!(close(seconds(&answer["total_s"]), 2.0 + ops));
+        assert!(close(seconds(&answer["by_kind"]["memory"]), 2.0));
+        // A preset maps nothing afresh.
+        for machine in ["cpu_here:gemm_gflops=10", "h100_nvlink"] {
+            let fresh = json!({"machine": machine, "fresh_bytes": 4_000_000_000u64, "ops": [gemm(&[])]});
+            assert!(close(seconds(&priced(fresh).unwrap()["total_s"]), alone(machine, gemm(&[]))));
+        }
     }
 
     #[test]

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _abi
 from .._decide import Machine
 from .._decision import Call, Decision
-from . import hooks, logical
+from . import hooks, host, logical
 from .evaluate import Evaluation, Step, evaluate, layout_of, make_mesh, program
 from .space import AXES, Candidate, baselines, factorizations
 
@@ -282,6 +282,10 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
         target = Machine.checked(machine)
     except ValueError as e:
         raise ValueError(f"commfuse.plan: machine: {e}") from None
+    if target.is_cpu:
+        # This host's CPU devices as XLA's runtime runs the step: its memory
+        # rates measured, not assumed (`host`).
+        target = Machine(host.with_measured_memory(target.spec, devices))
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
         raise ValueError(f"commfuse.plan: axes must name distinct mesh axes, got {axes!r}")

@@ -39,7 +39,7 @@ class Priced:
 
 
 def price(hlo_text: str, machine: str, *, gemm_gflops: float | None = None, devices_per_node: int | None = None,
-          collectives: str = "async") -> Priced:
+          collectives: str = "async", fresh_bytes: int = 0) -> Priced:
     """The predicted step of the compiled program in `hlo_text`
     (``compiled.as_text()``) on `machine` (``"h100_nvlink"``,
     ``"h100_cluster"``, ``"cpu_here:gbytes_per_s=0.5"``, ...: see
@@ -53,7 +53,10 @@ def price(hlo_text: str, machine: str, *, gemm_gflops: float | None = None, devi
     the device (XLA's CPU runtime). Each fused op costs its plan's time
     and a fused call's fixed cost (`_charge_fixed_costs`). A program
     compiled for CPU devices and priced for a GPU machine drops what only
-    changes precision or layout (`hlo.parse`'s `fold_layout`)."""
+    changes precision or layout (`hlo.parse`'s `fold_layout`). `fresh_bytes`:
+    what the host maps afresh for each execution (`host.mapped_afresh`),
+    first written at the machine's ``touch_gbytes_per_s`` (free where the
+    machine does not say it)."""
     if collectives not in COLLECTIVES:
         raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
     if devices_per_node is None:
@@ -61,7 +64,7 @@ def price(hlo_text: str, machine: str, *, gemm_gflops: float | None = None, devi
     program = hlo.parse(hlo_text, devices_per_node=devices_per_node, fold_layout=not machine.startswith("cpu"))
     _charge_fixed_costs(program.ops, machine)
     answer = price_ops(program.ops, machine, gemm_gflops=gemm_gflops, collectives=collectives,
-                       devices=program.devices)
+                       devices=program.devices, fresh_bytes=fresh_bytes)
     calls = answer["collective_calls"]
     return Priced(
         total_s=answer["total_s"],
@@ -77,14 +80,15 @@ def price(hlo_text: str, machine: str, *, gemm_gflops: float | None = None, devi
 
 
 def price_ops(ops: list, machine: str, *, gemm_gflops: float | None = None, collectives: str = "async",
-              devices: int | None = None, timeline: bool = False) -> dict:
+              devices: int | None = None, timeline: bool = False, fresh_bytes: int = 0) -> dict:
     """The library's answer for a request of `ops` (``src/sim/step.rs``):
     ``total_s``, ``compute_s``, ``comm_s``, ``exposed_comm_s``, ``by_kind``,
     ``collective_calls`` (kind -> ``{"count", "bytes"}``), ``fused_ops``,
     ``machine`` (``{"name", "devices_per_node"}``) and, with `timeline`,
     ``timeline`` (each top-level op's ``start_s`` and ``end_s``).
     ValueError with the library's reason for a request it refuses."""
-    request = {"machine": machine, "collectives": collectives, "timeline": timeline, "ops": ops}
+    request = {"machine": machine, "collectives": collectives, "timeline": timeline, "ops": ops,
+               "fresh_bytes": int(fresh_bytes)}
     if gemm_gflops is not None:
         request["gemm_gflops"] = float(gemm_gflops)
     if devices is not None:

@@ -107,28 +107,63 @@ def test_fsdp_gathers_each_weight_once_at_full_size():
     assert sum(priced.by_kind.values()) == pytest.approx(priced.compute_s + priced.comm_s)
 
 
-def test_the_planner_prices_this_hosts_measured_memory(tmp_path, monkeypatch):
+def measured_spec(monkeypatch, tmp_path, spec, devices, fastest=None):
+    """`host.with_measured_memory(spec, devices)` with a calibration cache
+    of its own in `tmp_path`, the op's timings given by `fastest` (None: measured)."""
     from commfuse import _calibration
     from commfuse._planner import host
 
     monkeypatch.setenv(_calibration.CACHE_VAR, str(tmp_path))
+    if fastest is not None:
+        monkeypatch.setattr(host, "_fastest", fastest)
     _calibration.forget()
     try:
-        spec = host.with_measured_memory("cpu_here:gbytes_per_s=1", 2)
-        keys = dict(field.split("=") for field in spec.split(":", 1)[1].split(","))
-        assert keys["gbytes_per_s"] == "1"
-        assert 0 < float(keys["mem_gbytes_per_s"]) < 1e4 and 0 < float(keys["touch_gbytes_per_s"]) < 1e4
-        Machine.checked(spec)
-        # Measured once: a second call reads the figures.
-        assert host.with_measured_memory("cpu_here:gbytes_per_s=1", 2) == spec
-        # A description that sets its own rates keeps them.
-        assert host.with_measured_memory("cpu_here:mem_gbytes_per_s=3", 2) == "cpu_here:mem_gbytes_per_s=3"
+        return host.with_measured_memory(spec, devices)
     finally:
         _calibration.forget()
-    # Memory work costs less at twice the rate.
-    text, _ = fsdp_mlp()
-    slow, fast = (price(text, f"cpu_here:mem_gbytes_per_s={g}", gemm_gflops=50) for g in (10, 20))
-    assert fast.by_kind["memory"] < slow.by_kind["memory"]
+
+
+def spec_fields(spec):
+    return dict(field.split("=") for field in spec.split(":", 1)[1].split(","))
+
+
+def test_the_memory_rates_measured_price_back_what_was_measured(monkeypatch, tmp_path):
+    from commfuse._planner import host
+
+    # The op in place takes 2 ms, into a fresh output 10 ms, on each of 8 devices.
+    spec = measured_spec(monkeypatch, tmp_path, "cpu_here:gbytes_per_s=1", 8,
+                         lambda x, in_place: 0.002 if in_place else 0.010)
+    fields = spec_fields(spec)
+    assert fields["gbytes_per_s"] == "1" and set(fields) == {"gbytes_per_s", *host.KEYS}
+    stream = 2 * host.STREAM_SAMPLE_BYTES  # read and written once
+    overhead = 5e-6 * max(8 / commfuse._abi.machine_summary("cpu_here")["shared_processors"], 1.0)
+    streamed = price_ops([{"memory": {"bytes": stream}}], spec, devices=8)["total_s"]
+    assert streamed - overhead == pytest.approx(0.002, rel=1e-3)
+    # The fresh output's first write is what it took beyond the op in place.
+    touched = price_ops([], spec, devices=8, fresh_bytes=host.TOUCH_SAMPLE_BYTES)["total_s"]
+    assert touched == pytest.approx(0.008, rel=1e-3)
+    # A description that sets a rate keeps it, and the other is measured.
+    kept = spec_fields(measured_spec(monkeypatch, tmp_path, "cpu_here:mem_gbytes_per_s=3", 8,
+                                     lambda x, in_place: 0.002 if in_place else 0.010))
+    assert kept["mem_gbytes_per_s"] == "3" and "touch_gbytes_per_s" in kept
+
+
+def test_a_first_write_too_small_to_measure_costs_nothing(monkeypatch, tmp_path):
+    from commfuse._planner import host
+
+    # A fresh output 1% slower than the op in place: no first write measured.
+    spec = measured_spec(monkeypatch, tmp_path, "cpu_here", 8, lambda x, in_place: 0.0100 if in_place else 0.0101)
+    assert spec_fields(spec)["touch_gbytes_per_s"] == "0"
+    assert price_ops([], spec, devices=8, fresh_bytes=host.TOUCH_SAMPLE_BYTES)["total_s"] == 0.0
+    # More devices than JAX has: nothing measured, the model's assumptions stand.
+    assert measured_spec(monkeypatch, tmp_path, "cpu_here", 10**4) == "cpu_here"
+
+
+def test_this_hosts_memory_rates_are_measured_on_its_cpu_devices(monkeypatch, tmp_path):
+    spec = measured_spec(monkeypatch, tmp_path, "cpu_here", 2)
+    fields = spec_fields(spec)
+    Machine.checked(spec)
+    assert 0 < float(fields["mem_gbytes_per_s"]) < 1e4 and 0 <= float(fields["touch_gbytes_per_s"]) < 1e4
 
 
 def test_temporaries_the_host_maps_afresh_cost_their_first_write():

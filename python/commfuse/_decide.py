@@ -141,9 +141,9 @@ class Machine:
             return GPU_CALL_OVERHEAD_S
         # Under the link model the fused call's transfers take modelled time:
         # a figure of its own. The memory rates the planner adds
-        # (`_planner/host.py`) price XLA's work, not the call's.
-        link = [f for f in self.spec[len("cpu_here:"):].split(",")
-                if f and not f.startswith(("mem_gbytes_per_s=", "touch_gbytes_per_s="))]
+        # (`_planner/host.py`) do not change what a call costs beyond them.
+        link = [f.strip() for f in self.spec[len("cpu_here:"):].split(",")
+                if f.strip() and f.split("=", 1)[0].strip() not in ("mem_gbytes_per_s", "touch_gbytes_per_s")]
         name = f"cpu_call_overhead_s/{n}" + (":" + ",".join(link) if link else "")
         try:
             return _calibration.figure(

@@ -68,7 +68,7 @@ pub struct Compute {
     /// devices XLA's runtime allocates an execution's temporaries anew
     /// each time, and the host maps a large allocation in again each time
     /// (`cpu_here`: measured by the planner, the `touch_gbytes_per_s` key).
-    pub fresh_bytes_per_s: f64,
+    pub touch_bytes_per_s: f64,
     /// The smallest dim at which a GEMM reaches half of `efficiency` (0: none).
     pub half_dim: f64,
     /// Fixed cost of each GEMM or sum (a kernel launch, a thread wake-up).
@@ -177,7 +177,7 @@ impl Machine {
                 peak_64: 66.9e12,
                 efficiency: 0.78,
                 memory_bytes_per_s: 3.35e12,
-                fresh_bytes_per_s: f64::INFINITY,
+                touch_bytes_per_s: f64::INFINITY,
                 half_dim: 0.0,
                 overhead_s: 2e-6,
                 waves: Some(Waves::HOPPER_132),
@@ -236,7 +236,7 @@ impl Machine {
                 peak_64: 51.2e12,
                 efficiency: 0.78,
                 memory_bytes_per_s: 2.0e12,
-                fresh_bytes_per_s: f64::INFINITY,
+                touch_bytes_per_s: f64::INFINITY,
                 half_dim: 0.0,
                 overhead_s: 2e-6,
                 waves: Some(Waves::HOPPER_114),
@@ -265,7 +265,7 @@ impl Machine {
                 efficiency: 1.0,
                 memory_bytes_per_s: 10e9,
                 // Unknown until measured (`touch_gbytes_per_s`).
-                fresh_bytes_per_s: f64::INFINITY,
+                touch_bytes_per_s: f64::INFINITY,
                 half_dim: 4.0,
                 overhead_s: 5e-6,
                 waves: None,
@@ -298,7 +298,7 @@ impl Machine {
 
     /// `name` or `name:key=value,...` with keys `gbytes_per_s`, `latency_us`,
     /// `topology` (switch|ring), `gemm_gflops`, `mem_gbytes_per_s`,
-    /// `touch_gbytes_per_s` (`Compute::fresh_bytes_per_s`): a preset
+    /// `touch_gbytes_per_s` (`Compute::touch_bytes_per_s`, 0: infinite): a preset
     /// with overrides (the link keys are those of `COMMFUSE_CPU_LINK`); and
     /// the network between nodes: `gpus_per_node` (devices per node),
     /// `net_gbytes_per_s`, `net_latency_us` (per device and direction). A
@@ -337,7 +337,11 @@ impl Machine {
                 }
                 "latency_us" => machine.link.latency_s = number(key, value)? * 1e-6,
                 "mem_gbytes_per_s" => machine.compute.memory_bytes_per_s = number(key, value)?.max(1e-9) * 1e9,
-                "touch_gbytes_per_s" => machine.compute.fresh_bytes_per_s = number(key, value)?.max(1e-9) * 1e9,
+                "touch_gbytes_per_s" => {
+                    // 0, as for the link: nothing to pay (the rate unmeasurable).
+                    let v = number(key, value)?;
+                    machine.compute.touch_bytes_per_s = if v > 0.0 { v * 1e9 } else { f64::INFINITY };
+                }
                 "topology" => {
                     machine.link.topology = match value {
                         "switch" => Topology::Switch,

@@ -68,7 +68,7 @@ pub struct Request {
     pub timeline: bool,
     /// Bytes the runtime maps afresh for each execution (on CPU devices,
     /// XLA's temporaries where the host's allocator maps them anew): first
-    /// written on the compute lane at the machine's `fresh_bytes_per_s`,
+    /// written on the compute lane at the machine's `touch_bytes_per_s`,
     /// before the first op.
     #[serde(default)]
     pub fresh_bytes: u64,
@@ -258,7 +258,8 @@ pub struct Priced {
     /// How many fused ops ran.
     pub fused_ops: u64,
     pub machine: MachineSummary,
-    /// Each top-level op's start and end (with `timeline`).
+    /// Each top-level op's start and end (with `timeline`); with
+    /// `fresh_bytes`, the first op starts after their first write.
     pub timeline: Option<Vec<Span>>,
 }
 
@@ -335,8 +336,12 @@ impl Pricer {
         let (input, output) = (dtype(&g.input)?, dtype(&g.output)?);
         // As model.rs prices a plan's GEMM pieces, results written once.
         let one = self.machine.compute.gemm_s(g.m, g.k, g.n, input, output, false);
-        // A batched dot is one kernel: its fixed cost once, each product's work.
-        let fixed = self.machine.compute.overhead_s.min(one);
+        if g.batch == 0 {
+            return Ok(0.0);
+        }
+        // A batched dot is one kernel: its fixed cost once, each product's
+        // work (`gemm_s` includes the fixed cost, so `one - fixed` >= 0).
+        let fixed = self.machine.compute.overhead_s;
         Ok((fixed + g.batch as f64 * (one - fixed)) * self.compute_slowdown)
     }
 
@@ -564,7 +569,7 @@ pub fn price(request: &Request) -> Result<Priced> {
     let mut spans = request.timeline.then(Vec::new);
     // Memory mapped afresh is mapped in as it is first written: memory
     // work of the compute lane, before the ops that write it.
-    let fresh_s = request.fresh_bytes as f64 / pricer.machine.compute.fresh_bytes_per_s * compute_slowdown;
+    let fresh_s = request.fresh_bytes as f64 / pricer.machine.compute.touch_bytes_per_s * compute_slowdown;
     tally.compute_s += fresh_s;
     tally.by_kind.memory += fresh_s;
     let total_s = pricer.run_after(&request.ops, &mut tally, spans.as_mut(), fresh_s)?;
@@ -794,8 +799,8 @@ mod tests {
         // 4 GB at 2 GB/s on the compute lane, then the GEMM after it.
         assert!(close(seconds(&answer["total_s"]), 2.0 + ops));
         assert!(close(seconds(&answer["by_kind"]["memory"]), 2.0));
-        // A preset maps nothing afresh.
-        for machine in ["cpu_here:gemm_gflops=10", "h100_nvlink"] {
+        // A preset maps nothing afresh; a rate of 0 says there is nothing to pay.
+        for machine in ["cpu_here:gemm_gflops=10", "h100_nvlink", "cpu_here:gemm_gflops=10,touch_gbytes_per_s=0"] {
             let fresh = json!({"machine": machine, "fresh_bytes": 4_000_000_000u64, "ops": [gemm(&[])]});
             assert!(close(seconds(&priced(fresh).unwrap()["total_s"]), alone(machine, gemm(&[]))));
         }

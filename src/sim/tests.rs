@@ -13,7 +13,7 @@ fn synthetic(flops: f64, bytes_per_s: f64, latency_s: f64, topology: Topology) -
             peak_64: flops,
             efficiency: 1.0,
             memory_bytes_per_s: f64::INFINITY,
-            fresh_bytes_per_s: f64::INFINITY,
+            touch_bytes_per_s: f64::INFINITY,
             half_dim: 0.0,
             waves: None,
             overhead_s: 0.0,

@@ -139,12 +139,12 @@ def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gf
         analysis = compiled.memory_analysis()
         text = compiled.as_text()
         decisions = library_decisions(ov.last_decisions) if ov is not None else []
-        temp = analysis.temp_size_in_bytes
+        temp = getattr(analysis, "temp_size_in_bytes", 0) or 0
         if priced_as_run:
             run = as_run(step.fn, candidate, machine, decisions)
             with hooks.tracing(layout_of(candidate, mesh)):
                 ran = jax.jit(run, donate_argnums=step.donate).lower(*args).compile(compiler_options=COMPILE_OPTIONS)
-            text, temp = ran.as_text(), ran.memory_analysis().temp_size_in_bytes
+            text, temp = ran.as_text(), getattr(ran.memory_analysis(), "temp_size_in_bytes", 0) or 0
     except Exception as e:  # noqa: BLE001 - a layout XLA or the step refuses is no candidate; said why
         out.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         out.compile_s = time.perf_counter() - start
@@ -155,7 +155,7 @@ def evaluate(step: Step, candidate: Candidate, devices, *, machine: str, gemm_gf
     m = out.memory
     out.memory_bytes = m["argument"] + m["output"] + m["temp"] - m["alias"]
     out.priced = price(text, machine, gemm_gflops=gemm_gflops, devices_per_node=devices_per_node,
-                       collectives=collectives, fresh_bytes=host.mapped_afresh(temp or 0))
+                       collectives=collectives, fresh_bytes=host.mapped_afresh(temp))
     out.predicted_s = out.priced.total_s
     out.decisions = decisions
     if keep_hlo:

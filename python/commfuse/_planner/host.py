@@ -35,32 +35,50 @@ from .. import _abi, _calibration
 # 4 MiB x sizeof(long)): its dynamic threshold never rises past it, so an
 # allocation this large is always mapped anew, one below it soon reused.
 MAPPED_FROM_BYTES = 32 << 20
-# Per device: a stream the size of a step's typical memory work (warm in
-# the cache across repetitions, as a step's working set mostly is), and a
-# fresh output the allocator maps anew each time.
-STREAM_BYTES = 4 << 20
-FRESH_BYTES = MAPPED_FROM_BYTES + (16 << 20)
+# What each device works on while measuring: a stream the size of a step's
+# typical memory work (warm in the cache across repetitions, as a step's
+# working set mostly is; the call's dispatch, a few percent at this size,
+# included), and an output the allocator maps anew each time.
+STREAM_SAMPLE_BYTES = 4 << 20
+TOUCH_SAMPLE_BYTES = MAPPED_FROM_BYTES + (16 << 20)
 # The fastest of this many repetitions per round (`_calibration.robust`
 # takes the median of rounds).
 REPEATS = 5
+# A fresh output less than this much slower than the same op in place is
+# no measurable first write (huge pages, an allocator told to keep its
+# memory): the rate is then 0, which the model reads as nothing to pay.
+MEASURABLE = 0.05
+KEYS = ("mem_gbytes_per_s", "touch_gbytes_per_s")
 
 
 def with_measured_memory(spec: str, devices: int) -> str:
-    """`spec` (a ``cpu_here`` description) with this host's measured memory
-    rates for `devices` devices, unless it sets them itself."""
-    if "mem_gbytes_per_s" in spec or "touch_gbytes_per_s" in spec:
-        return spec
-    memory = _calibration.figure(f"cpu_xla_memory_gbytes_per_s/{devices}",
-                                 lambda: _calibration.robust(lambda: _memory_gbytes_per_s(devices)))
-    touch = _calibration.figure(f"cpu_xla_touch_gbytes_per_s/{devices}",
-                                lambda: _calibration.robust(lambda: _touch_gbytes_per_s(devices)))
-    return spec + ("," if ":" in spec else ":") + f"mem_gbytes_per_s={memory:.4g},touch_gbytes_per_s={touch:.4g}"
+    """`spec` (a ``cpu_here`` description) with this host's measured rates
+    for `devices` devices, for each of `KEYS` it does not set itself. A
+    rate that cannot be measured here (fewer CPU devices than `devices`)
+    is left out: the model's assumption stands."""
+    name, _, rest = spec.partition(":")
+    fields = [f.strip() for f in rest.split(",") if f.strip()]
+    given = {f.split("=", 1)[0].strip() for f in fields}
+    measures = {"mem_gbytes_per_s": _memory_gbytes_per_s, "touch_gbytes_per_s": _touch_gbytes_per_s}
+    for key in KEYS:
+        if key in given:
+            continue
+        try:
+            rate = _calibration.figure(f"cpu_xla_{key}/{devices}",
+                                       lambda m=measures[key]: _calibration.robust(lambda: m(devices)))
+        except RuntimeError:
+            continue
+        fields.append(f"{key}={rate:.4g}")
+    return name + (":" + ",".join(fields) if fields else "")
 
 
 def mapped_afresh(temp_bytes: int) -> int:
     """Of a program's temporaries (XLA's memory analysis), the bytes the
     host maps afresh for each execution: all of them from
-    `MAPPED_FROM_BYTES` on, else none."""
+    `MAPPED_FROM_BYTES` on, else none. This takes XLA's CPU runtime to
+    allocate the temporaries as one buffer (a step's ran 1.4x slower from
+    33 MiB on, and not at 29.7 MiB: docs/planning.md); outputs it
+    allocates are not counted (a step donates its state)."""
     return int(temp_bytes) if temp_bytes >= MAPPED_FROM_BYTES else 0
 
 
@@ -81,14 +99,22 @@ def _sharded(devices: int, elements: int):
 
 def _fastest(x, *, in_place: bool) -> float:
     """Seconds of the fastest of `REPEATS` calls of an elementwise op on
-    `x`, into `x` itself or into a fresh output (the warm-up not counted)."""
+    `x`, into `x` itself (donated) or into a fresh output; a warm-up call
+    first, not counted."""
     op = jax.jit(lambda v: v * 1.5 + 1.0, donate_argnums=0 if in_place else ())
-    x = op(x) if in_place else (op(x).block_until_ready(), x)[1]
+
+    def call(v):
+        out = op(v)
+        out.block_until_ready()
+        if in_place and not v.is_deleted():
+            raise RuntimeError("JAX did not donate the input: no in-place op to measure against")
+        return out
+
+    x = call(x) if in_place else (call(x), x)[1]
     best = float("inf")
     for _ in range(REPEATS):
         start = time.perf_counter()
-        y = op(x)
-        y.block_until_ready()
+        y = call(x)
         best = min(best, time.perf_counter() - start)
         if in_place:
             x = y
@@ -97,14 +123,16 @@ def _fastest(x, *, in_place: bool) -> float:
 
 def _memory_gbytes_per_s(devices: int) -> float:
     """The op in place (each element read and written once) on every device at once."""
-    elements = STREAM_BYTES // 4
+    elements = STREAM_SAMPLE_BYTES // 4
     return 2 * elements * 4 / _fastest(_sharded(devices, elements), in_place=True) * _sharing(devices) / 1e9
 
 
 def _touch_gbytes_per_s(devices: int) -> float:
     """The op into a fresh output mapped anew, less the op in place: the
-    first write of the output's bytes."""
-    elements = FRESH_BYTES // 4
+    first write of the output's bytes (0: not measurable, `MEASURABLE`)."""
+    elements = TOUCH_SAMPLE_BYTES // 4
     x = _sharded(devices, elements)
-    extra = max(_fastest(x, in_place=False) - _fastest(x, in_place=True), 1e-9)
-    return elements * 4 / extra * _sharing(devices) / 1e9
+    fresh, in_place = _fastest(x, in_place=False), _fastest(x, in_place=True)
+    if fresh - in_place < MEASURABLE * in_place:
+        return 0.0
+    return elements * 4 / (fresh - in_place) * _sharing(devices) / 1e9

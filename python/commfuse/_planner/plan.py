@@ -282,10 +282,6 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
         target = Machine.checked(machine)
     except ValueError as e:
         raise ValueError(f"commfuse.plan: machine: {e}") from None
-    if target.is_cpu:
-        # This host's CPU devices as XLA's runtime runs the step: its memory
-        # rates measured, not assumed (`host`).
-        target = Machine(host.with_measured_memory(target.spec, devices))
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     if not axes or len(set(axes)) != len(axes) or not all(isinstance(a, str) for a in axes):
         raise ValueError(f"commfuse.plan: axes must name distinct mesh axes, got {axes!r}")
@@ -307,6 +303,10 @@ def plan(step, *example_args, devices: int = 8, memory_limit: int | None = None,
     batch = {a % n_args for a in batch_argnums}
     the_step = Step(step, leaves, treedef, names, tuple(a for a in range(n_args) if a not in batch))
     pool = jax.devices()[:devices]
+    if target.is_cpu:
+        # This host's CPU devices as XLA's runtime runs the step: its memory
+        # rates measured, not assumed (`host`).
+        target = Machine(host.with_measured_memory(target.spec, devices))
     gemm_gflops = target.gemm_gflops
     per_node = _abi.machine_summary(target.spec)["devices_per_node"]
     collectives = "blocking" if target.is_cpu else "async"

@@ -92,6 +92,28 @@ FP8_CODES = {
 CODES = {**DTYPE_CODES, **FP8_CODES}
 
 
+def two_axis_slices(code: int | None) -> int:
+    """The chunks each block of w's columns is cut into by the two-axis op's
+    schedule `code` (sliced: its slices; else 1)."""
+    return chunks_of(code) if code is not None and cut_schedule(code) == "sliced" else 1
+
+
+def two_axis_to_library(y, gathered: int, slices: int):
+    """The two-axis op's result `y` ``[b, F*c]`` in the library's layout
+    ``[F, b, c]``, each ``[b, c]`` block of w's columns cut into `slices`
+    column chunks stacked first (``src/problem.rs``, `Problem::out_range`):
+    ``[F, S, b, c/S]``."""
+    b, c = y.shape[0], y.shape[1] // gathered
+    return jnp.moveaxis(y.reshape(b, gathered, slices, c // slices), 0, 2).reshape(gathered, b, c)
+
+
+def two_axis_from_library(stacked, slices: int):
+    """`two_axis_to_library` undone: ``[F, b, c]`` as laid out, to ``[b, F*c]``."""
+    f, b, c = stacked.shape
+    blocks = jnp.moveaxis(stacked.reshape(f, slices, b, c // slices), 1, 2).reshape(f, b, c)
+    return jnp.moveaxis(blocks, 0, 1).reshape(b, f * c)
+
+
 class CallShapes(NamedTuple):
     """One call as the library takes it (``abi::CallShapes``): the operands
     in the kind's layout; the result's shape follows from them."""

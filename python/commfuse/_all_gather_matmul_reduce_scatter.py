@@ -29,7 +29,6 @@ from functools import partial
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _abi, _checks, _fused, _op, _varying
@@ -162,14 +161,7 @@ def forward(x, w, static: _Settings):
     axes = (static.gather_axis, static.scatter_axis)
     out_shape = (x.shape[0] // static.scattered,) + x.shape[1:-1] + (static.gathered * w.shape[1],)
     stacked = _fused.bind(static.forward, w, _fused.rows_2d(x), axes=axes, fast_f32=static.fast_f32)
-    code = static.forward.schedule
-    if _abi.cut_schedule(code) == "sliced":
-        # [F, S, b, c/S] -> [F, b, c]: chunk u of block j holds columns u*c/S.. of out[j].
-        f, b, c = stacked.shape
-        slices = _abi.chunks_of(code)
-        stacked = jnp.moveaxis(stacked.reshape(f, slices, b, c // slices), 1, 2).reshape(f, b, c)
-    # [F, b, c] -> [b, F*c]: block j of w's columns is out[j].
-    return jnp.moveaxis(stacked, 0, 1).reshape(out_shape)
+    return _abi.two_axis_from_library(stacked, _abi.two_axis_slices(static.forward.schedule)).reshape(out_shape)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

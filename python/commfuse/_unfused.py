@@ -73,10 +73,7 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
     if kind == K.ALL_GATHER_MATMUL_REDUCE_SCATTER:  # (w [kb, c] travels over axes[0], x [T*b, kb])
         gathered = jax.lax.all_gather(x, axes[0], axis=1, tiled=True)
         y = jax.lax.psum_scatter(dot(w, gathered), axes[1], scatter_dimension=0, tiled=True)
-        # [b, F*c] as the library lays it out: [F, S, b, c/S] (S the slices, 1 unsliced).
-        b, (f, c) = y.shape[0], (dimension, x.shape[1])
-        slices = _abi.chunks_of(schedule) if schedule is not None and _abi.cut_schedule(schedule) == "sliced" else 1
-        return jnp.moveaxis(y.reshape(b, f, slices, c // slices), 0, 2).reshape(f, b, c)
+        return _abi.two_axis_to_library(y, dimension, _abi.two_axis_slices(schedule))
     # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
     y = dot(x, w)
     return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))

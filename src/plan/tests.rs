@@ -839,42 +839,64 @@ fn every_two_axis_plan_is_correct_and_race_free() {
     assert_eq!(checked, 36 * (SCHEDULES.len() + 3));
 }
 
-/// The point of the two-axis plan: the products of chunk c wait for no
-/// transfer of chunk c-1's reduce-scatter (it runs while they do), only
-/// for the transfer that brought their block of w and for the end of chunk
-/// c-2's reduce-scatter, whose partial slots they reuse.
 /// The ids of a plan's products, in plan order.
 fn matmuls(p: &Plan) -> Vec<StepId> {
     p.steps.iter().filter(|s| matches!(s.action, Action::Matmul { .. })).map(|s| s.id).collect()
 }
 
-#[test]
-fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
-    for (f_size, t_size, slices) in [(4, 2, 1), (3, 4, 1), (8, 8, 1), (2, 3, 1), (5, 3, 1), (2, 4, 3), (3, 2, 2)] {
+/// One rank's two-axis plan, as the timing tests below look at it.
+struct TwoAxisCase {
+    f_size: usize,
+    t_size: usize,
+    slices: usize,
+    rank: usize,
+    plan: Plan,
+    /// `happens_before(&plan)`.
+    hb: Vec<Vec<bool>>,
+    /// `matmuls(&plan)`.
+    products: Vec<StepId>,
+}
+
+/// `check` on every rank's plan of `Pattern::GatherScatter` for each
+/// `(F, T, slices)` of `cases`: "ring" for one slice, else "sliced".
+fn each_two_axis_plan(cases: &[(usize, usize, usize)], mut check: impl FnMut(&TwoAxisCase)) {
+    for &(f_size, t_size, slices) in cases {
         let n = f_size * t_size;
         let schedule = if slices == 1 { Schedule::Ring } else { Schedule::Sliced { slices } };
-        for r in 0..n {
-            let p = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, r);
-            let hb = happens_before(&p);
-            let products = matmuls(&p);
-            assert_eq!(products.len(), n * slices);
-            for (i, &product) in products.iter().enumerate() {
-                // Chunk c's products (c = block of w x slices + column chunk).
-                let c = i / t_size;
-                for s in p.steps.iter().filter(|s| hb[s.id][product]) {
-                    if let Action::Exchange { recvs, .. } = &s.action {
-                        for t in recvs.iter().filter(|t| t.tag.direction == Direction::Forward) {
-                            assert!(
-                                c >= 2 && t.tag.step < (c - 1) * (t_size - 1),
-                                "F={f_size} T={t_size} rank {r}: block {c}'s product waits for {:?}",
-                                t.tag
-                            );
-                        }
+        for rank in 0..n {
+            let plan = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, rank);
+            let (hb, products) = (happens_before(&plan), matmuls(&plan));
+            check(&TwoAxisCase { f_size, t_size, slices, rank, plan, hb, products });
+        }
+    }
+}
+
+/// The point of the two-axis plan: the products of chunk c wait for no
+/// transfer of chunk c-1's reduce-scatter (it runs while they do), only
+/// for the transfer that brought their block of w and for the end of chunk
+/// c-2's reduce-scatter, whose partial slots they reuse.
+#[test]
+fn two_axis_products_do_not_wait_for_the_previous_blocks_reduce_scatter() {
+    let cases = [(4, 2, 1), (3, 4, 1), (8, 8, 1), (2, 3, 1), (5, 3, 1), (2, 4, 3), (3, 2, 2)];
+    each_two_axis_plan(&cases, |case| {
+        let &TwoAxisCase { f_size, t_size, slices, rank, plan: ref p, ref hb, ref products } = case;
+        assert_eq!(products.len(), f_size * t_size * slices);
+        for (i, &product) in products.iter().enumerate() {
+            // Chunk c's products (c = block of w x slices + column chunk).
+            let c = i / t_size;
+            for s in p.steps.iter().filter(|s| hb[s.id][product]) {
+                if let Action::Exchange { recvs, .. } = &s.action {
+                    for t in recvs.iter().filter(|t| t.tag.direction == Direction::Forward) {
+                        assert!(
+                            c >= 2 && t.tag.step < (c - 1) * (t_size - 1),
+                            "F={f_size} T={t_size} rank {rank}: block {c}'s product waits for {:?}",
+                            t.tag
+                        );
                     }
                 }
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -882,36 +904,30 @@ fn two_axis_ring_steps_wait_for_their_own_product_only() {
     // Step s of a chunk's reduce-scatter ring sends the sum of the row block
     // multiplied s-th: it runs while the compute lane multiplies the chunk's
     // later row blocks, never after them.
-    for (f_size, t_size, slices) in [(2, 4, 1), (4, 2, 1), (3, 3, 1), (2, 4, 2), (2, 5, 3)] {
-        let n = f_size * t_size;
-        let schedule = if slices == 1 { Schedule::Ring } else { Schedule::Sliced { slices } };
-        for r in 0..n {
-            let p = plan(Pattern::GatherScatter { gathered: f_size }, schedule, n, r);
-            let hb = happens_before(&p);
-            let products = matmuls(&p);
-            for q in 0..f_size * slices {
-                for s in 0..t_size - 1 {
-                    let tag = q * (t_size - 1) + s;
-                    let exchange = p
-                        .steps
-                        .iter()
-                        .find(|e| match &e.action {
-                            Action::Exchange { sends, .. } => {
-                                sends.iter().any(|t| t.tag.direction == Direction::Forward && t.tag.step == tag)
-                            }
-                            _ => false,
-                        })
-                        .expect("every ring step is an exchange");
-                    assert!(hb[products[q * t_size + s]][exchange.id], "ring step {s} before its own product");
-                    for later in s + 1..t_size {
-                        assert!(
-                            !hb[products[q * t_size + later]][exchange.id],
-                            "F={f_size} T={t_size} S={slices} rank {r}: chunk {q}'s ring step {s} waits for its \
-                             product {later}"
-                        );
-                    }
+    each_two_axis_plan(&[(2, 4, 1), (4, 2, 1), (3, 3, 1), (2, 4, 2), (2, 5, 3)], |case| {
+        let &TwoAxisCase { f_size, t_size, slices, rank, plan: ref p, ref hb, ref products } = case;
+        for q in 0..f_size * slices {
+            for s in 0..t_size - 1 {
+                let tag = q * (t_size - 1) + s;
+                let exchange = p
+                    .steps
+                    .iter()
+                    .find(|e| match &e.action {
+                        Action::Exchange { sends, .. } => {
+                            sends.iter().any(|t| t.tag.direction == Direction::Forward && t.tag.step == tag)
+                        }
+                        _ => false,
+                    })
+                    .expect("every ring step is an exchange");
+                assert!(hb[products[q * t_size + s]][exchange.id], "ring step {s} before its own product");
+                for later in s + 1..t_size {
+                    assert!(
+                        !hb[products[q * t_size + later]][exchange.id],
+                        "F={f_size} T={t_size} S={slices} rank {rank}: chunk {q}'s ring step {s} waits for its \
+                         product {later}"
+                    );
                 }
             }
         }
-    }
+    });
 }

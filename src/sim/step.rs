@@ -7,7 +7,8 @@
 //! ops it reads. The device has two lanes, compute and comm; an op starts
 //! when the lanes it occupies are free and the ops it reads have ended:
 //! - `gemm` and `memory` on the compute lane (the machine's GEMM roofline,
-//!   with its wave model on a GPU; bytes over memory bandwidth);
+//!   with its wave model on a GPU, a batch in one kernel; bytes over memory
+//!   bandwidth);
 //! - `collective` on the comm lane when collectives are `async` (XLA on a
 //!   GPU runs them on their own streams, beside independent compute), on
 //!   both lanes when `blocking` (XLA's CPU runtime); its time is the ring
@@ -17,6 +18,10 @@
 //!   predicts for its schedule (`model::predict`; its overlap is inside);
 //! - `loop` on both lanes: its body simulated once, times its trip count;
 //! - `conditional` on both lanes: its costliest branch.
+//!
+//! Memory the runtime maps afresh for each execution (`fresh_bytes`) is
+//! first written on the compute lane before the first op, at the machine's
+//! `touch_bytes_per_s`.
 //!
 //! A request (`Request`, JSON):
 //! ```text

@@ -229,3 +229,30 @@ def test_on_cpu_devices_a_candidate_is_priced_as_it_runs_there():
     # (A layout whose products need no collective has no call to make.)
     assert any(n > 0 for n in fused_ops["cpu_here"].values()), fused_ops
     assert fused_ops["h100_nvlink"] and all(n == 0 for n in fused_ops["h100_nvlink"].values()), fused_ops
+
+def test_temporaries_the_host_maps_afresh_are_priced_in_a_plan():
+    # A step whose backward keeps a [65536 / 8, 1024] f32 activation (32 MiB
+    # per device) has temporaries glibc maps afresh every step; a step of
+    # 32 x 64 rows has none. Only the large one pays their first write, and
+    # only where the machine has a rate for it.
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x), loss(w, x)
+
+    large = (jax.ShapeDtypeStruct((64, 1024), jnp.float32), jax.ShapeDtypeStruct((65536, 64), jnp.float32))
+    small = _small_step()[1:]
+    sharing = max(DEVICES / commfuse._abi.machine_summary("cpu_here")["shared_processors"], 1.0)
+    extra = {}
+    for name, args in (("large", large), ("small", small)):
+        memory = {}
+        for touch in (0, 1):
+            machine = f"cpu_here:mem_gbytes_per_s=40,touch_gbytes_per_s={touch}"
+            plan = commfuse.plan(step, *args, devices=DEVICES, axes=("data",), top=1, machine=machine)
+            memory[touch] = {c.label(): e.priced.by_kind["memory"] for c, e in plan.evaluations.items() if e.ok}
+        assert memory[0] and memory[0].keys() == memory[1].keys()
+        extra[name] = [memory[1][c] - memory[0][c] for c in memory[0]]
+    # At 1 GB/s per unshared device, at least 32 MiB each.
+    assert all(e >= (32 << 20) / 1e9 * sharing for e in extra["large"]), extra
+    assert all(e == 0 for e in extra["small"]), extra

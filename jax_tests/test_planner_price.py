@@ -166,6 +166,17 @@ def test_this_hosts_memory_rates_are_measured_on_its_cpu_devices(monkeypatch, tm
     assert 0 < float(fields["mem_gbytes_per_s"]) < 1e4 and 0 <= float(fields["touch_gbytes_per_s"]) < 1e4
 
 
+def test_a_machine_descriptions_overrides_are_read_and_added_in_order():
+    m = Machine("cpu_here: gbytes_per_s=1 ,latency_us=20")
+    assert m.fields == {"gbytes_per_s": "1", "latency_us": "20"}
+    # Added after the ones it has; one it sets keeps its value.
+    added = m.with_fields(mem_gbytes_per_s="4", gbytes_per_s=9)
+    assert added.spec == "cpu_here:gbytes_per_s=1,latency_us=20,mem_gbytes_per_s=4"
+    assert Machine("h100_nvlink").across_nodes().spec == "h100_nvlink:across_nodes=1"
+    assert Machine("h100_nvlink").fields == {}
+    Machine.checked(added.spec)
+
+
 def test_temporaries_the_host_maps_afresh_cost_their_first_write():
     from commfuse._planner import host
 

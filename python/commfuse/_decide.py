@@ -40,6 +40,9 @@ from ._placement import ACROSS_PROCESSES, crossing_axes, spanning_axes
 MACHINES = ("cpu_here", "h100_nvlink", "h200_nvlink", "h100_pcie", "h100_cluster")
 MACHINE_VAR = "COMMFUSE_MACHINE"
 LINK_VAR = "COMMFUSE_CPU_LINK"
+# The memory rates of this host's CPU devices the planner measures and adds
+# to a ``cpu_here`` description (`_planner/host.py`).
+MEMORY_KEYS = ("mem_gbytes_per_s", "touch_gbytes_per_s")
 # Whether `auto` may run a call unfused where the model predicts no gain
 # (`COMMFUSE_AUTO_UNFUSED=0` makes it always fuse: the test-suite's fused-path
 # tests run tiny shapes, which would otherwise never fuse).
@@ -99,9 +102,23 @@ class Machine:
             return cls(f"cpu_here:{link}")
         return cls(spec)
 
+    @property
+    def fields(self) -> dict:
+        """The description's overrides, key -> value as written, in order."""
+        pairs = (field.partition("=") for field in self.spec.partition(":")[2].split(","))
+        return {key.strip(): value.strip() for key, _, value in pairs if key.strip()}
+
+    def with_fields(self, **fields) -> "Machine":
+        """This description with `fields` added as overrides (a key it sets already keeps its value)."""
+        merged = self.fields
+        for key, value in fields.items():
+            merged.setdefault(key, str(value))
+        name = self.spec.partition(":")[0]
+        return Machine(name + (":" + ",".join(f"{k}={v}" for k, v in merged.items()) if merged else ""))
+
     def across_nodes(self) -> "Machine":
         """This machine as a group spanning its nodes sees it: its network as the link."""
-        return Machine(self.spec + ("," if ":" in self.spec else ":") + "across_nodes=1")
+        return self.with_fields(across_nodes=1)
 
     @classmethod
     def checked(cls, spec: str) -> "Machine":
@@ -142,8 +159,7 @@ class Machine:
         # Under the link model the fused call's transfers take modelled time:
         # a figure of its own. The memory rates the planner adds
         # (`_planner/host.py`) do not change what a call costs beyond them.
-        link = [f.strip() for f in self.spec[len("cpu_here:"):].split(",")
-                if f.strip() and f.split("=", 1)[0].strip() not in ("mem_gbytes_per_s", "touch_gbytes_per_s")]
+        link = [f"{key}={value}" for key, value in self.fields.items() if key not in MEMORY_KEYS]
         name = f"cpu_call_overhead_s/{n}" + (":" + ",".join(link) if link else "")
         try:
             return _calibration.figure(

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from .. import _abi, _calibration
+from .._decide import MEMORY_KEYS, Machine
 
 # glibc's largest mmap threshold on a 64-bit host (DEFAULT_MMAP_THRESHOLD_MAX,
 # 4 MiB x sizeof(long)): its dynamic threshold never rises past it, so an
@@ -48,7 +49,7 @@ REPEATS = 5
 # no measurable first write (huge pages, an allocator told to keep its
 # memory): the rate is then 0, which the model reads as nothing to pay.
 MEASURABLE = 0.05
-KEYS = ("mem_gbytes_per_s", "touch_gbytes_per_s")
+KEYS = MEMORY_KEYS
 
 
 def with_measured_memory(spec: str, devices: int) -> str:
@@ -56,20 +57,19 @@ def with_measured_memory(spec: str, devices: int) -> str:
     for `devices` devices, for each of `KEYS` it does not set itself. A
     rate that cannot be measured here (fewer CPU devices than `devices`)
     is left out: the model's assumption stands."""
-    name, _, rest = spec.partition(":")
-    fields = [f.strip() for f in rest.split(",") if f.strip()]
-    given = {f.split("=", 1)[0].strip() for f in fields}
+    machine = Machine(spec)
     measures = {"mem_gbytes_per_s": _memory_gbytes_per_s, "touch_gbytes_per_s": _touch_gbytes_per_s}
+    measured = {}
     for key in KEYS:
-        if key in given:
+        if key in machine.fields:
             continue
         try:
             rate = _calibration.figure(f"cpu_xla_{key}/{devices}",
                                        lambda m=measures[key]: _calibration.robust(lambda: m(devices)))
         except RuntimeError:
             continue
-        fields.append(f"{key}={rate:.4g}")
-    return name + (":" + ",".join(fields) if fields else "")
+        measured[key] = f"{rate:.4g}"
+    return machine.with_fields(**measured).spec
 
 
 def mapped_afresh(temp_bytes: int) -> int:
@@ -110,7 +110,9 @@ def _fastest(x, *, in_place: bool) -> float:
             raise RuntimeError("JAX did not donate the input: no in-place op to measure against")
         return out
 
-    x = call(x) if in_place else (call(x), x)[1]
+    warm = call(x)  # the warm-up
+    if in_place:
+        x = warm
     best = float("inf")
     for _ in range(REPEATS):
         start = time.perf_counter()

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// The op kinds; a kind's code is its index (`_abi.Kind`).
-pub const KINDS: [OpKind; 12] = [
+pub const KINDS: [OpKind; 13] = [
     OpKind::AllGatherMatmul,
     OpKind::AllGatherMatmulContract,
     OpKind::MatmulAllGather,
@@ -31,6 +31,7 @@ pub const KINDS: [OpKind; 12] = [
     OpKind::MatmulAllToAllCols,
     OpKind::MatmulAllReduce,
     OpKind::AllGatherMatmulReduceScatter,
+    OpKind::AllGatherBothMatmul,
 ];
 
 /// The attributes of a fused op's call, as Python's lowering writes them
@@ -102,6 +103,12 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                     plan::MAX_CHUNKS
                 )));
             }
+            if kind == OpKind::AllGatherBothMatmul {
+                return Err(Error::InvalidArgument(format!(
+                    "{name}: no \"{what}\" schedule: both gathers run one way (\"ring\"), or nothing overlaps \
+                     (\"sequential\")"
+                )));
+            }
             let two_axis = kind == OpKind::AllGatherMatmulReduceScatter;
             if two_axis && what == "tiled" {
                 return Err(Error::InvalidArgument(format!(
@@ -121,7 +128,7 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                 Schedule::Tiled { tiles: chunks }
             })
         }
-        2 if kind == OpKind::AllGatherMatmulReduceScatter && code == 2 => Err(Error::InvalidArgument(format!(
+        2 if kind.pattern().two_axis().is_some() && code == 2 => Err(Error::InvalidArgument(format!(
             "{name}: schedule \"bidirectional\" does not exist here: both rings run one way (\"ring\"), or nothing \
              overlaps (\"sequential\")"
         ))),

@@ -691,17 +691,18 @@ pub fn check_planner_case(case: &PlannerCase) -> std::result::Result<bool, Strin
     let sizes = problem.sizes();
     let slot_len = |i: usize| match plan.slots.get(i) {
         Some(SlotKind::Input) => sizes.travel,
+        Some(SlotKind::Weight) => sizes.w,
         Some(SlotKind::Partial) => sizes.partial,
         Some(SlotKind::Result) => sizes.result,
         None => 0,
     };
     for step in &plan.steps {
-        let Action::Matmul { block, src, dst, .. } = step.action else { continue };
+        let Action::Matmul { block, src, with, dst, .. } = step.action else { continue };
         for g in problem.gemms(block, src, dst) {
-            let side = |s: Side| match (s, src) {
-                (Side::W, _) => sizes.w,
-                (Side::Src, Buf::Slot(i)) => slot_len(i),
-                (Side::Src, _) => sizes.x,
+            let side = |s: Side| match (s, src, with) {
+                (Side::W, _, Buf::Slot(i)) | (Side::Src, Buf::Slot(i), _) => slot_len(i),
+                (Side::W, _, _) => sizes.w,
+                (Side::Src, _, _) => sizes.x,
             };
             let dst_len = match dst {
                 Buf::Slot(i) => slot_len(i),

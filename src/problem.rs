@@ -45,6 +45,14 @@ pub enum OpKind {
     /// block j of the result, from A's rank j, is `out[j]`). Blocks of w
     /// travel round A's ring while the partials of each go round B's.
     AllGatherMatmulReduceScatter,
+    /// `all_gather(x, B, axis=0) @ all_gather(w, A, axis=0)` over two mesh
+    /// axes (an SP x FSDP column-parallel layer): x `[m, F*kb]` (its rows
+    /// gathered over B), w `[kb, c]` (its rows, the contraction, gathered
+    /// over A), over a group of F x T ranks (rank `f * T + t`; A's size F
+    /// given as `dimension`, then B's T); output `[T*m, c]`. Blocks of x
+    /// travel round B's ring and blocks of w round A's; block `p * F + q`
+    /// is x's row block p times w's block q, added into output rows p.
+    AllGatherBothMatmul,
 }
 
 impl OpKind {
@@ -70,6 +78,7 @@ impl OpKind {
             MatmulAllToAll | MatmulAllToAllCols => "matmul_all_to_all",
             MatmulAllReduce => "matmul_all_reduce",
             AllGatherMatmulReduceScatter => "all_gather_matmul_reduce_scatter",
+            AllGatherBothMatmul => "all_gather_both_matmul",
         }
     }
 
@@ -93,6 +102,7 @@ impl OpKind {
         use OpKind::*;
         match self {
             AllGatherMatmulReduceScatter => Pattern::GatherScatter { gathered: 0 },
+            AllGatherBothMatmul => Pattern::GatherGather { gathered: 0 },
             AllGatherMatmul | MatmulAllGather => Pattern::Gather { accumulate: false },
             AllGatherMatmulContract | MatmulAllGatherContract => Pattern::Gather { accumulate: true },
             MatmulReduceScatter | MatmulReduceScatterCols => Pattern::Scatter,
@@ -342,11 +352,7 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
                     let (kb, c) = two("w", &xd)?;
                     let (m, kx) = two("x", &wd)?;
                     mismatch(kx, kb)?;
-                    let f = usize::try_from(dimension).ok().filter(|&f| f >= 1 && nr % f == 0).ok_or_else(|| {
-                        crate::error::Error::InvalidArgument(format!(
-                            "{name}: the gather axis size ({dimension}) must divide the group size {nr}"
-                        ))
-                    })?;
+                    let f = two_axis_size(name, "the gather axis", dimension, nr)?;
                     let t = nr / f;
                     if m % t != 0 {
                         bail!(
@@ -355,6 +361,19 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
                         );
                     }
                     (1, m / t, kb, c, vec![f, m / t, c])
+                }
+                AllGatherBothMatmul => {
+                    let (m, kx) = two("x", &xd)?;
+                    let (kb, c) = two("w", &wd)?;
+                    let f = two_axis_size(name, "w's gather axis", dimension, nr)?;
+                    mismatch(kx, checked_mul(name, "the rows of `w` times the size of w's gather axis", kb, f)?)?;
+                    (
+                        1,
+                        m,
+                        kb,
+                        c,
+                        vec![checked_mul(name, "the rows of `x` times the size of x's gather axis", m, nr / f)?, c],
+                    )
                 }
                 AllToAllMatmulContract => {
                     let (m, kb) = three("x", &xd)?;
@@ -367,6 +386,16 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
         }
     };
     Ok(Geometry { outer, seg, k, n, out })
+}
+
+/// The size F of a two-axis kind's first axis, given as `dimension`: it
+/// must divide the group of `nr` ranks (`what` names the axis in the error).
+fn two_axis_size(name: &str, what: &str, dimension: i64, nr: usize) -> Result<usize> {
+    usize::try_from(dimension).ok().filter(|&f| f >= 1 && nr % f == 0).ok_or_else(|| {
+        crate::error::Error::InvalidArgument(format!(
+            "{name}: {what} size ({dimension}) must divide the group size {nr}"
+        ))
+    })
 }
 
 /// The result's dims of `kind` on operands `x` and `w` over `ranks` devices
@@ -399,7 +428,11 @@ impl Problem {
                 out.dims
             );
         }
-        let gathered = if kind == OpKind::AllGatherMatmulReduceScatter { expected[0] } else { 1 };
+        let gathered = match kind {
+            OpKind::AllGatherMatmulReduceScatter => expected[0],
+            OpKind::AllGatherBothMatmul => dimension as usize,
+            _ => 1,
+        };
         Ok(Problem {
             kind,
             x_parts: nr,
@@ -517,6 +550,7 @@ impl Problem {
     pub fn pattern(&self) -> Pattern {
         match self.kind.pattern() {
             Pattern::GatherScatter { .. } => Pattern::GatherScatter { gathered: self.gathered },
+            Pattern::GatherGather { .. } => Pattern::GatherGather { gathered: self.gathered },
             pattern => pattern,
         }
     }
@@ -554,6 +588,8 @@ impl Problem {
             MatmulAllToAll | MatmulAllToAllCols | MatmulAllReduce => (0, self.out_len / self.group),
             // A partial is one (row block, block of w) product.
             AllGatherMatmulReduceScatter => (self.x_len, self.out_len / self.gathered),
+            // Blocks of w travel in slots of their own (`SlotKind::Weight`, `Sizes::w`).
+            AllGatherBothMatmul => (self.x_len, 0),
         };
         let parts = self.slices.unwrap_or(1);
         // Slices cut what travels, but a two-axis call's whole local w travels
@@ -578,6 +614,18 @@ impl Problem {
         let Problem { group: nr, outer, seg, k, n, .. } = *self;
         if self.kind == AllGatherMatmulReduceScatter {
             return vec![self.two_axis_gemm(block, dst)];
+        }
+        if self.kind == AllGatherBothMatmul {
+            // Block p * F + q: x's row block p (the step's source), its
+            // columns of block q, times w's block q (the step's `with`),
+            // into rows p of the result (a slot laid out as the output).
+            let f = self.gathered;
+            let (p, q) = (block / f, block % f);
+            return vec![Gemm {
+                lhs: (Side::Src, View { offset: q * k, rows: seg, cols: k, row_stride: f * k }),
+                rhs: (Side::W, View::rows(0, k, n)),
+                dst: View::rows(p * seg * n, seg, n),
+            }];
         }
         if let Some(parts) = self.slices {
             return self.sliced_gemms(parts, block, src, dst);
@@ -643,6 +691,7 @@ impl Problem {
                 dst: into(j * seg * n, seg, n, n),
             }],
             AllGatherMatmulReduceScatter => unreachable!("two_axis_gemm"),
+            AllGatherBothMatmul => unreachable!("above"),
         }
     }
 

@@ -18,6 +18,7 @@ import math
 
 from . import _interrupt, reference
 from ._all_gather_matmul import all_gather_matmul
+from ._all_gather_both_matmul import all_gather_both_matmul
 from ._all_gather_matmul_reduce_scatter import all_gather_matmul_reduce_scatter
 from ._all_to_all import all_to_all_matmul, matmul_all_to_all
 from ._explain import explain
@@ -41,6 +42,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "matmul_all_gather",
     "matmul_all_reduce",
+    "all_gather_both_matmul",
     "all_gather_matmul_reduce_scatter",
     "all_to_all_matmul",
     "matmul_all_to_all",

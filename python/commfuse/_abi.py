@@ -40,6 +40,9 @@ class Kind(enum.IntEnum):
     # Two axes (A of F ranks, then B of T): (w [kb, c] travels over A, x [T*b, kb]); dimension = F;
     # out [F, b, c] (block j: the product with A's rank j's w, rows scattered over B).
     ALL_GATHER_MATMUL_REDUCE_SCATTER = 11
+    # Two axes (A of F ranks, then B of T): x [m, F*kb] travels over B, w [kb, c] over A; dimension = F;
+    # out [T*m, c] (all_gather(x, B) @ all_gather(w, A), both along their first dim).
+    ALL_GATHER_BOTH_MATMUL = 12
 
 
 # Schedule codes (``abi::SCHEDULES``): the low byte; "sliced" and "tiled"

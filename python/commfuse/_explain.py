@@ -36,6 +36,12 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
             raise ValueError(f"commfuse.explain: {op}: dimension is the gather axis's size, which must divide "
                              f"n = {n}; got {dimension}")
         return _abi.Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER, dimension, w, (int(np.prod(x[:-1])), x[-1])
+    if op == "all_gather_both_matmul":
+        # Over two axes: n = F x T devices, `dimension` = F (w's gather axis's size).
+        if dimension < 1 or n % dimension:
+            raise ValueError(f"commfuse.explain: {op}: dimension is the size of w's gather axis, which must divide "
+                             f"n = {n}; got {dimension}")
+        return _abi.Kind.ALL_GATHER_BOTH_MATMUL, dimension, (int(np.prod(x[:-1])), x[-1]), w
     if op in ("all_to_all_matmul", "matmul_all_to_all"):
         # x is given as the blocks for each of the n peers, stacked: [n, rows, k].
         if len(x) != 3 or x[0] != n or len(w) != 2:
@@ -45,8 +51,8 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
                   else _all_to_all.layout_matmul_all_to_all)
         return layout((n * x[1], x[2]), w, n, 0, 0)
     raise ValueError(f"commfuse.explain: unknown op {op!r}; expected all_gather_matmul, matmul_reduce_scatter, "
-                     "matmul_all_gather, matmul_all_reduce, all_gather_matmul_reduce_scatter, all_to_all_matmul or "
-                     "matmul_all_to_all")
+                     "matmul_all_gather, matmul_all_reduce, all_gather_matmul_reduce_scatter, all_gather_both_matmul, "
+                     "all_to_all_matmul or matmul_all_to_all")
 
 
 def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
@@ -68,7 +74,8 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     ``x_shape`` and ``w_shape`` are one device's operands as the op takes them
     (``op(x, w, axis)`` inside ``shard_map``); ``dimension`` is the gathered or
     scattered dim (``all_gather_matmul_reduce_scatter``: the size F of its
-    gather axis, ``n`` being F x T). ``machine`` names a preset: ``"h100_nvlink"``,
+    gather axis, ``n`` being F x T; ``all_gather_both_matmul``: the size F of
+    w's gather axis). ``machine`` names a preset: ``"h100_nvlink"``,
     ``"h200_nvlink"``, ``"h100_pcie"``, ``"h100_cluster"`` (nodes of 8; a
     group inside one: ``"h100_cluster:across_nodes=1"`` for one spanning
     nodes), or ``"cpu_here"`` (this host's CPU devices; the link model in

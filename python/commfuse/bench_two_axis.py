@@ -1,12 +1,14 @@
-"""The two-axis fused op against the one-sided fusions and XLA, on 8 CPU
+"""The two-axis fused ops against the one-sided fusions and XLA, on 8 CPU
 devices as a 2 x 4 (fsdp x tp) mesh, under the link model:
 
-    python -m commfuse.bench_two_axis [--reps 7] [--gbytes-per-s G]
+    python -m commfuse.bench_two_axis [--op gather-scatter|two-gathers] [--reps 7] [--gbytes-per-s G]
 
-The step is an FSDP x TP row-parallel layer, ``psum_scatter(x @
-all_gather(w, "fsdp", axis=1), "tp", scatter_dimension=0)``, at shapes
-where the weight's gather and the product's reduce-scatter move the same
-bytes. The link model (``COMMFUSE_CPU_LINK``, switch topology: one port out
+``gather-scatter`` (the default) is an FSDP x TP row-parallel layer,
+``psum_scatter(x @ all_gather(w, "fsdp", axis=1), "tp",
+scatter_dimension=0)``, at shapes where the weight's gather and the
+product's reduce-scatter move the same bytes. ``two-gathers`` is an SP x
+FSDP column-parallel layer, ``all_gather(x, "tp") @ all_gather(w,
+"fsdp")``, at shapes where the two gathers move the same bytes. The link model (``COMMFUSE_CPU_LINK``, switch topology: one port out
 and one in per device) throttles commfuse's transfers only; XLA's own
 collectives run at memory speed, so the one-sided fusions, which leave one
 collective to XLA, are also given with that collective charged the link's
@@ -14,11 +16,11 @@ time ("+link"). Each way's median of `reps` interleaved rounds of one
 jitted step; ratios from this one run, never asserted.
 
 Columns: T_compute (the local product alone, every device at once: one
-GEMM of x by the gathered w), the link's time for each collective, and
-each way's time against two floors: max(T_compute, gather, reduce-scatter)
-(each collective on links of its own) and max(T_compute, gather +
-reduce-scatter) (both through one port per device, as this link model and
-an NVSwitch have them).
+GEMM of the gathered operands), the link's time for each collective, and
+each way's time against two floors: max(T_compute, first, second) (each
+collective on links of its own) and max(T_compute, first + second) (both
+through one port per device, as this link model and an NVSwitch have
+them).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _scatter(y):
 
 
 def ways():
-    """(name, per-device body, collective left to XLA or None)."""
+    """(name, per-device body, collective left to XLA or None) of the gather-scatter layer."""
     fused = commfuse.all_gather_matmul_reduce_scatter
     return [
         ("xla", lambda x, w: _scatter(x @ _gather(w)), "both"),
@@ -68,6 +70,29 @@ def ways():
                                                                                  schedule="ring")), "scatter"),
         ("reduce fused (ring)", lambda x, w: commfuse.matmul_reduce_scatter(x, _gather(w), "tp", scatter_dimension=0,
                                                                             schedule="ring"), "gather"),
+    ]
+
+
+def _gather_x(x):
+    return jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+
+
+def _gather_w_rows(w):
+    return jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+
+
+def two_gather_ways():
+    """(name, per-device body, collective left to XLA or None) of the two-gather layer."""
+    fused = commfuse.all_gather_both_matmul
+    return [
+        ("xla", lambda x, w: _gather_x(x) @ _gather_w_rows(w), "both"),
+        ("two-gather ring", lambda x, w: fused(x, w, "tp", "fsdp", schedule="ring"), None),
+        ("two-gather auto", lambda x, w: fused(x, w, "tp", "fsdp", schedule="auto"), None),
+        ("two-gather sequential", lambda x, w: fused(x, w, "tp", "fsdp", schedule="sequential"), None),
+        ("x fused (ring)", lambda x, w: commfuse.all_gather_matmul(x, _gather_w_rows(w), "tp", schedule="ring"),
+         "second"),
+        ("w fused (ring)", lambda x, w: commfuse.matmul_all_gather(_gather_x(x), w, "fsdp", gather_dimension=0,
+                                                                   schedule="ring"), "first"),
     ]
 
 
@@ -89,7 +114,10 @@ def main(argv=None) -> None:
     parser.add_argument("--gbytes-per-s", type=float, default=None,
                         help="the link's bandwidth (default: the reduce-scatter's bytes in T_compute)")
     parser.add_argument("--rows", type=int, default=256, help="rows of x per device")
+    parser.add_argument("--op", choices=("gather-scatter", "two-gathers"), default="gather-scatter")
     args = parser.parse_args(argv)
+    if args.op == "two-gathers":
+        return two_gathers(args)
 
     mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
     m = args.rows
@@ -136,6 +164,57 @@ def main(argv=None) -> None:
     print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
     for (name, _, left), t in zip(ways(), measured):
         charged = t + {"scatter": t_scatter, "gather": t_gather, "both": t_gather + t_scatter, None: 0.0}[left]
+        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+
+
+
+def two_gathers(args) -> None:
+    """The SP x FSDP layer: x [m, F*kb] per device (rows over tp), w [kb, c] (rows over fsdp)."""
+    mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
+    m = args.rows
+    # x's gather moves (T-1) m F kb, w's (F-1) kb c: equal for c = (T-1) m F / (F-1).
+    kb, c = m, (T - 1) * m * F // (F - 1)
+    rng = np.random.default_rng(0)
+    x_spec, w_spec = P(("fsdp", "tp")), P("fsdp", "tp")
+    x = jax.device_put(rng.standard_normal((F * T * m, F * kb), np.float32), NamedSharding(mesh, x_spec))
+    w = jax.device_put(rng.standard_normal((F * kb, T * c), np.float32) / kb, NamedSharding(mesh, w_spec))
+    spec = dict(mesh=mesh, in_specs=(x_spec, w_spec), out_specs=P("fsdp", "tp"))
+
+    # T_compute: each device's whole local product at once, both operands already gathered.
+    x_full = jax.device_put(np.asarray(x), NamedSharding(mesh, P("fsdp")))
+    w_full = jax.device_put(np.asarray(w), NamedSharding(mesh, P(None, "tp")))
+    compute = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("fsdp"), P(None, "tp")),
+                                    out_specs=P("fsdp", "tp")))
+    os.environ.pop(LINK_VAR, None)
+    t_compute = _time([compute], (x_full, w_full), args.reps)[0]
+
+    x_bytes = (T - 1) * m * F * kb * 4
+    w_bytes = (F - 1) * kb * c * 4
+    gbps = args.gbytes_per_s or x_bytes / t_compute / 1e9
+    link = lambda nbytes, steps: nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6  # noqa: E731
+    t_x, t_w = link(x_bytes, T - 1), link(w_bytes, F - 1)
+    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
+
+    fns = [jax.jit(jax.shard_map(body, **spec)) for _, body, _ in two_gather_ways()]
+    want = np.asarray(fns[0](x, w))
+    for (name, _, _), f in zip(two_gather_ways(), fns):
+        got = np.asarray(f(x, w))
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
+    measured = _time(fns, (x, w), args.reps)
+    os.environ.pop(LINK_VAR, None)
+
+    own, shared = max(t_compute, t_x, t_w), max(t_compute, t_x + t_w)
+    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; x per device "
+          f"[{m}, {F * kb}] (rows over tp), w per device [{kb}, {c}] (rows over fsdp), f32; link {gbps:.4f} GB/s, "
+          f"{LATENCY_US:.0f} us, switch; medians of {args.reps} interleaved rounds")
+    print(f"T_compute {ms(t_compute)} ms; link: x's gather {ms(t_x)} ms ({x_bytes} B), w's gather {ms(t_w)} ms "
+          f"({w_bytes} B)")
+    print(f"floors: own links max(compute, x's gather, w's gather) = {ms(own)} ms; one port "
+          f"max(compute, both gathers) = {ms(shared)} ms")
+    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
+    for (name, _, left), t in zip(two_gather_ways(), measured):
+        charged = t + {"first": t_x, "second": t_w, "both": t_x + t_w, None: 0.0}[left]
         print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
 
 

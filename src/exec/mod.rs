@@ -25,8 +25,10 @@ use std::time::Instant;
 /// The work a backend does for one step. Called from one lane at a time per
 /// buffer: the plan guarantees no two running steps write the same buffer.
 pub trait Backend: Sync {
-    /// The product for `block` from `src` into (or, `accumulate`, onto) `dst`.
-    fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()>;
+    /// The product for `block` from `src` and `with` (the second operand's
+    /// side: `Buf::W` or a received block of it) into (or, `accumulate`,
+    /// onto) `dst`.
+    fn matmul(&self, block: usize, src: Buf, with: Buf, dst: Buf, accumulate: bool) -> Result<()>;
     /// `dst = Σ terms` (`dst` may be `terms[0]`).
     fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()>;
     /// Post the sends, then wait for every receive. Returns when the exchange
@@ -381,7 +383,9 @@ pub fn run_in_order(plan: &Plan, backend: &dyn Backend, observer: Option<&dyn Ob
 
 fn execute(backend: &dyn Backend, action: &Action, wait: &Wait) -> Result<Instant> {
     match action {
-        Action::Matmul { block, src, dst, accumulate } => backend.matmul(*block, *src, *dst, *accumulate)?,
+        Action::Matmul { block, src, with, dst, accumulate } => {
+            backend.matmul(*block, *src, *with, *dst, *accumulate)?
+        }
         Action::Sum { terms, dst } => backend.sum(terms, *dst)?,
         Action::Exchange { sends, recvs } => return backend.exchange(sends, recvs, wait),
     }
@@ -406,7 +410,7 @@ mod tests {
     struct PanickingComm;
 
     impl Backend for PanickingComm {
-        fn matmul(&self, _: usize, _: Buf, _: Buf, _: bool) -> Result<()> {
+        fn matmul(&self, _: usize, _: Buf, _: Buf, _: Buf, _: bool) -> Result<()> {
             Ok(())
         }
         fn sum(&self, _: &[Buf], _: Buf) -> Result<()> {

@@ -353,8 +353,8 @@ mod tests {
     }
 
     impl Backend for Recorder {
-        fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
-            self.note(Action::Matmul { block, src, dst, accumulate });
+        fn matmul(&self, block: usize, src: Buf, with: Buf, dst: Buf, accumulate: bool) -> Result<()> {
+            self.note(Action::Matmul { block, src, with, dst, accumulate });
             Ok(())
         }
         fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()> {

@@ -39,6 +39,10 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no gather axis size of a group of {n}");
             b.gather_scatter(gathered, 1, sequential);
         }
+        Pattern::GatherGather { gathered } => {
+            assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no axis size of w's gather in a group of {n}");
+            b.gather_gather(gathered, sequential);
+        }
         Pattern::Gather { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
             match () {
@@ -139,8 +143,10 @@ impl Builder {
     /// added to the accumulator (the first product overwrites it).
     fn product(&mut self, block: usize, src: Buf, deps: Vec<StepId>) -> StepId {
         let action = match self.result {
-            Some(result) => Action::Matmul { block, src, dst: Buf::Slot(result), accumulate: self.products > 0 },
-            None => Action::Matmul { block, src, dst: Buf::OutBlock(block), accumulate: false },
+            Some(result) => {
+                Action::Matmul { block, src, with: Buf::W, dst: Buf::Slot(result), accumulate: self.products > 0 }
+            }
+            None => Action::Matmul { block, src, with: Buf::W, dst: Buf::OutBlock(block), accumulate: false },
         };
         self.products += 1;
         self.push(Lane::Compute, action, deps)
@@ -151,7 +157,11 @@ impl Builder {
         if src == Buf::X {
             self.product(0, src, vec![]);
         } else {
-            self.push(Lane::Compute, Action::Matmul { block: 0, src, dst: Buf::Out, accumulate: false }, vec![]);
+            self.push(
+                Lane::Compute,
+                Action::Matmul { block: 0, src, with: Buf::W, dst: Buf::Out, accumulate: false },
+                vec![],
+            );
         }
     }
 
@@ -230,8 +240,13 @@ impl Builder {
     fn matmul_scatter_overlapped(&mut self, (fwd, bwd): (usize, usize)) {
         let last_sums = if bwd == 0 { vec![self.scatter_run_ahead(fwd)] } else { self.scatter_fused(fwd, bwd) };
         let own = self.slot(SlotKind::Partial);
-        let own_product =
-            Action::Matmul { block: self.rank, src: Buf::XBlock(self.rank), dst: Buf::Slot(own), accumulate: false };
+        let own_product = Action::Matmul {
+            block: self.rank,
+            src: Buf::XBlock(self.rank),
+            with: Buf::W,
+            dst: Buf::Slot(own),
+            accumulate: false,
+        };
         self.push(Lane::Compute, own_product, vec![]);
         let mut terms = vec![Buf::Slot(own)];
         let mut deps = vec![];
@@ -261,7 +276,8 @@ impl Builder {
             let block = self.block((steps - s) as isize);
             // The slot of partial s was handed over by the exchange of step s-3.
             let reuse = s.checked_sub(partial.len()).map(|e| exchanges[e]).into_iter().collect();
-            let action = Action::Matmul { block, src: Buf::XBlock(block), dst: slot(s), accumulate: false };
+            let action =
+                Action::Matmul { block, src: Buf::XBlock(block), with: Buf::W, dst: slot(s), accumulate: false };
             let product = self.push(Lane::Compute, action, reuse);
             if s > 0 {
                 // After the exchange of step s-1, earlier on this lane.
@@ -301,7 +317,8 @@ impl Builder {
                 // receives into `sums[c][s % 2]`, sent at step s-1 before.
                 let slot = Buf::Slot(sums[c][(s + 1) % 2]);
                 let deps = if s == 0 { vec![] } else { vec![exchanges[c][s - 1]] };
-                let action = Action::Matmul { block, src: Buf::XBlock(block), dst: slot, accumulate: s > 0 };
+                let action =
+                    Action::Matmul { block, src: Buf::XBlock(block), with: Buf::W, dst: slot, accumulate: s > 0 };
                 let product = self.push(Lane::Compute, action, deps);
                 let tag = tag(direction, s);
                 let sends = vec![Transfer { peer: to, buf: slot, tag }];
@@ -322,7 +339,8 @@ impl Builder {
         let incoming = self.slots(SlotKind::Partial, 2);
         let mut last = 0;
         for (j, &slot) in partial.iter().enumerate() {
-            let product = Action::Matmul { block: j, src: Buf::XBlock(j), dst: Buf::Slot(slot), accumulate: false };
+            let product =
+                Action::Matmul { block: j, src: Buf::XBlock(j), with: Buf::W, dst: Buf::Slot(slot), accumulate: false };
             last = self.push(Lane::Compute, product, vec![]);
         }
         let mut exchanges: Vec<StepId> = vec![];
@@ -402,6 +420,7 @@ impl Builder {
         let own = Action::Matmul {
             block: self.rank,
             src: Buf::XBlock(self.rank),
+            with: Buf::W,
             dst: Buf::OutBlock(self.rank),
             accumulate: false,
         };
@@ -410,7 +429,8 @@ impl Builder {
             let to = self.block(s as isize);
             // The outgoing slot was last sent by exchange s-depth.
             let deps = if s > depth { vec![exchanges[s - depth]] } else { vec![] };
-            let product = Action::Matmul { block: to, src: Buf::XBlock(to), dst: out_slot(s), accumulate: false };
+            let product =
+                Action::Matmul { block: to, src: Buf::XBlock(to), with: Buf::W, dst: out_slot(s), accumulate: false };
             let product = self.push(Lane::Compute, product, deps);
             if !sequential {
                 // Receiving into in_slot(s) waits until its previous block was copied out.
@@ -471,8 +491,13 @@ impl Builder {
             for s in 0..n {
                 let q = self.block(-(s as isize));
                 let fine = q * k + c;
-                let action =
-                    Action::Matmul { block: fine, src: held(c, s), dst: Buf::OutBlock(fine), accumulate: false };
+                let action = Action::Matmul {
+                    block: fine,
+                    src: held(c, s),
+                    with: Buf::W,
+                    dst: Buf::OutBlock(fine),
+                    accumulate: false,
+                };
                 last = self.push(Lane::Compute, action, deps.clone());
             }
             last_product.push(last);
@@ -498,8 +523,13 @@ impl Builder {
                 let j = self.block(-1 - s as isize);
                 // The set was last used by chunk c-2's reduce-scatter.
                 let deps = if s == 0 && c >= 2 { vec![reduced[c - 2]] } else { vec![] };
-                let action =
-                    Action::Matmul { block: j * k + c, src: Buf::XBlock(j), dst: Buf::Slot(set[j]), accumulate: false };
+                let action = Action::Matmul {
+                    block: j * k + c,
+                    src: Buf::XBlock(j),
+                    with: Buf::W,
+                    dst: Buf::Slot(set[j]),
+                    accumulate: false,
+                };
                 last = self.push(Lane::Compute, action, deps);
             }
             let mut deps = vec![last];
@@ -539,8 +569,13 @@ impl Builder {
             for t in 0..k {
                 let deps = if s == 0 { vec![] } else { vec![exchanges[s - 1][t]] };
                 let fine = q * k + t;
-                let product =
-                    Action::Matmul { block: fine, src: held(s, t), dst: Buf::OutBlock(fine), accumulate: false };
+                let product = Action::Matmul {
+                    block: fine,
+                    src: held(s, t),
+                    with: Buf::W,
+                    dst: Buf::OutBlock(fine),
+                    accumulate: false,
+                };
                 done.push(self.push(Lane::Compute, product, deps));
                 if s + 1 < n {
                     let tag = tag(Direction::Forward, s * k + t);
@@ -576,7 +611,13 @@ impl Builder {
             for t in 0..k {
                 let slot = Buf::Slot(sums[t][(s + 1) % 2]);
                 let deps = if s == 0 { vec![] } else { vec![exchanges[s - 1][t]] };
-                let product = Action::Matmul { block: j * k + t, src: Buf::XBlock(j), dst: slot, accumulate: s > 0 };
+                let product = Action::Matmul {
+                    block: j * k + t,
+                    src: Buf::XBlock(j),
+                    with: Buf::W,
+                    dst: slot,
+                    accumulate: s > 0,
+                };
                 let product = self.push(Lane::Compute, product, deps);
                 let tag = tag(Direction::Forward, s * k + t);
                 let sends = vec![Transfer { peer: self.next(), buf: slot, tag }];
@@ -587,8 +628,13 @@ impl Builder {
         }
         let r = self.rank;
         for (t, &slot) in own.iter().enumerate() {
-            let product =
-                Action::Matmul { block: r * k + t, src: Buf::XBlock(r), dst: Buf::Slot(slot), accumulate: false };
+            let product = Action::Matmul {
+                block: r * k + t,
+                src: Buf::XBlock(r),
+                with: Buf::W,
+                dst: Buf::Slot(slot),
+                accumulate: false,
+            };
             self.push(Lane::Compute, product, vec![]);
         }
         for (t, &slot) in own.iter().enumerate() {
@@ -730,6 +776,7 @@ impl Builder {
                 let action = Action::Matmul {
                     block: d * chunks + fine,
                     src: held(c),
+                    with: Buf::W,
                     dst: Buf::Slot(set[d]),
                     accumulate: false,
                 };
@@ -774,6 +821,83 @@ impl Builder {
             // The own row block's product is the ring's last (`row_at`).
             reduced.push(self.push(Lane::Comm, Action::Sum { terms, dst }, vec![last]));
         }
+    }
+
+    /// Two gathers (`Pattern::GatherGather`): rank `f * T + t` holds row
+    /// block t of its x and w's block f (a block of w's rows, the
+    /// contraction). x's blocks travel round the T ranks that share f and
+    /// w's round the F ranks that share t, the two rings' steps in turn,
+    /// and every received block is kept (the gathered operands, as the
+    /// unfused form holds them). The product of
+    /// x's row block p and w's block q (x_p's columns of block q times w_q)
+    /// is added into row block p of the result, in order of the later of
+    /// the two blocks' arrivals: the products each exchange makes possible
+    /// run while the next exchange travels. Nothing but the own blocks is
+    /// needed at the head, and nothing travels after the last product.
+    /// Sequential: every block gathered first, then the products.
+    fn gather_gather(&mut self, gathered: usize, sequential: bool) {
+        let (n, f_size) = (self.n, gathered);
+        let t_size = n / f_size;
+        let (f, t) = (self.rank / t_size, self.rank % t_size);
+        let rank_of = |f: usize, t: usize| (f % f_size) * t_size + t % t_size;
+        let (next_f, prev_f) = (rank_of(f + 1, t), rank_of(f + f_size - 1, t));
+        let (next_t, prev_t) = (rank_of(f, t + 1), rank_of(f, t + t_size - 1));
+        let x_slots = self.slots(SlotKind::Input, t_size - 1);
+        let w_slots = self.slots(SlotKind::Weight, f_size - 1);
+        let result = self.slot(SlotKind::Result);
+        // The block of x held at step s (row block t - s), and of w at step c (block f - c).
+        let x_at = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(x_slots[s - 1]) };
+        let w_at = |c: usize| if c == 0 { Buf::W } else { Buf::Slot(w_slots[c - 1]) };
+        // Each ring's step e is an exchange of its own, x's then w's: a
+        // device's one port carries them in turn, and the products of x's
+        // block e + 1 with the blocks of w already here run while w's block
+        // e + 1 travels. x_in[s] / w_in[c]: the exchange that brought step
+        // s's block of x / step c's of w.
+        let (mut x_in, mut w_in): (Vec<Option<StepId>>, Vec<Option<StepId>>) = (vec![None], vec![None]);
+        for e in 0..(t_size - 1).max(f_size - 1) {
+            let rings = [(e + 1 < t_size, Direction::Forward), (e + 1 < f_size, Direction::Backward)];
+            for (on, direction) in rings {
+                if !on {
+                    continue;
+                }
+                let tag = tag(direction, e);
+                let (peers, held, into) = match direction {
+                    Direction::Forward => ((next_t, prev_t), x_at(e), x_at(e + 1)),
+                    Direction::Backward => ((next_f, prev_f), w_at(e), w_at(e + 1)),
+                };
+                let sends = vec![Transfer { peer: peers.0, buf: held, tag }];
+                let recvs = vec![Transfer { peer: peers.1, buf: into, tag }];
+                let exchange = Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![]));
+                if direction == Direction::Forward { &mut x_in } else { &mut w_in }.push(exchange);
+            }
+        }
+        let last_exchange = self.steps.iter().rposition(|s| s.lane == Lane::Comm);
+        // Level e: the products step e's blocks make possible with every
+        // block before them, in the order those blocks arrive: x's block e
+        // by w's blocks before e, then every block of x so far by w's
+        // block e. A row block's first product is the one with w's step-0
+        // block (the own), so the rest add onto it.
+        let mut waited: Option<StepId> = None;
+        for e in 0..t_size.max(f_size) {
+            let new_x = (e < t_size).then(|| (0..f_size.min(e)).map(move |c| (e, c)));
+            let new_w = (e < f_size).then(|| (0..t_size.min(e + 1)).map(move |s| (s, e)));
+            for (s, c) in new_x.into_iter().flatten().chain(new_w.into_iter().flatten()) {
+                let (p, q) = ((t + t_size - s) % t_size, (f + f_size - c) % f_size);
+                // The later of the two exchanges this product needs (sequential: the last of all).
+                let needs = if sequential { last_exchange } else { x_in[s].max(w_in[c]) };
+                let deps: Vec<StepId> = needs.filter(|&x| Some(x) > waited).into_iter().collect();
+                waited = waited.max(needs);
+                let action = Action::Matmul {
+                    block: p * f_size + q,
+                    src: x_at(s),
+                    with: w_at(c),
+                    dst: Buf::Slot(result),
+                    accumulate: c > 0,
+                };
+                self.push(Lane::Compute, action, deps);
+            }
+        }
+        self.push(Lane::Compute, Action::Sum { terms: vec![Buf::Slot(result)], dst: Buf::Out }, vec![]);
     }
 
     /// Copies the block received at step s into its output block.

@@ -75,6 +75,13 @@ pub enum Pattern {
     /// share `f`, the partials summed on the way. `gathered` is F (0: not
     /// known from the op kind alone, see `Problem::pattern`).
     GatherScatter { gathered: usize },
+    /// Two gathers over a group of F x T ranks (rank `f * T + t`): the row
+    /// blocks of `x` travel round the T ranks that share `f` and the blocks
+    /// of the second operand (`w`, cut along the contraction) round the F
+    /// ranks that share `t`; each product of one block of each is added into
+    /// the result's row block of its `x` block. `gathered` is F (0: not known
+    /// from the op kind alone, see `Problem::pattern`).
+    GatherGather { gathered: usize },
 }
 
 impl Pattern {
@@ -98,6 +105,14 @@ impl Pattern {
     /// Whether partial products travel and are summed on the way.
     pub fn reduces(self) -> bool {
         matches!(self, Pattern::Scatter | Pattern::AllReduce | Pattern::GatherScatter { .. })
+    }
+
+    /// The size F of a two-axis pattern's first axis (`None` for the one-axis patterns).
+    pub fn two_axis(self) -> Option<usize> {
+        match self {
+            Pattern::GatherScatter { gathered } | Pattern::GatherGather { gathered } => Some(gathered),
+            _ => None,
+        }
     }
 }
 
@@ -187,7 +202,7 @@ impl Schedule {
             Schedule::Sliced { slices } => Schedule::Sliced { slices },
             Schedule::Tiled { tiles } => Schedule::Tiled { tiles },
             // Both rings run one way: one overlapped plan.
-            _ if !pattern.uses_ring() || matches!(pattern, Pattern::GatherScatter { .. }) => Schedule::Ring,
+            _ if !pattern.uses_ring() || pattern.two_axis().is_some() => Schedule::Ring,
             Schedule::Auto if n <= 2 => Schedule::Ring,
             Schedule::Auto => Schedule::Bidirectional,
             other => other,
@@ -207,6 +222,10 @@ pub enum Lane {
 pub enum Buf {
     /// The local `x` (the operand that travels or is split), whole.
     X,
+    /// The local second operand (`w`), whole: what a product multiplies by
+    /// unless a received block of it is named (`Action::Matmul::with`), and
+    /// what a plan that gathers it too (`Pattern::GatherGather`) sends.
+    W,
     /// The part of the local `x` that belongs to block j.
     XBlock(usize),
     /// Workspace slot i.
@@ -222,6 +241,7 @@ impl std::fmt::Display for Buf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Buf::X => write!(f, "x"),
+            Buf::W => write!(f, "w"),
             Buf::XBlock(j) => write!(f, "x[{j}]"),
             Buf::Slot(i) => write!(f, "slot{i}"),
             Buf::Out => write!(f, "out"),
@@ -235,6 +255,9 @@ impl std::fmt::Display for Buf {
 pub enum SlotKind {
     /// One travelling block (a chunk, in a sliced plan) of `x`, in the input dtype.
     Input,
+    /// One travelling block of the second operand (`w`, as large as the
+    /// local one), in the input dtype (`Pattern::GatherGather`).
+    Weight,
     /// One block (a chunk, in a sliced plan) of products, in the accumulator
     /// dtype. A send hands a partial over: no plan reads a sent partial again
     /// before rewriting it (the plan tests check this), so a backend may give
@@ -279,8 +302,10 @@ pub struct Transfer {
 pub enum Action {
     /// The product for block `block` (whose data `src` holds) into `dst`;
     /// `accumulate` adds to `dst` instead of overwriting it. What is
-    /// multiplied by what is the op's geometry (`crate::problem`).
-    Matmul { block: usize, src: Buf, dst: Buf, accumulate: bool },
+    /// multiplied by what is the op's geometry (`crate::problem`); the
+    /// second operand's side reads `with`: `Buf::W`, or a slot holding a
+    /// received block of it (`Pattern::GatherGather`).
+    Matmul { block: usize, src: Buf, with: Buf, dst: Buf, accumulate: bool },
     /// `dst = Σ terms`, in the accumulator dtype; `dst` may be `terms[0]`.
     Sum { terms: Vec<Buf>, dst: Buf },
     /// A group of transfers posted together (one NCCL group on a GPU); it
@@ -333,8 +358,8 @@ impl Action {
     /// Buffers the action reads.
     pub fn reads(&self) -> Vec<Buf> {
         match self {
-            Action::Matmul { src, dst, accumulate: true, .. } => vec![*src, *dst],
-            Action::Matmul { src, .. } => vec![*src],
+            Action::Matmul { src, with, dst, accumulate: true, .. } => vec![*src, *with, *dst],
+            Action::Matmul { src, with, .. } => vec![*src, *with],
             Action::Sum { terms, .. } => terms.clone(),
             Action::Exchange { sends, .. } => sends.iter().map(|t| t.buf).collect(),
         }

@@ -1,7 +1,7 @@
 //! Exhaustive property checks of every plan for N in 1..=16 and every rank.
 
 use super::*;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
 const PATTERNS: [Pattern; 7] = Pattern::ALL;
@@ -109,7 +109,9 @@ fn sliced_piece(pattern: Pattern, rank: usize, block: usize, k: usize) -> (usize
         Pattern::Gather { .. } => (block / k, block),
         Pattern::Scatter | Pattern::AllReduce | Pattern::MatmulThenExchange => (rank, block),
         Pattern::ExchangeThenMatmul { .. } => (block, rank),
-        Pattern::GatherScatter { .. } => unreachable!("two-axis plans have their own check (simulate_two_axis)"),
+        Pattern::GatherScatter { .. } | Pattern::GatherGather { .. } => {
+            unreachable!("two-axis plans have their own checks (simulate_two_axis, simulate_two_gathers)")
+        }
     }
 }
 
@@ -148,7 +150,8 @@ fn simulate(plans: &[Plan], label: &str) {
                     }
                 };
                 match &step.action {
-                    Action::Matmul { block, src, dst, accumulate } => {
+                    Action::Matmul { block, src, with, dst, accumulate } => {
+                        assert_eq!(*with, Buf::W, "{label}: a one-axis product multiplies by the local w");
                         let v = read(st, *src);
                         let want: Value = [sliced_piece(pattern, r, *block, k)].into();
                         // A sliced scatter multiplies one chunk of the x block it reads.
@@ -299,9 +302,9 @@ enum SlotKindOf {
 
 fn kind_of(plan: &Plan, buf: Buf) -> SlotKindOf {
     match buf {
-        Buf::X | Buf::XBlock(_) => SlotKindOf::Input,
+        Buf::X | Buf::XBlock(_) | Buf::W => SlotKindOf::Input,
         Buf::Slot(i) => match plan.slots[i] {
-            SlotKind::Input => SlotKindOf::Input,
+            SlotKind::Input | SlotKind::Weight => SlotKindOf::Input,
             SlotKind::Partial | SlotKind::Result => SlotKindOf::Products,
         },
         Buf::Out | Buf::OutBlock(_) => SlotKindOf::Products,
@@ -368,7 +371,7 @@ fn head_and_tail_are_not_exposed() {
                         assert!(own.deps.is_empty(), "{pattern:?}");
                         assert!(matches!(last.action, Action::Sum { .. }));
                     }
-                    Pattern::GatherScatter { .. } => unreachable!("not in PATTERNS"),
+                    Pattern::GatherScatter { .. } | Pattern::GatherGather { .. } => unreachable!("not in PATTERNS"),
                 }
             }
         }
@@ -736,7 +739,7 @@ fn simulate_two_axis(plans: &[Plan], f_size: usize, label: &str) {
         for r in 0..n {
             while let Some(step) = plans[r].steps.get(cursor[r]) {
                 match &step.action {
-                    Action::Matmul { block, src, dst: Buf::Slot(i), accumulate: false } => {
+                    Action::Matmul { block, src, with: Buf::W, dst: Buf::Slot(i), accumulate: false } => {
                         let j = block % chunks / slices;
                         assert_eq!(read(&slots[r], r, *src), TwoAxis::W(j), "{label}: rank {r} block {block}");
                         slots[r].insert(*i, TwoAxis::Partials([(r, *block)].into()));
@@ -930,4 +933,177 @@ fn two_axis_ring_steps_wait_for_their_own_product_only() {
             }
         }
     });
+}
+
+/// What a buffer holds in the symbolic run of a two-gather plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TwoGathers {
+    /// Row block p of x, of the ranks with this f.
+    X { f: usize, p: usize },
+    /// Block q of w (its rows), of the ranks with this t.
+    W { t: usize, q: usize },
+    /// Per row block of the result, the blocks of w multiplied into it.
+    Result(BTreeMap<usize, BTreeSet<usize>>),
+}
+
+/// Runs every rank's plan of `Pattern::GatherGather { gathered: f_size }`
+/// message by message: each product multiplies x's row block p of the
+/// rank's own f by w's block q of its own t (block `p * F + q`), into row
+/// block p of its result; rank f*T + t ends with every row block's
+/// products over every block of w, each once, summed into the output once.
+fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
+    let n = plans.len();
+    let t_size = n / f_size;
+    let mut cursor = vec![0usize; n];
+    let mut sent = vec![false; n];
+    let mut slots: Vec<HashMap<usize, TwoGathers>> = vec![HashMap::new(); n];
+    let mut outs = vec![0usize; n];
+    let mut mailbox: HashMap<(usize, usize, Tag), TwoGathers> = HashMap::new();
+    let read = |slots: &HashMap<usize, TwoGathers>, r: usize, b: Buf| -> TwoGathers {
+        match b {
+            Buf::X => TwoGathers::X { f: r / t_size, p: r % t_size },
+            Buf::W => TwoGathers::W { t: r % t_size, q: r / t_size },
+            Buf::Slot(i) => slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
+            other => panic!("{label}: rank {r} reads {other:?}"),
+        }
+    };
+    loop {
+        let mut progressed = false;
+        for r in 0..n {
+            let (f, t) = (r / t_size, r % t_size);
+            while let Some(step) = plans[r].steps.get(cursor[r]) {
+                match &step.action {
+                    Action::Matmul { block, src, with, dst: Buf::Slot(i), accumulate } => {
+                        let (p, q) = (block / f_size, block % f_size);
+                        assert_eq!(read(&slots[r], r, *src), TwoGathers::X { f, p }, "{label}: rank {r} block {block}");
+                        assert_eq!(
+                            read(&slots[r], r, *with),
+                            TwoGathers::W { t, q },
+                            "{label}: rank {r} block {block}"
+                        );
+                        let mut rows = match (accumulate, slots[r].get(i)) {
+                            (true, Some(TwoGathers::Result(rows))) => rows.clone(),
+                            (true, other) => panic!("{label}: rank {r} accumulates onto {other:?}"),
+                            (false, Some(TwoGathers::Result(rows))) => rows.clone(),
+                            (false, _) => BTreeMap::new(),
+                        };
+                        let row = rows.entry(p).or_default();
+                        if !accumulate {
+                            row.clear();
+                        }
+                        assert!(row.insert(q), "{label}: rank {r} adds block {block} twice");
+                        slots[r].insert(*i, TwoGathers::Result(rows));
+                    }
+                    Action::Sum { terms, dst: Buf::Out } => {
+                        let [Buf::Slot(i)] = terms[..] else { panic!("{label}: rank {r} sums {terms:?}") };
+                        let want: BTreeMap<usize, BTreeSet<usize>> =
+                            (0..t_size).map(|p| (p, (0..f_size).collect())).collect();
+                        assert_eq!(slots[r].get(&i), Some(&TwoGathers::Result(want)), "{label}: rank {r}'s result");
+                        outs[r] += 1;
+                    }
+                    Action::Exchange { sends, recvs } => {
+                        if !sent[r] {
+                            for s in sends {
+                                let v = read(&slots[r], r, s.buf);
+                                assert!(
+                                    mailbox.insert((r, s.peer, s.tag), v).is_none(),
+                                    "{label}: {:?} sent twice",
+                                    s.tag
+                                );
+                            }
+                            sent[r] = true;
+                        }
+                        if !recvs.iter().all(|t| mailbox.contains_key(&(t.peer, r, t.tag))) {
+                            break;
+                        }
+                        for rv in recvs {
+                            let v = mailbox.remove(&(rv.peer, r, rv.tag)).expect("there");
+                            let Buf::Slot(i) = rv.buf else { panic!("{label}: receives into {:?}", rv.buf) };
+                            let fits = matches!(
+                                (&v, plans[r].slots[i]),
+                                (TwoGathers::X { .. }, SlotKind::Input) | (TwoGathers::W { .. }, SlotKind::Weight)
+                            );
+                            assert!(fits, "{label}: rank {r} receives {v:?} into a {:?} slot", plans[r].slots[i]);
+                            slots[r].insert(i, v);
+                        }
+                        sent[r] = false;
+                    }
+                    other => panic!("{label}: unexpected {other:?}"),
+                }
+                cursor[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..n).all(|r| cursor[r] == plans[r].steps.len()) {
+            break;
+        }
+        assert!(progressed, "{label}: deadlock at cursors {cursor:?}");
+    }
+    assert!(mailbox.is_empty(), "{label}: sends never received");
+    assert!(outs.iter().all(|&o| o == 1), "{label}: outputs written {outs:?} times");
+}
+
+#[test]
+fn every_two_gather_plan_is_correct_and_race_free() {
+    let mut checked = 0;
+    for f_size in 1..=6 {
+        for t_size in 1..=6 {
+            let n = f_size * t_size;
+            for schedule in SCHEDULES {
+                let plans: Vec<Plan> =
+                    (0..n).map(|r| plan(Pattern::GatherGather { gathered: f_size }, schedule, n, r)).collect();
+                let label = format!("F={f_size} T={t_size} {schedule:?}");
+                for p in &plans {
+                    check_hazards(p, &format!("{label} rank={}", p.rank));
+                }
+                simulate_two_gathers(&plans, f_size, &label);
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 36 * SCHEDULES.len());
+}
+
+/// The point of the two-gather plan: nothing waits at the head (the first
+/// product multiplies the own blocks), each product waits only for the
+/// exchanges that brought its two blocks (and, the compute lane running in
+/// order, those an earlier product waited for), and no transfer is left
+/// after the last product.
+#[test]
+fn two_gather_products_wait_only_for_their_own_blocks() {
+    for (f_size, t_size) in [(2, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1), (8, 8), (3, 5)] {
+        let n = f_size * t_size;
+        for rank in 0..n {
+            let (f, t) = (rank / t_size, rank % t_size);
+            let p = plan(Pattern::GatherGather { gathered: f_size }, Schedule::Ring, n, rank);
+            let hb = happens_before(&p);
+            let products = matmuls(&p);
+            assert_eq!(products.len(), n);
+            // The exchange that brings the block of x (Forward) or w (Backward) of step s.
+            let brings = |direction: Direction, s: usize| -> Option<StepId> {
+                let tag = Tag { direction, step: s.checked_sub(1)? };
+                let exchange = p.steps.iter().find(|e| match &e.action {
+                    Action::Exchange { recvs, .. } => recvs.iter().any(|r| r.tag == tag),
+                    _ => false,
+                });
+                Some(exchange.expect("every block arrives").id)
+            };
+            let exchanges: Vec<StepId> =
+                p.steps.iter().filter(|s| matches!(s.action, Action::Exchange { .. })).map(|s| s.id).collect();
+            assert_eq!(exchanges.len(), (f_size - 1) + (t_size - 1));
+            let mut needed: Option<StepId> = None;
+            for &product in &products {
+                let Action::Matmul { block, .. } = p.steps[product].action else { unreachable!() };
+                // The steps at which x's row block and w's block arrive.
+                let (s, c) = ((t + t_size - block / f_size) % t_size, (f + f_size - block % f_size) % f_size);
+                needed = needed.max(brings(Direction::Forward, s)).max(brings(Direction::Backward, c));
+                for &exchange in &exchanges {
+                    let label = format!("F={f_size} T={t_size} rank {rank}: block {block} and exchange {exchange}");
+                    assert_eq!(hb[exchange][product], needed.is_some_and(|e| exchange <= e), "{label}");
+                }
+            }
+            let last = *products.last().expect("products");
+            assert!(exchanges.iter().all(|&e| !hb[last][e]), "a transfer after the last product");
+        }
+    }
 }

@@ -54,6 +54,7 @@ impl Workspace {
         for kind in &plan.slots {
             let slot = match kind {
                 SlotKind::Input => workspace.append(sizes.travel, sizes.input.size(), ALIGN)?,
+                SlotKind::Weight => workspace.append(sizes.w, sizes.input.size(), ALIGN)?,
                 SlotKind::Partial => workspace.append(sizes.partial, acc, ALIGN)?,
                 SlotKind::Result => workspace.append(sizes.result, acc, ALIGN)?,
             };

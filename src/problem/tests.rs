@@ -23,6 +23,8 @@ pub(crate) fn cases() -> Vec<Case> {
         (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6], 0),
         (MatmulAllToAllCols, vec![5, 8], vec![8, 12], vec![4, 5, 3], 0),
         (MatmulAllReduce, vec![12, 8], vec![8, 6], vec![12, 6], 0),
+        // F = 2 (w's gather axis) x T = 2 (x's).
+        (AllGatherBothMatmul, vec![3, 10], vec![5, 6], vec![6, 6], 2),
     ]
 }
 
@@ -32,7 +34,7 @@ fn every_gemm_of_every_plan_stays_inside_its_buffers() {
         let p = Problem::new(kind, op(&x), op(&w), op(&out), d, 4).unwrap();
         let sizes = p.sizes();
         for rank in 0..4 {
-            let pl = plan(kind.pattern(), Schedule::Ring, 4, rank);
+            let pl = plan(p.pattern(), Schedule::Ring, 4, rank);
             for step in &pl.steps {
                 let Action::Matmul { block, src, dst, .. } = step.action else { continue };
                 for g in p.gemms(block, src, dst) {

@@ -10,8 +10,10 @@ use serde_json::{json, Value};
 
 fn action_brief(action: &Action) -> String {
     match action {
-        Action::Matmul { block, src, dst, accumulate } => {
-            format!("matmul b{block} {}{}{}", src, if *accumulate { " +-> " } else { " -> " }, dst)
+        Action::Matmul { block, src, with, dst, accumulate } => {
+            // The local w is every product's but a two-gather plan's.
+            let with = if *with == plan::Buf::W { String::new() } else { format!(" x {with}") };
+            format!("matmul b{block} {src}{with}{}{dst}", if *accumulate { " +-> " } else { " -> " })
         }
         Action::Sum { terms, dst } => {
             let terms: Vec<String> = terms.iter().map(|b| b.to_string()).collect();

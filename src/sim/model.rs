@@ -42,11 +42,13 @@ fn extent(problem: &Problem, plan: &Plan, buf: Buf) -> (usize, usize) {
     let acc = sizes.accumulator().size();
     match buf {
         Buf::X => (sizes.x, sizes.input.size()),
+        Buf::W => (sizes.w, sizes.input.size()),
         Buf::XBlock(j) => (problem.x_block(j).map_or(0, |r| r.len()), sizes.input.size()),
         Buf::Out => (sizes.result, acc),
         Buf::OutBlock(_) => (problem.out_range(buf).len(), acc),
         Buf::Slot(i) => match plan.slots.get(i) {
             Some(SlotKind::Input) => (sizes.travel, sizes.input.size()),
+            Some(SlotKind::Weight) => (sizes.w, sizes.input.size()),
             Some(SlotKind::Partial) => (sizes.partial, acc),
             Some(SlotKind::Result) | None => (sizes.result, acc),
         },
@@ -58,7 +60,7 @@ pub fn step_seconds(problem: &Problem, plan: &Plan, step: &Step, machine: &Machi
     let c = &machine.compute;
     let acc = problem.accumulator();
     match &step.action {
-        Action::Matmul { block, src, dst, accumulate } => problem
+        Action::Matmul { block, src, dst, accumulate, .. } => problem
             .gemms(*block, *src, *dst)
             .iter()
             .map(|g| c.gemm_s(g.dst.rows, g.lhs.1.cols, g.dst.cols, problem.input, acc, *accumulate))
@@ -202,6 +204,8 @@ pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f6
         MatmulAllGather | MatmulReduceScatterCols | MatmulAllToAllCols => (m, k, c * count),
         // Every row block by every block of w: x @ the gathered w.
         AllGatherMatmulReduceScatter => (m * (count / problem.gathered()), k, c * problem.gathered()),
+        // Every row block by every block of w: the gathered x @ the gathered w.
+        AllGatherBothMatmul => (m * (count / problem.gathered()), k * problem.gathered(), c),
     };
     let shared = machine.shared_processors.map_or(1.0, |p| (n as f64 / p).max(1.0));
     Some(shared * machine.compute.gemm_s(m, k, c, problem.input, problem.accumulator(), false))

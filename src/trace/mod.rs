@@ -212,6 +212,8 @@ pub struct CallLabel {
     /// Bytes of each workspace slot, and of the whole local `x`.
     pub slot_bytes: Vec<usize>,
     pub x_bytes: usize,
+    /// Bytes of the whole local `w` (`Buf::W`, which a two-gather plan sends).
+    pub w_bytes: usize,
     /// Bytes of each `Buf::XBlock(j)` (`Problem::x_block`).
     pub x_block_bytes: Vec<usize>,
 }
@@ -231,6 +233,7 @@ impl CallLabel {
             transport: "host",
             slot_bytes: slot_bytes.unwrap_or_default(),
             x_bytes,
+            w_bytes: problem.sizes().w * problem.input.size(),
             x_block_bytes,
         }
     }
@@ -240,6 +243,7 @@ impl CallLabel {
         match buf {
             Buf::Slot(i) => self.slot_bytes.get(i).copied(),
             Buf::X => Some(self.x_bytes),
+            Buf::W => Some(self.w_bytes),
             Buf::XBlock(j) => self.x_block_bytes.get(j).copied(),
             Buf::Out | Buf::OutBlock(_) => None,
         }
@@ -260,16 +264,20 @@ impl CallLabel {
 fn step_slice(step: &Step, label: &CallLabel) -> (Kind, Vec<(&'static str, Value)>) {
     let deps = ("deps", Value::S(list(&step.deps)));
     match &step.action {
-        Action::Matmul { block, src, dst, accumulate } => (
-            Kind::Matmul,
-            vec![
+        Action::Matmul { block, src, with, dst, accumulate } => {
+            let mut args = vec![
                 deps,
                 ("block", Value::U(*block as u64)),
                 ("src", Value::S(src.to_string())),
                 ("dst", Value::S(dst.to_string())),
                 ("accumulate", Value::B(*accumulate)),
-            ],
-        ),
+            ];
+            // The local w is every product's but a two-gather plan's.
+            if *with != Buf::W {
+                args.push(("with", Value::S(with.to_string())));
+            }
+            (Kind::Matmul, args)
+        }
         Action::Sum { terms, dst } => (
             Kind::Add,
             vec![

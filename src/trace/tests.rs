@@ -134,7 +134,7 @@ fn empty_trace_is_valid() {
 struct Sleepy;
 
 impl Backend for Sleepy {
-    fn matmul(&self, _: usize, _: Buf, _: Buf, _: bool) -> Result<()> {
+    fn matmul(&self, _: usize, _: Buf, _: Buf, _: Buf, _: bool) -> Result<()> {
         std::thread::sleep(Duration::from_millis(2));
         Ok(())
     }
@@ -167,6 +167,7 @@ fn executor_records_every_step_in_plan_order() {
         transport: "host",
         slot_bytes: vec![64, 64],
         x_bytes: 64,
+        w_bytes: 48,
         x_block_bytes: vec![16; 4],
     };
 
@@ -240,7 +241,7 @@ fn executor_records_every_step_in_plan_order() {
 struct Calls(Mutex<Vec<(std::thread::ThreadId, String)>>);
 
 impl Backend for Calls {
-    fn matmul(&self, block: usize, src: Buf, dst: Buf, _: bool) -> Result<()> {
+    fn matmul(&self, block: usize, src: Buf, _: Buf, dst: Buf, _: bool) -> Result<()> {
         crate::sync::lock(&self.0).push((std::thread::current().id(), format!("matmul {block} {src} {dst}")));
         Ok(())
     }
@@ -295,6 +296,7 @@ fn a_traced_run_makes_the_same_backend_calls_as_an_untraced_one() {
                 transport: "host",
                 slot_bytes: Vec::new(),
                 x_bytes: 0,
+                w_bytes: 0,
                 x_block_bytes: Vec::new(),
             });
             crate::exec::run(&plan, &traced, recording.as_ref().map(|r| r as &dyn crate::exec::Observer)).unwrap();

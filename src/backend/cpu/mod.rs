@@ -114,6 +114,8 @@ pub fn fp8_on_cpu(dtype: DType) -> Error {
 /// packed right-hand side of the GEMMs (`gemm::pack_rhs`).
 struct Scratch<'a> {
     travel: Option<&'a mut [u8]>,
+    /// A received block of `w` converted (`Pattern::GatherGather`).
+    travel_w: Option<&'a mut [u8]>,
     results: Option<&'a mut [u8]>,
     packed: &'a mut [u8],
     /// Whether `packed` holds the whole `w`, packed by an earlier step.
@@ -122,9 +124,10 @@ struct Scratch<'a> {
 
 struct CpuBackend<'a, A: Accum> {
     problem: Problem,
-    /// `x` as XLA passed it (what is sent), and both operands in the
-    /// accumulator type (XLA's buffers, or their converted copies).
+    /// `x` and `w` as XLA passed them (what is sent), and both operands in
+    /// the accumulator type (XLA's buffers, or their converted copies).
     x: &'a [u8],
+    w: &'a [u8],
     x_acc: &'a [u8],
     w_acc: &'a [u8],
     out: Mutex<&'a mut [u8]>,
@@ -134,8 +137,8 @@ struct CpuBackend<'a, A: Accum> {
     slots: Vec<RwLock<Option<Shared>>>,
     slot_bytes: Vec<usize>,
     slot_kinds: Vec<SlotKind>,
-    /// The blocks sent out of `x` (`Buf::X`, `Buf::XBlock`): copied once,
-    /// then handed to every peer that gets them.
+    /// The blocks sent out of `x` (`Buf::X`, `Buf::XBlock`) or `w`
+    /// (`Buf::W`): copied once, then handed to every peer that gets them.
     sent_x: Mutex<HashMap<Buf, Shared>>,
     scratch: Mutex<Scratch<'a>>,
     endpoint: &'a Endpoint,
@@ -176,6 +179,19 @@ fn claim<'g, T>(m: &'g Mutex<T>, what: &str) -> Result<MutexGuard<'g, T>> {
     }
 }
 
+/// A received block of `input` in the accumulator type: converted into
+/// `scratch` where there is one (the input type is not the accumulator's).
+fn landed<'s, A: Accum>(bytes: &'s [u8], input: DType, scratch: Option<&'s mut [u8]>) -> Result<&'s [A]> {
+    match scratch {
+        Some(t) if input != A::DTYPE => {
+            let converted = view_mut::<A>(t)?;
+            load(bytes, input, converted)?;
+            Ok(converted)
+        }
+        _ => view(bytes),
+    }
+}
+
 /// Splits the workspace into its regions (which `layout` places in order).
 fn split<'a>(mut rest: &'a mut [u8], regions: &[Range<usize>]) -> Result<Vec<&'a mut [u8]>> {
     let mut consumed = 0;
@@ -204,6 +220,7 @@ pub struct CpuLayout {
     pub x: Option<Range<usize>>,
     pub w: Option<Range<usize>>,
     pub travel: Option<Range<usize>>,
+    pub travel_w: Option<Range<usize>>,
     pub results: Option<Range<usize>>,
 }
 
@@ -221,8 +238,10 @@ impl CpuLayout {
         let x = convert.then(|| copy(sizes.x)).transpose()?;
         let w = convert.then(|| copy(sizes.w)).transpose()?;
         let travel = convert.then(|| copy(sizes.travel)).transpose()?;
+        let weights_travel = matches!(problem.pattern(), crate::plan::Pattern::GatherGather { .. });
+        let travel_w = (convert && weights_travel).then(|| copy(sizes.w)).transpose()?;
         let results = (sizes.output != acc).then(|| copy(sizes.out_view)).transpose()?;
-        Ok(CpuLayout { total: ws.total, packed, x, w, travel, results })
+        Ok(CpuLayout { total: ws.total, packed, x, w, travel, travel_w, results })
     }
 
     pub fn total(&self) -> usize {
@@ -246,15 +265,15 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
                 layout.total()
             )));
         }
-        let optional = [&layout.x, &layout.w, &layout.travel, &layout.results];
+        let optional = [&layout.x, &layout.w, &layout.travel, &layout.travel_w, &layout.results];
         let mut regions = vec![layout.packed.clone()];
         regions.extend(optional.iter().filter_map(|r| (*r).clone()));
         let mut parts = split(buffers.workspace, &regions)?.into_iter();
         let packed = parts.next().ok_or_else(|| Error::Internal("no packing region".into()))?;
         let slot_bytes = Workspace::layout(plan, &problem.sizes())?.slots.iter().map(|r| r.len()).collect();
         let mut next = |r: &Option<Range<usize>>| r.as_ref().and_then(|_| parts.next());
-        let (x_conv, w_conv, travel, results) =
-            (next(&layout.x), next(&layout.w), next(&layout.travel), next(&layout.results));
+        let (x_conv, w_conv, travel) = (next(&layout.x), next(&layout.w), next(&layout.travel));
+        let (travel_w, results) = (next(&layout.travel_w), next(&layout.results));
         // Convert each operand once, up front, when its dtype is not the accumulator's.
         let convert = |raw: &'a [u8], region: Option<&'a mut [u8]>| -> Result<&'a [u8]> {
             match region {
@@ -268,6 +287,7 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         Ok(CpuBackend {
             problem: *problem,
             x: buffers.x,
+            w: buffers.w,
             x_acc: convert(buffers.x, x_conv)?,
             w_acc: convert(buffers.w, w_conv)?,
             out: Mutex::new(buffers.out),
@@ -275,7 +295,7 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
             slot_bytes,
             slot_kinds: plan.slots.clone(),
             sent_x: Mutex::new(HashMap::new()),
-            scratch: Mutex::new(Scratch { travel, results, packed, packed_w: false }),
+            scratch: Mutex::new(Scratch { travel, travel_w, results, packed, packed_w: false }),
             endpoint,
             copies: CopyCount::default(),
             accum: PhantomData,
@@ -375,10 +395,11 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         Ok(block)
     }
 
-    /// The bytes of `x` a send of `buf` carries.
+    /// The bytes of `x` (or `w`) a send of `buf` carries.
     fn x_bytes(&self, buf: Buf) -> Result<&'a [u8]> {
         match buf {
             Buf::X => Ok(self.x),
+            Buf::W => Ok(self.w),
             Buf::XBlock(j) => {
                 let part = self.problem.x_block(j).ok_or_else(|| Error::Internal(format!("no part {j} of x")))?;
                 let size = self.problem.input.size();
@@ -390,8 +411,8 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
 }
 
 impl<A: Accum> Backend for CpuBackend<'_, A> {
-    fn matmul(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
-        self.endpoint.compute(|| self.multiply(block, src, dst, accumulate))
+    fn matmul(&self, block: usize, src: Buf, with: Buf, dst: Buf, accumulate: bool) -> Result<()> {
+        self.endpoint.compute(|| self.multiply(block, src, with, dst, accumulate))
     }
 
     fn sum(&self, terms: &[Buf], dst: Buf) -> Result<()> {
@@ -433,10 +454,10 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
 }
 
 impl<A: Accum> CpuBackend<'_, A> {
-    fn multiply(&self, block: usize, src: Buf, dst: Buf, accumulate: bool) -> Result<()> {
+    fn multiply(&self, block: usize, src: Buf, with: Buf, dst: Buf, accumulate: bool) -> Result<()> {
         let input = self.problem.input;
         let mut scratch = claim(&self.scratch, "the conversion scratch")?;
-        let Scratch { travel, results, packed, packed_w } = &mut *scratch;
+        let Scratch { travel, travel_w, results, packed, packed_w } = &mut *scratch;
 
         // The x-side data in the accumulator type.
         let src_guard;
@@ -444,19 +465,19 @@ impl<A: Accum> CpuBackend<'_, A> {
             Buf::X | Buf::XBlock(_) => view(self.x_acc)?,
             Buf::Slot(i) if self.slot_kinds.get(i) == Some(&SlotKind::Input) => {
                 src_guard = self.read_slot(src)?;
-                let landed = Self::held(&src_guard, src)?.bytes();
-                match travel {
-                    Some(t) if input != A::DTYPE => {
-                        let converted = view_mut::<A>(t)?;
-                        load(landed, input, converted)?;
-                        converted
-                    }
-                    _ => view(landed)?,
-                }
+                landed(Self::held(&src_guard, src)?.bytes(), input, travel.as_deref_mut())?
             }
             other => return Err(Error::Internal(format!("matmul reads {other:?}"))),
         };
-        let w_acc: &[A] = view(self.w_acc)?;
+        let with_guard;
+        let w_acc: &[A] = match with {
+            Buf::W => view(self.w_acc)?,
+            Buf::Slot(i) if self.slot_kinds.get(i) == Some(&SlotKind::Weight) => {
+                with_guard = self.read_slot(with)?;
+                landed(Self::held(&with_guard, with)?.bytes(), input, travel_w.as_deref_mut())?
+            }
+            other => return Err(Error::Internal(format!("matmul multiplies by {other:?}"))),
+        };
         let side = |s: Side| if s == Side::Src { src_acc } else { w_acc };
 
         let (mut out_guard, mut slot_guard);
@@ -477,7 +498,7 @@ impl<A: Accum> CpuBackend<'_, A> {
             let lhs = (side(g.lhs.0), g.lhs.1);
             // The whole `w` is packed by the first step that multiplies by
             // it, and kept for the call; any other right-hand side per use.
-            let keep = g.rhs.0 == Side::W && whole_w(g.rhs.1);
+            let keep = g.rhs.0 == Side::W && with == Buf::W && whole_w(g.rhs.1);
             let packed = view_mut::<A>(packed)?;
             if !(keep && *packed_w) {
                 *packed_w = false;
@@ -797,13 +818,17 @@ mod tests {
                 let f = example_dimension(kind);
                 [vec![k, c], vec![n / f * m, k], vec![f, m, c]]
             }
+            OpKind::AllGatherBothMatmul => {
+                let f = example_dimension(kind);
+                [vec![m, f * k], vec![k, c], vec![n / f * m, c]]
+            }
         }
     }
 
     /// The `dimension` attribute of `kind`'s examples: a two-axis kind's
     /// gather axis is 2 ranks (n = 2 x n/2).
     fn example_dimension(kind: OpKind) -> i64 {
-        if kind == OpKind::AllGatherMatmulReduceScatter {
+        if kind.pattern().two_axis().is_some() {
             2
         } else {
             0
@@ -846,6 +871,47 @@ mod tests {
                             let (chunk, within) = (col / (c / slices), col % (c / slices));
                             let at = ((j * slices + chunk) * m + row) * (c / slices) + within;
                             assert_eq!(got[at] as f64, want, "{schedule:?} rank {r} out[{j}][{row}][{col}]");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The two-gather op on the CPU backend against its definition: rank
+    /// (f, t) of F x T ends with row block p of the result = rank (f, p)'s
+    /// x times w gathered over F (rank (q, t)'s w is w's rows block q).
+    #[test]
+    fn the_two_gather_op_computes_the_product_of_both_gathered_operands() {
+        let (m, k, c) = (3usize, 5usize, 4usize);
+        let fill = |rank: usize, len: usize| -> Vec<f64> {
+            (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f64 - 8.0).collect()
+        };
+        let kind = OpKind::AllGatherBothMatmul;
+        let f_size = example_dimension(kind) as usize;
+        for (i, (n, schedule)) in
+            [(4, Schedule::Ring), (4, Schedule::Sequential), (6, Schedule::Ring)].into_iter().enumerate()
+        {
+            let t_size = n / f_size;
+            let dims = example_dims(kind, n as i64, m as i64, k as i64, c as i64);
+            let dims: [&[i64]; 3] = [&dims[0], &dims[1], &dims[2]];
+            let runs = run_ranks_as(kind, schedule, n, dims, 7600 + i as i64, None, Lanes::Threads);
+            for (r, run) in runs.iter().enumerate() {
+                let (f, t) = (r / t_size, r % t_size);
+                let got: Vec<f32> = bytemuck::cast_slice(&run.out).to_vec();
+                assert_eq!(got.len(), t_size * m * c);
+                for p in 0..t_size {
+                    let x = fill(f * t_size + p, m * f_size * k);
+                    for row in 0..m {
+                        for col in 0..c {
+                            let want: f64 = (0..f_size)
+                                .map(|q| {
+                                    let w = fill(q * t_size + t, k * c);
+                                    (0..k).map(|kk| x[row * f_size * k + q * k + kk] * w[kk * c + col]).sum::<f64>()
+                                })
+                                .sum();
+                            let at = (p * m + row) * c + col;
+                            assert_eq!(got[at] as f64, want, "{schedule:?} n={n} rank {r} out[{p}][{row}][{col}]");
                         }
                     }
                 }

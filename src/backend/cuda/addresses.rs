@@ -245,7 +245,7 @@ impl Resolver<'_> {
     pub fn slot(&self, i: usize) -> Result<Slot> {
         let range = self.layout.slots.get(i).ok_or_else(|| Error::Internal(format!("no slot {i}")))?;
         let dtype = match self.slot_kinds[i] {
-            SlotKind::Input => self.problem.input,
+            SlotKind::Input | SlotKind::Weight => self.problem.input,
             SlotKind::Partial | SlotKind::Result => DType::F32,
         };
         Ok(Slot { addr: Addr::of(Base::Workspace).plus(range.start as u64), bytes: range.len(), dtype })
@@ -262,6 +262,19 @@ impl Resolver<'_> {
                 Ok((s.addr, s.dtype))
             }
             other => Err(Error::Internal(format!("matmul reads {other:?}"))),
+        }
+    }
+
+    /// Base address and type of the `w`-side data a matmul multiplies by:
+    /// the local `w`, or a received block of it.
+    fn with(&self, with: Buf) -> Result<(Addr, DType)> {
+        match with {
+            Buf::W => Ok((Addr::of(Base::W), self.problem.input)),
+            Buf::Slot(i) if self.slot_kinds.get(i) == Some(&SlotKind::Weight) => {
+                let s = self.slot(i)?;
+                Ok((s.addr, s.dtype))
+            }
+            other => Err(Error::Internal(format!("matmul multiplies by {other:?}"))),
         }
     }
 
@@ -284,9 +297,9 @@ impl Resolver<'_> {
     }
 
     /// The cuBLAS operands of one GEMM of a matmul step.
-    pub fn operands(&self, g: &Gemm, src: Buf, dst: Buf, accumulate: bool) -> Result<Operands<Addr>> {
+    pub fn operands(&self, g: &Gemm, src: Buf, with: Buf, dst: Buf, accumulate: bool) -> Result<Operands<Addr>> {
         let src = self.src(src)?;
-        let w = (Addr::of(Base::W), self.problem.input);
+        let w = self.with(with)?;
         let side = |s: Side| if s == Side::Src { src } else { w };
         Ok(Operands { lhs: side(g.lhs.0), rhs: side(g.rhs.0), dst: self.dst(dst, accumulate)? })
     }
@@ -328,20 +341,24 @@ impl Resolver<'_> {
     /// the device path uses (and the host emulation in the tests runs).
     pub fn lower(&self, action: &Action) -> Result<Vec<DeviceOp>> {
         match action {
-            Action::Matmul { block, src, dst, accumulate } if self.problem.input.is_fp8() => self
+            // fp8 calls are row gathers and scatters: they multiply by the local w.
+            Action::Matmul { with, .. } if self.problem.input.is_fp8() && *with != Buf::W => {
+                Err(Error::Internal(format!("an fp8 product multiplies by {with}")))
+            }
+            Action::Matmul { block, src, dst, accumulate, .. } if self.problem.input.is_fp8() => self
                 .problem
                 .gemms(*block, *src, *dst)
                 .iter()
                 .map(|g| self.fp8_gemm(g, *src, *dst, *accumulate).map(DeviceOp::Fp8Gemm))
                 .collect(),
-            Action::Matmul { block, src, dst, accumulate } => self
+            Action::Matmul { block, src, with, dst, accumulate } => self
                 .problem
                 .gemms(*block, *src, *dst)
                 .into_iter()
                 .map(|gemm| {
                     Ok(DeviceOp::Gemm {
                         gemm,
-                        ops: self.operands(&gemm, *src, *dst, *accumulate)?,
+                        ops: self.operands(&gemm, *src, *with, *dst, *accumulate)?,
                         accumulate: *accumulate,
                     })
                 })
@@ -359,6 +376,7 @@ impl Resolver<'_> {
         let x_bytes = self.buffer_bytes()[0];
         let (addr, bytes) = match t.buf {
             Buf::X => (Addr::of(Base::X), x_bytes),
+            Buf::W => (Addr::of(Base::W), self.buffer_bytes()[1]),
             Buf::XBlock(j) => {
                 let part = self.problem.x_block(j).ok_or_else(|| Error::Internal(format!("no part {j} of x")))?;
                 let size = self.problem.input.size();
@@ -552,7 +570,9 @@ mod tests {
 
     fn problem(kind: OpKind, x: &[i64], w: &[i64], out: &[i64], input: DType, output: DType) -> Problem {
         let op = |dims, dtype| Operand { dims, dtype };
-        Problem::new(kind, op(x, input), op(w, input), op(out, output), 0, 4).unwrap()
+        // The two-gather case runs over F = 2 x T = 2.
+        let dimension = if kind == OpKind::AllGatherBothMatmul { 2 } else { 0 };
+        Problem::new(kind, op(x, input), op(w, input), op(out, output), dimension, 4).unwrap()
     }
 
     fn buffers(p: &Problem, layout: &Workspace) -> DeviceBuffers {
@@ -580,6 +600,7 @@ mod tests {
             (MatmulAllGatherContract, vec![3, 7], vec![5, 12], vec![5, 7]),
             (MatmulReduceScatter, vec![12, 8], vec![8, 6], vec![3, 6]),
             (MatmulReduceScatterCols, vec![5, 8], vec![8, 12], vec![5, 3]),
+            (AllGatherBothMatmul, vec![3, 10], vec![5, 6], vec![6, 6]),
             (AllToAllMatmul, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6]),
             (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6]),
             (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6]),
@@ -592,7 +613,7 @@ mod tests {
                 let p = problem(*kind, x, w, out, input, output);
                 for schedule in [Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential] {
                     for rank in 0..4 {
-                        let plan = plan(kind.pattern(), schedule, 4, rank);
+                        let plan = plan(p.pattern(), schedule, 4, rank);
                         let layout = Workspace::layout(&plan, &p.sizes()).unwrap();
                         let b = buffers(&p, &layout);
                         let r = Resolver::new(&p, &layout, &plan.slots).unwrap();
@@ -604,9 +625,9 @@ mod tests {
                         };
                         for step in &plan.steps {
                             match &step.action {
-                                Action::Matmul { block, src, dst, accumulate } => {
+                                Action::Matmul { block, src, with, dst, accumulate } => {
                                     for g in p.gemms(*block, *src, *dst) {
-                                        let ops = r.operands(&g, *src, *dst, *accumulate).unwrap().bind(&bases);
+                                        let ops = r.operands(&g, *src, *with, *dst, *accumulate).unwrap().bind(&bases);
                                         for ((base, dtype), view) in
                                             [(ops.lhs, g.lhs.1), (ops.rhs, g.rhs.1), (ops.dst, g.dst)]
                                         {

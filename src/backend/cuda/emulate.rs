@@ -611,8 +611,13 @@ pub type Case = (OpKind, Vec<i64>, Vec<i64>, Vec<i64>);
 pub fn problem_of(case: &Case, n: usize, schedule: Schedule) -> Problem {
     let (kind, x, w, out) = case;
     let op = |dims| Operand { dims, dtype: DType::F32 };
-    // A two-axis kind's `dimension` is its gather axis's size: the output's leading dim.
-    let dimension = if *kind == OpKind::AllGatherMatmulReduceScatter { out[0] } else { 0 };
+    // A two-axis kind's `dimension` is its first axis's size F: the
+    // output's leading dim (gather-scatter), x's columns over w's rows (two gathers).
+    let dimension = match kind {
+        OpKind::AllGatherMatmulReduceScatter => out[0],
+        OpKind::AllGatherBothMatmul => x[1] / w[0],
+        _ => 0,
+    };
     Problem::new(*kind, op(x), op(w), op(out), dimension, n).unwrap().for_schedule(schedule).unwrap()
 }
 
@@ -633,6 +638,7 @@ pub fn cases(n: i64) -> Vec<Case> {
         (MatmulAllReduce, vec![3 * n, 8], vec![8, 6], vec![3 * n, 6]),
         // Over F x T ranks: F = 2 where n is even, else 1.
         (AllGatherMatmulReduceScatter, vec![8, 6], vec![3 * n / (2 - n % 2), 8], vec![2 - n % 2, 3, 6]),
+        (AllGatherBothMatmul, vec![3, 4 * (2 - n % 2)], vec![4, 6], vec![3 * n / (2 - n % 2), 6]),
     ]
 }
 

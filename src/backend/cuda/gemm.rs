@@ -163,8 +163,8 @@ mod tests {
             let (xs, ws) = (fill(len(&x), 0.25), fill(len(&w), 0.5));
             let out_len = len(&out).max(len(&x)).max(len(&w)) * 4;
             for rank in 0..4 {
-                for step in plan(kind.pattern(), Schedule::Ring, 4, rank).steps {
-                    let Action::Matmul { block, src, dst, accumulate } = step.action else { continue };
+                for step in plan(p.pattern(), Schedule::Ring, 4, rank).steps {
+                    let Action::Matmul { block, src, dst, accumulate, .. } = step.action else { continue };
                     for g in p.gemms(block, src, dst) {
                         let side = |s: Side| if s == Side::Src { &xs } else { &ws };
                         let (lhs, rhs) = (side(g.lhs.0), side(g.rhs.0));

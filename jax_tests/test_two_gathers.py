@@ -1,0 +1,167 @@
+"""The two-gather fused op, ``all_gather_both_matmul``:
+
+    all_gather(x, x_axis, axis=0, tiled=True) @ all_gather(w, w_axis, axis=0, tiled=True)
+
+(an SP x FSDP column-parallel layer) over meshes of two axes, every
+schedule, against the literal jax.lax expression and a float64 numpy model
+on random operands; its gradients against jax.lax's; the compiled program
+(one fused call, none of XLA's gathers under "ring"); and the errors that
+name the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import commfuse
+from conftest import P, assert_close, rand
+from programs import collectives, make_mesh
+
+OP = commfuse.all_gather_both_matmul
+
+
+def lax_two_gathers(x, w, x_axis, w_axis):
+    return jax.lax.all_gather(x, x_axis, axis=0, tiled=True) @ jax.lax.all_gather(w, w_axis, axis=0, tiled=True)
+
+
+def _case(shape, m, k, n, dtype, seed=0, lead=()):
+    """A mesh of `shape` (fsdp F, tp T), global x [F*T*m, *lead, k] (its
+    rows over fsdp then tp: a batch over fsdp, its sequence over tp) and w
+    [k, n] (rows over fsdp, columns over tp); the result's rows over fsdp
+    and its columns over tp."""
+    f, t = shape
+    mesh = make_mesh({"fsdp": f, "tp": t})
+    x = rand((f * t * m, *lead, k), dtype, seed=seed)
+    w = rand((k, n), dtype, seed=seed + 1)
+    x_spec = P(("fsdp", "tp"), *([None] * len(lead)))
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    ws = jax.device_put(w, NamedSharding(mesh, P("fsdp", "tp")))
+    out_spec = P("fsdp", *([None] * len(lead)), "tp")
+    spec = dict(mesh=mesh, in_specs=(x_spec, P("fsdp", "tp")), out_specs=out_spec)
+    return mesh, x, w, xs, ws, spec
+
+
+@pytest.mark.parametrize("schedule", ["ring", "sequential", "auto", "unfused"])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2), (3, 2), (1, 4), (4, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_matches_jax_lax_and_the_model(shape, dtype, schedule):
+    f, t = shape
+    mesh, x, w, xs, ws, spec = _case(shape, 4, 8 * f, 6 * t, dtype, seed=f * 10 + t)
+    op = lambda a, b: OP(a, b, "tp", "fsdp", schedule=schedule)  # noqa: E731
+    fused = jax.jit(jax.shard_map(op, **spec))(xs, ws)
+    plain = jax.jit(jax.shard_map(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp"), **spec))(xs, ws)
+    assert fused.shape == plain.shape == (f * t * 4, 6 * t)
+    assert_close(np.asarray(fused), np.asarray(plain), dtype)
+    assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), dtype)
+
+
+def test_bf16_operands_with_a_float32_product():
+    mesh, x, w, xs, ws, spec = _case((2, 2), 4, 16, 8, jnp.bfloat16, seed=4)
+    op = lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring", preferred_element_type=jnp.float32)  # noqa: E731
+    fused = jax.jit(jax.shard_map(op, **spec))(xs, ws)
+    assert fused.dtype == jnp.float32
+    assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), np.float32,
+                 rtol=1e-5)
+
+
+def test_rows_of_a_rank_3_x_and_gradients_match_jax_lax():
+    mesh, x, w, xs, ws, spec = _case((2, 4), 2, 16, 12, np.float32, seed=3, lead=(3,))
+
+    def loss(op):
+        return lambda a, b: jnp.sum(jnp.sin(jax.shard_map(op, **spec)(a, b)))
+
+    fused = lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring")  # noqa: E731
+    plain = lambda a, b: lax_two_gathers(a, b, "tp", "fsdp")  # noqa: E731
+    out = jax.jit(jax.shard_map(fused, **spec))(xs, ws)
+    assert out.shape == (2 * 4 * 2, 3, 12)
+    assert_close(np.asarray(out), np.asarray(jax.jit(jax.shard_map(plain, **spec))(xs, ws)), np.float32)
+    got = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(xs, ws)
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(xs, ws)
+    for g, w_ in zip(got, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+
+
+def test_vmap_over_x_matches_jax_lax():
+    # No fused form batches this kind: jax.lax's collectives and dot, batched.
+    mesh, x, w, xs, ws, spec = _case((2, 2), 4, 8, 4, np.float32, seed=5)
+    batch = jax.device_put(np.stack([x, 2 * x + 1]), NamedSharding(mesh, P(None, ("fsdp", "tp"))))
+    spec = dict(spec, in_specs=(P(None, ("fsdp", "tp")), P("fsdp", "tp")), out_specs=P(None, "fsdp", "tp"))
+
+    def batched(op):
+        return jax.jit(jax.shard_map(lambda a, b: jax.vmap(op, in_axes=(0, None))(a, b), **spec))
+
+    fused = batched(lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring"))(batch, ws)
+    plain = batched(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp"))(batch, ws)
+    assert_close(np.asarray(fused), np.asarray(plain), np.float32)
+
+
+def test_ring_leaves_xla_no_gather():
+    mesh, x, w, xs, ws, spec = _case((2, 4), 8, 32, 16, np.float32)
+    text = jax.jit(jax.shard_map(lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring"), **spec)).lower(xs, ws) \
+        .compile().as_text()
+    assert collectives(text) == {"commfuse": 1}, collectives(text)
+    plain = jax.jit(jax.shard_map(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp"), **spec)).lower(xs, ws) \
+        .compile().as_text()
+    assert collectives(plain) == {"all-gather": 2}, collectives(plain)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "unfused"])
+def test_the_gradient_runs_its_collectives_inside_fused_ops(schedule):
+    # dx is the two-axis op (dy @ w's gathered transpose, reduce-scattered
+    # over tp): both collectives in one call; dw reduce-scatters its rows over
+    # fsdp inside matmul_reduce_scatter, x gathered over tp by XLA.
+    mesh, x, w, xs, ws, spec = _case((2, 4), 8, 32, 16, np.float32, seed=9)
+    f = jax.shard_map(lambda a, b: OP(a, b, "tp", "fsdp", schedule=schedule), **spec)
+    grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(f(a, b))), argnums=(0, 1)))
+    counts = collectives(grad.lower(xs, ws).compile().as_text())
+    if schedule == "ring":
+        # The forward, dx's two-axis op, dw's reduce-scatter; XLA gathers x for dw.
+        assert counts == {"all-gather": 1, "commfuse": 3}, counts
+    else:
+        assert counts.get("commfuse") is None and counts.get("all-gather"), counts
+    plain = jax.shard_map(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp"), **spec)
+    want = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(plain(a, b))), argnums=(0, 1)))(xs, ws)
+    for g, w_ in zip(grad(xs, ws), want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+
+
+def test_explain_prices_the_plan_over_both_axes():
+    # One device's x [256, 512] (K = F x 256), w [256, 256], over F = 2 x T = 4.
+    r = commfuse.explain("all_gather_both_matmul", (256, 512), (256, 256), 8, dimension=2, machine="h100_nvlink")
+    assert r["choice"] in ("ring", "sequential"), r["choice"]
+    assert set(r["schedules"]) == {"ring", "sequential"}, r["schedules"]
+    assert r["schedules"]["ring"] < r["schedules"]["sequential"], r["schedules"]
+    with pytest.raises(ValueError, match="dimension is the size of w's gather axis"):
+        commfuse.explain("all_gather_both_matmul", (256, 512), (256, 256), 8, dimension=3)
+
+
+def _errors(mesh_shape, x_shape, w_shape, *args, **kwargs):
+    mesh = make_mesh(dict(zip(("fsdp", "tp"), mesh_shape)))
+    in_specs = (P(("fsdp", "tp")), P("fsdp", "tp"))
+    x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=NamedSharding(mesh, in_specs[0]))
+    w = jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh, in_specs[1]))
+    f = jax.shard_map(lambda a, b: OP(a, b, *args, **kwargs), mesh=mesh, in_specs=in_specs,
+                      out_specs=P("fsdp", "tp"))
+    return jax.jit(f).trace(x, w)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    (("tp", "tp"), {}, "x_axis and w_axis must be two mesh axes"),
+    (("tp", "fsdp"), {"schedule": "bidirectional"}, "schedule 'bidirectional' does not exist"),
+    (("tp", "fsdp"), {"schedule": "sliced"}, "schedule 'sliced' does not exist"),
+    (("tp", "C"), {}, "unknown w_axis 'C'"),
+    (("Z", "fsdp"), {}, "unknown x_axis 'Z'"),
+    ((("tp",), "fsdp"), {}, "x_axis must name one mesh axis"),
+])
+def test_bad_arguments_are_named(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _errors((2, 2), (16, 16), (16, 8), *args, **kwargs)
+
+
+def test_a_contraction_that_does_not_match_after_the_gather_is_an_error():
+    # x's 16 columns vs w's 4 rows gathered over fsdp = 2: 8.
+    with pytest.raises(ValueError, match=r"contracts its last dim \(16\) with `w`'s first \(8\)"):
+        _errors((2, 2), (16, 16), (8, 8), "tp", "fsdp")

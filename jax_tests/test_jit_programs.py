@@ -188,10 +188,17 @@ def test_choose_picks_the_collective_the_shardings_need(x_spec, w_spec, out_spec
 
 
 def test_a_weight_gather_beside_an_activation_collective_is_xlas_and_the_other_fused():
-    """FSDP weights beside sequence parallelism: the weight is gathered by
-    XLA first (the operand sharding the choice asks for), the sequence
-    gather (or reduce-scatter) is the fused op."""
-    gather = _choose(((), ("tp",), ()), (("dp",), ("tp",)), ((), (), ("tp",)))
+    """FSDP weights beside sequence parallelism: one op over both axes
+    where the dot has its form, and otherwise the weight is gathered by XLA
+    first (the operand sharding the choice asks for), the sequence gather
+    (or reduce-scatter) is the fused op."""
+    # w's rows gathered over dp and x's sequence over tp (SP x FSDP
+    # column-parallel): the op over both axes, and where it does not run,
+    # XLA's gather of w then the fused gather of x's rows.
+    both = _choose(((), ("tp",), ()), (("dp",), ("tp",)), ((), (), ("tp",)))
+    assert (both.op, both.axes, both.dimension, both.w_spec) == ("all_gather_both_matmul", ("dp", "tp"), 1,
+                                                                 (("dp",), ("tp",))), both
+    gather = both.otherwise
     assert (gather.op, gather.axes, gather.dimension, gather.w_spec) == ("all_gather_matmul", ("tp",), 1,
                                                                          ((), ("tp",))), gather
     assert "w gathered over ('dp',) by XLA first" in gather.describe()

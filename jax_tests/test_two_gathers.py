@@ -165,3 +165,97 @@ def test_a_contraction_that_does_not_match_after_the_gather_is_an_error():
     # x's 16 columns vs w's 4 rows gathered over fsdp = 2: 8.
     with pytest.raises(ValueError, match=r"contracts its last dim \(16\) with `w`'s first \(8\)"):
         _errors((2, 2), (16, 16), (8, 8), "tp", "fsdp")
+
+
+# --------------------------------------------------------------------------
+# Reached by overlap and commfuse.matmul from the jax.lax expression
+# --------------------------------------------------------------------------
+def _sp_fsdp_layer(mesh, b, s, d, f, dtype=jnp.float32):
+    """all_gather(h, "tp", axis=1) @ all_gather(w, "fsdp", axis=0) as a user
+    writes it (h's batch over fsdp, its sequence over tp; w's rows over
+    fsdp, its columns over tp), and abstract global operands of it."""
+    def layer(h, w):
+        h_all = jax.lax.all_gather(h, "tp", axis=1, tiled=True)
+        w_rows = jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+        return h_all @ w_rows
+
+    in_specs = (P("fsdp", "tp", None), P("fsdp", "tp"))
+    fn = jax.shard_map(layer, mesh=mesh, in_specs=in_specs, out_specs=P("fsdp", None, "tp"))
+    h = jax.ShapeDtypeStruct((b, s, d), dtype, sharding=NamedSharding(mesh, in_specs[0]))
+    w = jax.ShapeDtypeStruct((d, f), dtype, sharding=NamedSharding(mesh, in_specs[1]))
+    return fn, (h, w)
+
+
+@pytest.mark.parametrize("shape, fused", [
+    # One device's h [1, 2048, 4096] and w [1024, 7168] over fsdp 4 x tp 2: the op's plan is predicted fastest.
+    ((4, 2, 1, 2048, 4096, 7168), "all_gather_both_matmul"),
+    # h [1, 512, 4096] and w [2048, 1792] over fsdp 2 x tp 4: the 16 per-peer pieces lose more than fusing
+    # x's gather (the larger) alone leaves exposed: the cost model fuses x's side.
+    ((2, 4, 1, 512, 4096, 1792), "all_gather_matmul"),
+])
+def test_auto_takes_the_op_over_both_axes_where_the_cost_model_says_it_pays(shape, fused):
+    f, t, b, s, d, c = shape
+    mesh = make_mesh({"fsdp": f, "tp": t})
+    fn, args = _sp_fsdp_layer(mesh, b * f, s * t, d, c * t, jnp.bfloat16)
+    ov = commfuse.overlap(fn, schedule="auto", machine="h100_nvlink")
+    jax.jit(ov).trace(*args)
+    rewrote = [line for line in ov.last_report if "]: rewrote " in line]
+    assert len(rewrote) == 1 and f"commfuse.{fused}(" in rewrote[0], ov.last_report
+    if fused != "all_gather_both_matmul":
+        assert any("the cost model fuses x's" in line for line in ov.last_report), ov.last_report
+
+
+@pytest.mark.parametrize("schedule", ["ring", "bidirectional"])
+def test_an_sp_fsdp_column_parallel_product_under_jit_is_one_op_over_both_axes(schedule):
+    # h's sequence over tp, w's rows over fsdp and columns over tp: under
+    # ring one fused op runs both gathers; the op has no bidirectional
+    # schedule, so there XLA gathers w and h's gather is fused.
+    mesh = make_mesh({"fsdp": 2, "tp": 4})
+    rng = np.random.default_rng(19)
+    h = jax.device_put(rng.standard_normal((4, 16, 32), np.float32), NamedSharding(mesh, P("fsdp", "tp", None)))
+    w = jax.device_put(rng.standard_normal((32, 24), np.float32) / 6, NamedSharding(mesh, P("fsdp", "tp")))
+
+    def layer(h, w):
+        y = jax.lax.with_sharding_constraint(h @ w, NamedSharding(mesh, P("fsdp", None, "tp")))
+        return jnp.mean(y * y), y
+
+    ov = commfuse.overlap(layer, schedule=schedule)
+    got, want = jax.jit(ov)(h, w), jax.jit(layer)(h, w)
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+    counts = collectives(jax.jit(ov).lower(h, w).compile().as_text())
+    report = "\n".join(ov.last_report)
+    if schedule == "ring":
+        assert "all-gather" not in counts and counts["commfuse"] == 1, counts
+        assert "all_gather_both_matmul over ('fsdp', 'tp'), dimension 1" in report, report
+    else:
+        assert counts.get("all-gather") == 1 and counts["commfuse"] == 1, counts
+        assert "all_gather_matmul over ('tp',), dimension 1" in report, report
+    loss = lambda fn: lambda a, b: fn(a, b)[0]  # noqa: E731
+    got = jax.jit(jax.grad(loss(ov), argnums=(0, 1)))(h, w)
+    want = jax.jit(jax.grad(loss(layer), argnums=(0, 1)))(h, w)
+    for g, w_ in zip(got, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+
+
+def test_an_sp_fsdp_column_parallel_layer_leaves_xla_no_gather():
+    # sp_fsdp_column_parallel: both gathers into one dot. Under ring they run
+    # inside one op over both axes; plain XLA runs each. Its gradient: dx is
+    # the two-axis op, dw a fused reduce-scatter over fsdp whose x XLA gathers.
+    from programs import sp_fsdp_column_parallel
+
+    program = sp_fsdp_column_parallel.PROGRAM
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(6))
+    ov = commfuse.overlap(fn, schedule="ring")
+    assert collectives(jax.jit(ov).lower(*args).compile().as_text()) == {"all-reduce": 1, "commfuse": 1}
+    assert collectives(jax.jit(fn).lower(*args).compile().as_text()) == {"all-gather": 2, "all-reduce": 1}
+    assert any("commfuse.all_gather_both_matmul(" in line for line in ov.last_report), ov.last_report
+    for got, want in zip(jax.tree.leaves(jax.jit(ov)(*args)), jax.tree.leaves(jax.jit(fn)(*args))):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)
+    grad = jax.jit(jax.grad(lambda *a: ov(*a)[0], argnums=(0, 1)))
+    # (The loss psum's cotangent needs no collective.)
+    assert collectives(grad.lower(*args).compile().as_text()) == {"all-gather": 1, "commfuse": 3}
+    want = jax.jit(jax.grad(lambda *a: fn(*a)[0], argnums=(0, 1)))(*args)
+    for got, w_ in zip(grad(*args), want):
+        assert_close(np.asarray(got), np.asarray(w_), np.float32)

@@ -100,10 +100,10 @@ fn dim(u: &mut Unstructured) -> Result<i64> {
 
 /// A valid call of a random op on a random group (as Python lowers it).
 fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
-    let kind = u.int_in_range(0u8..=11)?;
+    let kind = u.int_in_range(0u8..=12)?;
     let r = *u.choose(&[1usize, 1, 1, 1, 2, 3, 4])?;
     let ri = r as i64;
-    // The two-axis op's group is F x T (its gather axis's size F first).
+    // The two-axis ops' group is F x T (its first axis's size F first).
     let f = *u.choose(&(1..=r).filter(|f| r % f == 0).collect::<Vec<_>>())? as i64;
     let t = ri / f;
     let (m, k, n) = (dim(u)?, dim(u)?, dim(u)?);
@@ -133,7 +133,8 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
         7 => (vec![ri, m, k], vec![ri * k, n], vec![m, n], 0, 0),
         9 => (vec![m, k], vec![k, ri * n], vec![ri, m, n], 0, 0),
         10 => (vec![ri * m, k], vec![k, n], vec![ri * m, n], 0, 0),
-        _ => (vec![k, n], vec![t * m, k], vec![f, m, n], f, 1),
+        11 => (vec![k, n], vec![t * m, k], vec![f, m, n], f, 1),
+        _ => (vec![m, f * k], vec![k, n], vec![t * m, n], f, 0),
     };
     let rows = usize::try_from(x_rows(&x, &w, lhs)).unwrap_or(0);
     let trivial = out.contains(&0) || k == 0;
@@ -141,8 +142,8 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
     // Schedules: the four plain ones, or a cut one where it exists (a row
     // gather or scatter along the leading dim), its chunks dividing a block's rows.
     let mut schedule = i64::from(u.int_in_range(0u8..=3)?);
-    if kind == 11 && schedule == 2 {
-        schedule = 1; // the two-axis op has no bidirectional plan
+    if kind >= 11 && schedule == 2 {
+        schedule = 1; // the two-axis ops have no bidirectional plan
     }
     if matches!(kind, 0 | 4) && dimension == 0 && u.arbitrary::<bool>()? {
         let block_rows = if kind == 0 { rows } else { rows / r };

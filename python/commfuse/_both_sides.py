@@ -17,6 +17,11 @@ The ways to run it, timed by the cost model (`choose`):
   axes (``commfuse.all_gather_matmul_reduce_scatter``): w's blocks travel
   round A while each block's partial sums leave round B.
 
+A dot whose two operands are gathered over two axes (``all_gather(x, B) @
+all_gather(w, A)``, an SP x FSDP column-parallel layer) is timed by
+`choose_two_gathers`: x's gather fused (w's exposed before it), w's fused
+(x's exposed), or one op over both axes (``commfuse.all_gather_both_matmul``).
+
 `Tiling` says how the operand is cut and the tiles' results put back.
 """
 
@@ -124,6 +129,38 @@ def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind
     order = sorted(times, key=times.get)
     why = (f"predicted {', '.join(f'{k} {us(v)}' for k, v in times.items())} (compute {us(t_c)}, gather "
            f"{us(t_g)}, {reduce_kind} {us(t_r)})")
+    return order, why
+
+
+def choose_two_gathers(x_shape, w_shape, x_ranks: int, w_ranks: int, dtype, machine: Machine | None = None,
+                       decline: bool = True) -> tuple[list, str]:
+    """(the ways fastest first, why) by the cost model for ``all_gather(x,
+    B) @ all_gather(w, A)``, x ``[m, F*kb]`` and w ``[kb, c]`` one device's
+    operands, B of `x_ranks` T and A of `w_ranks` F: "x" (x's gather fused
+    in ``all_gather_matmul``, w's gather exposed before it), "w" (w's fused
+    in ``matmul_all_gather`` on the contraction, x's exposed) and
+    "two_gathers" (``all_gather_both_matmul``, both in one op, by its
+    plan's predicted time). An exposed gather costs its transfers'
+    time; a fused call's fixed cost counts where "auto" may `decline`."""
+    machine = machine or Machine.current()
+    devices = x_ranks * w_ranks
+    (m, k), (kb, c) = x_shape, w_shape
+    rate = dict(dtype=dtype, machine=machine.spec)
+    x_side = _explain.predict("all_gather_matmul", (m, k), (k, c), x_ranks,
+                              gemm_gflops=_rate_in_step(machine, x_ranks, devices), **rate)
+    w_side = _explain.predict("matmul_all_gather", (x_ranks * m, k), (kb, c), w_ranks, dimension=0,
+                              gemm_gflops=_rate_in_step(machine, w_ranks, devices), **rate)
+    both = _explain.predict("all_gather_both_matmul", (m, k), (kb, c), devices, dimension=w_ranks, **rate)
+    t_x, t_w = x_side["t_comm"], w_side["t_comm"]
+    fixed = machine.call_overhead_s(devices) if decline and may_decline() else 0.0
+    times = {
+        "x": t_w + max(x_side["t_compute"], t_x) + fixed,
+        "w": t_x + max(w_side["t_compute"], t_w) + fixed,
+        "two_gathers": both["schedules"][both["choice"]] + fixed,
+    }
+    order = sorted(times, key=times.get)
+    why = (f"predicted {', '.join(f'{k} {us(v)}' for k, v in times.items())} (x's gather {us(t_x)}, w's gather "
+           f"{us(t_w)})")
     return order, why
 
 

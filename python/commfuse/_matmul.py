@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
+from . import _all_gather_both_matmul as two_gathers_op
 from . import _all_gather_matmul_reduce_scatter as two_axis_op
 from ._decide import Policy, decide, decide_dot, mesh_of_trace
 from ._decision import Call, Decision
@@ -57,6 +58,7 @@ from ._dot_form import DotForm, Unsupported
 from ._abi import Kind
 
 TWO_AXIS_OP = two_axis_op.OP
+TWO_GATHERS_OP = two_gathers_op.OP
 
 OP = "matmul"
 # The schedules the jit-level op takes ("sliced" and "tiled" need a shard_map
@@ -387,7 +389,7 @@ class Choice(NamedTuple):
         if self.op == "fallback":
             return f"XLA's collectives, then a local dot ({self.why})"
         where = f", dimension {self.dimension}" if self.op in ("all_gather_matmul", "matmul_reduce_scatter",
-                                                              TWO_AXIS_OP) else ""
+                                                              TWO_AXIS_OP, TWO_GATHERS_OP) else ""
         then = f", then psum over {self.psum_axes}" if self.psum_axes else ""
         first = f" ({self.why})" if self.why else ""
         return f"{self.op} over {self.axes}{where}{then}{first}"
@@ -484,6 +486,13 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
                     # over both, where the policy runs it (`_decide_two_axis`).
                     return Choice(TWO_AXIS_OP, Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER, axes + reduce, rows[2],
                                   x_spec, w_spec, out_spec, otherwise=inner)
+                if what == "gather_w_k" and rows[0] == "gather_x_rows" and len(axes) == 1 and len(rows[1]) == 1 \
+                        and not reduce:
+                    # w's rows gathered over one axis, x's rows over another
+                    # (SP x FSDP column-parallel): one op over both, where the
+                    # policy runs it (`_decide_two_gathers`).
+                    return Choice(TWO_GATHERS_OP, Kind.ALL_GATHER_BOTH_MATMUL, axes + rows[1], rows[2], x_spec,
+                                  w_spec, out_spec, otherwise=inner)
                 return inner
         return fallback("more than one collective: " + ", ".join(f"{e[0]} over {e[1]}" for e in events))
     if not events:
@@ -523,6 +532,7 @@ class Decided(NamedTuple):
     tiling: object = None
     tiles_why: str = ""
     two_axis: object = None  # the op over both axes' settings
+    two_gathers: object = None  # the two-gather op's settings
 
     @property
     def fused(self) -> int:
@@ -577,6 +587,10 @@ def run_decided(decided: Decided, x, w, settings: Settings):
         # The op scatters x's leading dim: the scattered one moved there and back.
         d = choice.dimension
         return jnp.moveaxis(two_axis_op.forward(jnp.moveaxis(x, d, 0), w, decided.two_axis), 0, d)
+    if decided.two_gathers is not None:
+        # The op gathers x's leading dim: the gathered one moved there and back.
+        d = choice.dimension
+        return jnp.moveaxis(two_gathers_op.forward(jnp.moveaxis(x, d, 0), w, decided.two_gathers), 0, d)
     if decided.tiling is not None:
         side, *_ = _gathered_operand(choice.kind, x.ndim, choice.dimension)
         operand = (x, w)[side]
@@ -689,6 +703,42 @@ def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings
         if order.index("two_axis") > order.index("reduce"):
             return None, f"the cost model fuses the reduce side: {why}"
     return Decided(choice, (two.forward,), two_axis=two), ""
+
+
+def _decide_two_gathers(choice: Choice, x_shape, w_shape, dtype, settings: Settings,
+                        sizes: dict) -> tuple[Decided | None, str]:
+    """The two-gather op on these shards where it runs: under a schedule
+    it has that was asked for, a decision imposed for it, or "auto" where
+    the cost model (`_both_sides.choose_two_gathers`) times it below fusing
+    one side and its own judgement fuses. (None, why not): the choice
+    otherwise made (XLA's gather of w, then the fused gather of x)."""
+    policy = settings.policy
+    w_axis, x_axis = choice.axes
+    f, t = sizes[w_axis], sizes[x_axis]
+    d = choice.dimension
+    moved = (x_shape[d], *x_shape[:d], *x_shape[d + 1:])
+    if 0 in moved or 0 in w_shape:
+        return None, "an operand has no elements"
+    if policy.asked == _abi.UNFUSED:
+        return None, "unfused, as asked"
+    asked = policy.asked if policy.asked in (_abi.SCHEDULES[n] for n in two_gathers_op.SCHEDULES) else _abi.AUTO
+    two = two_gathers_op.settle(moved, w_shape, dtype, settings.out_dtype, axes=(x_axis, w_axis), sizes=(t, f),
+                                policy=policy.with_asked(asked), fast_f32=settings.fast_f32)
+    imposed = dict(policy.imposed).get(two.forward.call) is not None
+    if asked != policy.asked and not imposed:
+        return None, f"it has no {_abi.schedule_name(policy.asked)!r} schedule"
+    if not two.forward.fused:
+        return None, two.forward.why
+    if asked == _abi.AUTO and not imposed:
+        call = two.forward.call
+        try:
+            order, why = _both_sides.choose_two_gathers(call.x, call.w, t, f, call.dtype,
+                                                        policy.resolved_machine(choice.axes), policy.decline)
+        except (ValueError, TypeError, KeyError) as e:
+            return None, f"the cost model cannot time it ({e})"
+        if order[0] != "two_gathers":
+            return None, f"the cost model fuses one side: {why}"
+    return Decided(choice, (two.forward,), two_gathers=two), ""
 
 
 # ----------------------------------------------------------------------------
@@ -812,9 +862,10 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     choice = choose(sizes, x.shape, w.shape, x_spec, w_spec, out_spec)
     settings = settings._replace(policy=settings.policy.placed(mesh))
     decided = None
-    if choice.op == TWO_AXIS_OP:
-        decided, why = _decide_two_axis(choice, _local(x.shape, choice.x_spec, sizes),
-                                        _local(w.shape, choice.w_spec, sizes), np.dtype(x.dtype), settings, sizes)
+    both = {TWO_AXIS_OP: _decide_two_axis, TWO_GATHERS_OP: _decide_two_gathers}.get(choice.op)
+    if both is not None:
+        decided, why = both(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
+                            np.dtype(x.dtype), settings, sizes)
         if decided is None:
             choice = choice.otherwise._replace(why=f"{choice.otherwise.why}; not one op over both axes: {why}")
     if decided is None:

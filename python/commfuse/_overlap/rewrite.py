@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _all_gather_both_matmul as two_gathers_op
 from .. import _all_gather_matmul_reduce_scatter as two_axis_op
 from .. import _both_sides as both_sides
 from .. import _compat
@@ -75,6 +76,7 @@ from .state import State
 
 _TRANSPOSES = frozenset(("transpose",))
 TWO_AXIS_OP = two_axis_op.OP
+TWO_GATHERS_OP = two_gathers_op.OP
 
 
 @dataclass
@@ -441,7 +443,11 @@ class Rewriter:
         come first when they are the fastest, else the side whose fusion
         saves more. Under a schedule asked for (not "auto") the op over
         both axes comes first wherever the dot has its form: it is the one
-        way that fuses both collectives."""
+        way that fuses both collectives. Two gathers into one dot are
+        ordered by `_two_gathers`."""
+        gathers = self._two_gathers(group)
+        if gathers is not None:
+            return gathers
         ins = [f for f in group if f.side == "in" and self.jaxpr.eqns[f.coll].primitive.name == GATHERS[0]
                and not f.local and f.regroup is None]
         outs = [f for f in group if f.side == "out" and self.jaxpr.eqns[f.coll].primitive.name in PSUM + REDUCE_SCATTER
@@ -479,6 +485,91 @@ class Rewriter:
         self.reasons[second.coll].append(note)
         self.tried.add(id(second))  # its reason is said; not "fused with ... instead" as well
         return head + [first_side, second] + rest
+
+    def _two_gathers(self, group: list) -> list | None:
+        """`group` in the order to try them where the dot's two operands are
+        each gathered over one mesh axis (None where not): the op over both
+        axes (`_TwoGathers`) first under a schedule asked for, or where the
+        cost model (`both_sides.choose_two_gathers`) says it is the fastest
+        way; else the faster side first, the other's reason said."""
+        eqns = self.jaxpr.eqns
+        ins = {f.operand: f for f in group if f.side == "in" and eqns[f.coll].primitive.name == GATHERS[0]
+               and not f.local and f.regroup is None}
+        if set(ins) != {0, 1}:
+            return None
+        f_x, f_w = ins[0], ins[1]
+        two = self._two_gather_form(f_x, f_w)
+        if isinstance(two, str):
+            return None
+        rest = [f for f in group if f is not f_x and f is not f_w]
+        if self.state.schedule != "auto" or two.imposed:
+            return [two, *group]
+        decision = self._two_gathers_decision(two, "auto")
+        if decision.refused is not None:
+            return None
+        call, policy = decision.calls[0].call, self.state.policy  # (x's rows, contraction), w 2-D
+        machine = policy.resolved_machine((two.w_axis, two.x_axis))
+        try:
+            order, why = both_sides.choose_two_gathers(call.x, call.w, jax.lax.axis_size(two.x_axis),
+                                                       jax.lax.axis_size(two.w_axis), call.dtype, machine,
+                                                       policy.decline)
+        except (ValueError, TypeError, KeyError):
+            return [two, *group]  # the op's own decision is timed alone
+        if order[0] == "two_gathers":
+            return [two, *group]
+        first, second = (f_x, f_w) if order[0] == "x" else (f_w, f_x)
+        self.reasons[second.coll].append(f"of the gathers of both operands of this dot, the cost model fuses "
+                                         f"{'x' if first is f_x else 'w'}'s: {why}")
+        self.tried.add(id(second))
+        return [first, second, *rest]
+
+    def _two_gather_form(self, f_x: Fusion, f_w: Fusion):
+        """The dot of gathers `f_x` (its x) and `f_w` (its w) as the op over
+        both axes takes it (`_TwoGathers`): ``all_gather(x, B, axis=d,
+        tiled=True) @ all_gather(w, A, axis=0, tiled=True)`` with w 2-D, d
+        one of x's dims but its last (moved first for the op, which gathers
+        x's leading dim) and one mesh axis each; else why not."""
+        eqns = self.jaxpr.eqns
+        gx, gw, dot = eqns[f_x.coll], eqns[f_w.coll], eqns[f_x.dot]
+        (lc, rc), (lb, _) = dot.params["dimension_numbers"]
+        x, w = dot.invars
+        if tuple(lb) or w.aval.ndim != 2 or tuple(lc) != (x.aval.ndim - 1,) or tuple(rc) != (0,):
+            return "the dot is not x @ w (x's last dim contracted with 2-D w's first)"
+        if any(eqns[j].primitive.name not in CASTS for j in f_x.chain + f_w.chain):
+            return "something other than a pvary cast lies between a gather and the dot"
+        if not (gx.params.get("tiled", False) and gw.params.get("tiled", False)):
+            return "a gather is not tiled"
+        if gw.params["all_gather_dimension"] != 0 or gx.params["all_gather_dimension"] >= x.aval.ndim - 1:
+            return "w's gather is not of its rows, or x's is of its contraction"
+        x_axes, w_axes = axes_of(gx.params["axis_name"]), axes_of(gw.params["axis_name"])
+        if len(x_axes) != 1 or len(w_axes) != 1 or x_axes == w_axes:
+            return "the gathers are not over one mesh axis each, two different ones"
+        two = _TwoGathers(f_x, f_w, x_axes[0], w_axes[0], gx.params["all_gather_dimension"])
+        two.imposed = self._imposed_two_gathers(two)
+        if self.state.schedule not in two_gathers_op.SCHEDULES and not two.imposed:
+            return f"it has no {self.state.schedule!r} schedule (it runs {', '.join(two_gathers_op.SCHEDULES)})"
+        return two
+
+    def _imposed_two_gathers(self, two: "_TwoGathers") -> bool:
+        """Whether a decision is imposed (a plan's) for the op `two` would call."""
+        if not self.state.policy.imposed:
+            return False
+        decision = self._two_gathers_decision(two, "auto")
+        return decision.fused and dict(self.state.policy.imposed).get(decision.calls[0].call) is not None
+
+    def _two_gathers_decision(self, two: "_TwoGathers", schedule: str):
+        """The op's decision (`OpDecision`) for the dot of `two` under
+        `schedule`, from its operands' shapes, x's gathered dim moved first."""
+        eqns = self.jaxpr.eqns
+        x, w = eqns[two.f_x.coll].invars[0].aval, eqns[two.f_w.coll].invars[0].aval
+        dot = eqns[two.f_x.dot]
+        shape = list(x.shape)
+        shape.insert(0, shape.pop(two.rows))
+        return two_gathers_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype),
+                                     jax.ShapeDtypeStruct(w.shape, w.dtype), two.x_axis, two.w_axis,
+                                     schedule=schedule, precision=dot.params.get("precision"),
+                                     preferred_element_type=dot.params.get("preferred_element_type"),
+                                     policy=self.state.policy)
 
     def _two_axis(self, f_in: Fusion, f_out: Fusion):
         """The dot of `f_in` and `f_out` as the two-axis op takes it
@@ -725,8 +816,50 @@ class Rewriter:
                            + f": {decision.why}")
         return True
 
+    def _fuse_two_gathers(self, two: "_TwoGathers") -> bool:
+        """Both gathers and the dot as one op over both axes
+        (`commfuse.all_gather_both_matmul`), x's gathered dim moved first
+        for it and back after."""
+        f_x, f_w = two.f_x, two.f_w
+        self.tried.update((id(f_x), id(f_w)))
+        eqns = self.jaxpr.eqns
+        gx, gw, dot = eqns[f_x.coll], eqns[f_w.coll], eqns[f_x.dot]
+        if f_x.dot in self.evaluated:
+            return False
+        x, w = self.read(gx.invars[0]), self.read(gw.invars[0])
+        for j in f_x.chain:
+            x = vary(x, axes_of(eqns[j].params.get("axes", ())))
+        for j in f_w.chain:
+            w = vary(w, axes_of(eqns[j].params.get("axes", ())))
+        if self._forward_mode(f_x.coll, TWO_GATHERS_OP, x, w):
+            return False
+        schedule = self.state.schedule if self.state.schedule in two_gathers_op.SCHEDULES else "auto"  # imposed
+        decision = self._two_gathers_decision(two, schedule)
+        self.state.decisions.append(decision)  # accepted or not: the report is the decisions
+        if decision.refused is not None or not decision.fused:
+            why = decision.refused if decision.refused is not None else \
+                f"kept as written: commfuse.{TWO_GATHERS_OP} would run unfused ({decision.why})"
+            self.reasons[f_x.coll].append(f"not one op over both axes: {why}")
+            return False
+        y = jnp.moveaxis(two_gathers_op.run(decision, jnp.moveaxis(x, two.rows, 0), w), 0, two.rows)
+        target = dot.outvars[0]
+        out = match_vma(y, target.aval)
+        _check_result(out, target.aval, TWO_GATHERS_OP)
+        self.write(target, out)
+        self.evaluated.add(f_x.dot)
+        line = (f"overlap[{self.where}]: rewrote {describe_collective(gx)} + {describe_collective(gw)} + "
+                f"{describe_dot(dot)} -> commfuse.{TWO_GATHERS_OP}(x: {fmt(x)}, w: {fmt(w)}, x_axis={two.x_axis!r}, "
+                f"w_axis={two.w_axis!r}, schedule={schedule!r}) -> {fmt(target.aval)}"
+                + (f" [x's dim {two.rows} moved first and back]" if two.rows else "") + f": {decision.why}")
+        self.done[f_x.coll].append(line)
+        self.done[f_w.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
+        return True
+
     def _fuse(self, f) -> bool:
         """Tries one candidate; whether it fused."""
+        if isinstance(f, _TwoGathers):
+            with _compat.source_context(self.jaxpr.eqns[f.f_x.dot]):
+                return self._fuse_two_gathers(f)
         if isinstance(f, (_Both, _TwoAxis)):
             with _compat.source_context(self.jaxpr.eqns[f.f_in.dot]):
                 return self._fuse_both(f) if isinstance(f, _Both) else self._fuse_two_axis(f)
@@ -1191,6 +1324,26 @@ class _TwoAxis:
 
     def __str__(self) -> str:
         return f"commfuse.{TWO_AXIS_OP} over {self.gather_axis!r} and {self.scatter_axis!r}"
+
+
+@dataclass
+class _TwoGathers:
+    """The gather candidates of both operands of one dot, as one op over
+    both axes (`Rewriter._two_gather_form`): `rows`, the dim of x its
+    gather concatenates."""
+    f_x: Fusion
+    f_w: Fusion
+    x_axis: str
+    w_axis: str
+    rows: int
+    imposed: bool = False  # a decision is imposed for its call (a plan's)
+
+    @property
+    def coll(self) -> int:
+        return self.f_x.coll
+
+    def __str__(self) -> str:
+        return f"commfuse.{TWO_GATHERS_OP} over {self.x_axis!r} and {self.w_axis!r}"
 
 
 @dataclass

@@ -102,7 +102,7 @@ impl OpKind {
         use OpKind::*;
         match self {
             AllGatherMatmulReduceScatter => Pattern::GatherScatter { gathered: 0 },
-            AllGatherBothMatmul => Pattern::GatherGather { gathered: 0 },
+            AllGatherBothMatmul => Pattern::GatherGather { gathered: 0, into_out: false },
             AllGatherMatmul | MatmulAllGather => Pattern::Gather { accumulate: false },
             AllGatherMatmulContract | MatmulAllGatherContract => Pattern::Gather { accumulate: true },
             MatmulReduceScatter | MatmulReduceScatterCols => Pattern::Scatter,
@@ -546,11 +546,15 @@ impl Problem {
     }
 
     /// The pattern this problem is planned with (`OpKind::pattern`, with a
-    /// two-axis kind's gather axis size filled in).
+    /// two-axis kind's first axis size filled in, and whether a two-gather
+    /// plan adds its products up in the output: where its dtype is the
+    /// accumulator's).
     pub fn pattern(&self) -> Pattern {
         match self.kind.pattern() {
             Pattern::GatherScatter { .. } => Pattern::GatherScatter { gathered: self.gathered },
-            Pattern::GatherGather { .. } => Pattern::GatherGather { gathered: self.gathered },
+            Pattern::GatherGather { .. } => {
+                Pattern::GatherGather { gathered: self.gathered, into_out: self.output == self.accumulator() }
+            }
             pattern => pattern,
         }
     }

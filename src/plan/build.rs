@@ -39,9 +39,9 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no gather axis size of a group of {n}");
             b.gather_scatter(gathered, 1, sequential);
         }
-        Pattern::GatherGather { gathered } => {
+        Pattern::GatherGather { gathered, into_out } => {
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no axis size of w's gather in a group of {n}");
-            b.gather_gather(gathered, sequential);
+            b.gather_gather(gathered, into_out, sequential);
         }
         Pattern::Gather { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
@@ -834,8 +834,10 @@ impl Builder {
     /// the two blocks' arrivals: the products each exchange makes possible
     /// run while the next exchange travels. Nothing but the own blocks is
     /// needed at the head, and nothing travels after the last product.
-    /// Sequential: every block gathered first, then the products.
-    fn gather_gather(&mut self, gathered: usize, sequential: bool) {
+    /// The products add up in the output itself where its dtype is the
+    /// accumulator's (`into_out`), else in a result slot summed into it at
+    /// the end. Sequential: every block gathered first, then the products.
+    fn gather_gather(&mut self, gathered: usize, into_out: bool, sequential: bool) {
         let (n, f_size) = (self.n, gathered);
         let t_size = n / f_size;
         let (f, t) = (self.rank / t_size, self.rank % t_size);
@@ -844,7 +846,7 @@ impl Builder {
         let (next_t, prev_t) = (rank_of(f, t + 1), rank_of(f, t + t_size - 1));
         let x_slots = self.slots(SlotKind::Input, t_size - 1);
         let w_slots = self.slots(SlotKind::Weight, f_size - 1);
-        let result = self.slot(SlotKind::Result);
+        let result = if into_out { Buf::Out } else { Buf::Slot(self.slot(SlotKind::Result)) };
         // The block of x held at step s (row block t - s), and of w at step c (block f - c).
         let x_at = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(x_slots[s - 1]) };
         let w_at = |c: usize| if c == 0 { Buf::W } else { Buf::Slot(w_slots[c - 1]) };
@@ -891,13 +893,15 @@ impl Builder {
                     block: p * f_size + q,
                     src: x_at(s),
                     with: w_at(c),
-                    dst: Buf::Slot(result),
+                    dst: result,
                     accumulate: c > 0,
                 };
                 self.push(Lane::Compute, action, deps);
             }
         }
-        self.push(Lane::Compute, Action::Sum { terms: vec![Buf::Slot(result)], dst: Buf::Out }, vec![]);
+        if !into_out {
+            self.push(Lane::Compute, Action::Sum { terms: vec![result], dst: Buf::Out }, vec![]);
+        }
     }
 
     /// Copies the block received at step s into its output block.

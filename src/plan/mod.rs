@@ -80,8 +80,10 @@ pub enum Pattern {
     /// of the second operand (`w`, cut along the contraction) round the F
     /// ranks that share `t`; each product of one block of each is added into
     /// the result's row block of its `x` block. `gathered` is F (0: not known
-    /// from the op kind alone, see `Problem::pattern`).
-    GatherGather { gathered: usize },
+    /// from the op kind alone, see `Problem::pattern`); `into_out`: the
+    /// products add up in the output itself (its dtype is the accumulator's),
+    /// else in a result slot that is summed into the output at the end.
+    GatherGather { gathered: usize, into_out: bool },
 }
 
 impl Pattern {
@@ -110,7 +112,7 @@ impl Pattern {
     /// The size F of a two-axis pattern's first axis (`None` for the one-axis patterns).
     pub fn two_axis(self) -> Option<usize> {
         match self {
-            Pattern::GatherScatter { gathered } | Pattern::GatherGather { gathered } => Some(gathered),
+            Pattern::GatherScatter { gathered } | Pattern::GatherGather { gathered, .. } => Some(gathered),
             _ => None,
         }
     }

@@ -946,18 +946,20 @@ enum TwoGathers {
     Result(BTreeMap<usize, BTreeSet<usize>>),
 }
 
-/// Runs every rank's plan of `Pattern::GatherGather { gathered: f_size }`
+/// Runs every rank's plan of `Pattern::GatherGather { gathered: f_size, .. }`
 /// message by message: each product multiplies x's row block p of the
 /// rank's own f by w's block q of its own t (block `p * F + q`), into row
 /// block p of its result; rank f*T + t ends with every row block's
-/// products over every block of w, each once, summed into the output once.
+/// products over every block of w, each once, in the output (added up
+/// there, or summed into it once from a result slot).
 fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
     let n = plans.len();
     let t_size = n / f_size;
     let mut cursor = vec![0usize; n];
     let mut sent = vec![false; n];
     let mut slots: Vec<HashMap<usize, TwoGathers>> = vec![HashMap::new(); n];
-    let mut outs = vec![0usize; n];
+    // Per rank, what its output holds and how many sums wrote it whole.
+    let mut outs: Vec<(Option<TwoGathers>, usize)> = vec![(None, 0); n];
     let mut mailbox: HashMap<(usize, usize, Tag), TwoGathers> = HashMap::new();
     let read = |slots: &HashMap<usize, TwoGathers>, r: usize, b: Buf| -> TwoGathers {
         match b {
@@ -973,18 +975,19 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
             let (f, t) = (r / t_size, r % t_size);
             while let Some(step) = plans[r].steps.get(cursor[r]) {
                 match &step.action {
-                    Action::Matmul { block, src, with, dst: Buf::Slot(i), accumulate } => {
+                    Action::Matmul { block, src, with, dst, accumulate } => {
                         let (p, q) = (block / f_size, block % f_size);
-                        assert_eq!(read(&slots[r], r, *src), TwoGathers::X { f, p }, "{label}: rank {r} block {block}");
-                        assert_eq!(
-                            read(&slots[r], r, *with),
-                            TwoGathers::W { t, q },
-                            "{label}: rank {r} block {block}"
-                        );
-                        let mut rows = match (accumulate, slots[r].get(i)) {
-                            (true, Some(TwoGathers::Result(rows))) => rows.clone(),
+                        let operands = (read(&slots[r], r, *src), read(&slots[r], r, *with));
+                        let want = (TwoGathers::X { f, p }, TwoGathers::W { t, q });
+                        assert_eq!(operands, want, "{label}: rank {r} block {block}");
+                        let held = match dst {
+                            Buf::Slot(i) => slots[r].get(i).cloned(),
+                            Buf::Out => outs[r].0.clone(),
+                            other => panic!("{label}: rank {r} multiplies into {other:?}"),
+                        };
+                        let mut rows = match (accumulate, held) {
+                            (_, Some(TwoGathers::Result(rows))) => rows,
                             (true, other) => panic!("{label}: rank {r} accumulates onto {other:?}"),
-                            (false, Some(TwoGathers::Result(rows))) => rows.clone(),
                             (false, _) => BTreeMap::new(),
                         };
                         let row = rows.entry(p).or_default();
@@ -992,24 +995,23 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
                             row.clear();
                         }
                         assert!(row.insert(q), "{label}: rank {r} adds block {block} twice");
-                        slots[r].insert(*i, TwoGathers::Result(rows));
+                        match dst {
+                            Buf::Slot(i) => {
+                                slots[r].insert(*i, TwoGathers::Result(rows));
+                            }
+                            _ => outs[r].0 = Some(TwoGathers::Result(rows)),
+                        }
                     }
                     Action::Sum { terms, dst: Buf::Out } => {
                         let [Buf::Slot(i)] = terms[..] else { panic!("{label}: rank {r} sums {terms:?}") };
-                        let want: BTreeMap<usize, BTreeSet<usize>> =
-                            (0..t_size).map(|p| (p, (0..f_size).collect())).collect();
-                        assert_eq!(slots[r].get(&i), Some(&TwoGathers::Result(want)), "{label}: rank {r}'s result");
-                        outs[r] += 1;
+                        outs[r] = (slots[r].get(&i).cloned(), outs[r].1 + 1);
                     }
                     Action::Exchange { sends, recvs } => {
                         if !sent[r] {
                             for s in sends {
                                 let v = read(&slots[r], r, s.buf);
-                                assert!(
-                                    mailbox.insert((r, s.peer, s.tag), v).is_none(),
-                                    "{label}: {:?} sent twice",
-                                    s.tag
-                                );
+                                let fresh = mailbox.insert((r, s.peer, s.tag), v).is_none();
+                                assert!(fresh, "{label}: {:?} sent twice", s.tag);
                             }
                             sent[r] = true;
                         }
@@ -1040,7 +1042,12 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
         assert!(progressed, "{label}: deadlock at cursors {cursor:?}");
     }
     assert!(mailbox.is_empty(), "{label}: sends never received");
-    assert!(outs.iter().all(|&o| o == 1), "{label}: outputs written {outs:?} times");
+    let into_out = matches!(plans[0].pattern, Pattern::GatherGather { into_out: true, .. });
+    let want: BTreeMap<usize, BTreeSet<usize>> = (0..t_size).map(|p| (p, (0..f_size).collect())).collect();
+    for (r, (held, sums)) in outs.iter().enumerate() {
+        assert_eq!(held, &Some(TwoGathers::Result(want.clone())), "{label}: rank {r}'s output");
+        assert_eq!(*sums, usize::from(!into_out), "{label}: rank {r}'s output summed {sums} times");
+    }
 }
 
 #[test]
@@ -1049,10 +1056,10 @@ fn every_two_gather_plan_is_correct_and_race_free() {
     for f_size in 1..=6 {
         for t_size in 1..=6 {
             let n = f_size * t_size;
-            for schedule in SCHEDULES {
-                let plans: Vec<Plan> =
-                    (0..n).map(|r| plan(Pattern::GatherGather { gathered: f_size }, schedule, n, r)).collect();
-                let label = format!("F={f_size} T={t_size} {schedule:?}");
+            for (schedule, into_out) in SCHEDULES.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+                let pattern = Pattern::GatherGather { gathered: f_size, into_out };
+                let plans: Vec<Plan> = (0..n).map(|r| plan(pattern, schedule, n, r)).collect();
+                let label = format!("F={f_size} T={t_size} {schedule:?} into_out={into_out}");
                 for p in &plans {
                     check_hazards(p, &format!("{label} rank={}", p.rank));
                 }
@@ -1061,7 +1068,7 @@ fn every_two_gather_plan_is_correct_and_race_free() {
             }
         }
     }
-    assert_eq!(checked, 36 * SCHEDULES.len());
+    assert_eq!(checked, 36 * SCHEDULES.len() * 2);
 }
 
 /// The point of the two-gather plan: nothing waits at the head (the first
@@ -1075,7 +1082,8 @@ fn two_gather_products_wait_only_for_their_own_blocks() {
         let n = f_size * t_size;
         for rank in 0..n {
             let (f, t) = (rank / t_size, rank % t_size);
-            let p = plan(Pattern::GatherGather { gathered: f_size }, Schedule::Ring, n, rank);
+            let pattern = Pattern::GatherGather { gathered: f_size, into_out: rank % 2 == 0 };
+            let p = plan(pattern, Schedule::Ring, n, rank);
             let hb = happens_before(&p);
             let products = matmuls(&p);
             assert_eq!(products.len(), n);

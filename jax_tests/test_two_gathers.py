@@ -27,13 +27,13 @@ def lax_two_gathers(x, w, x_axis, w_axis):
     return jax.lax.all_gather(x, x_axis, axis=0, tiled=True) @ jax.lax.all_gather(w, w_axis, axis=0, tiled=True)
 
 
-def _case(shape, m, k, n, dtype, seed=0, lead=()):
-    """A mesh of `shape` (fsdp F, tp T), global x [F*T*m, *lead, k] (its
-    rows over fsdp then tp: a batch over fsdp, its sequence over tp) and w
-    [k, n] (rows over fsdp, columns over tp); the result's rows over fsdp
-    and its columns over tp."""
+def _case(shape, m, k, n, dtype, seed=0, lead=(), tp_first=False):
+    """A mesh of `shape` (fsdp F, tp T; `tp_first`: its axes in the other
+    order), global x [F*T*m, *lead, k] (its rows over fsdp then tp: a batch
+    over fsdp, its sequence over tp) and w [k, n] (rows over fsdp, columns
+    over tp); the result's rows over fsdp and its columns over tp."""
     f, t = shape
-    mesh = make_mesh({"fsdp": f, "tp": t})
+    mesh = make_mesh({"tp": t, "fsdp": f} if tp_first else {"fsdp": f, "tp": t})
     x = rand((f * t * m, *lead, k), dtype, seed=seed)
     w = rand((k, n), dtype, seed=seed + 1)
     x_spec = P(("fsdp", "tp"), *([None] * len(lead)))
@@ -58,13 +58,34 @@ def test_matches_jax_lax_and_the_model(shape, dtype, schedule):
     assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), dtype)
 
 
-def test_bf16_operands_with_a_float32_product():
+def test_bf16_operands_with_a_float32_product_and_its_gradients():
     mesh, x, w, xs, ws, spec = _case((2, 2), 4, 16, 8, jnp.bfloat16, seed=4)
     op = lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring", preferred_element_type=jnp.float32)  # noqa: E731
     fused = jax.jit(jax.shard_map(op, **spec))(xs, ws)
     assert fused.dtype == jnp.float32
     assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), np.float32,
                  rtol=1e-5)
+    # The cotangent is float32, w bfloat16: the backward's ops take them in one dtype.
+    plain = lambda a, b: jnp.matmul(jax.lax.all_gather(a, "tp", axis=0, tiled=True),  # noqa: E731
+                                    jax.lax.all_gather(b, "fsdp", axis=0, tiled=True),
+                                    preferred_element_type=jnp.float32)
+    grads = [jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(jax.shard_map(fn, **spec)(a, b))), argnums=(0, 1)))(xs, ws)
+             for fn in (op, plain)]
+    for g, w_ in zip(*grads):
+        assert g.dtype == w_.dtype == jnp.bfloat16
+        assert_close(np.asarray(g), np.asarray(w_), jnp.bfloat16)
+
+
+def test_the_group_follows_the_axes_named_not_the_mesh_order():
+    # tp before fsdp in the mesh, F != T: the op's group is still w_axis major.
+    mesh, x, w, xs, ws, spec = _case((2, 4), 4, 16, 8, np.float32, seed=8, tp_first=True)
+    fused = jax.jit(jax.shard_map(lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring"), **spec))(xs, ws)
+    assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), np.float32)
+    loss = lambda fn: lambda a, b: jnp.sum(jnp.sin(jax.shard_map(fn, **spec)(a, b)))  # noqa: E731
+    got = jax.jit(jax.grad(loss(lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring")), argnums=(0, 1)))(xs, ws)
+    want = jax.jit(jax.grad(loss(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp")), argnums=(0, 1)))(xs, ws)
+    for g, w_ in zip(got, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
 
 
 def test_rows_of_a_rank_3_x_and_gradients_match_jax_lax():
@@ -136,6 +157,11 @@ def test_explain_prices_the_plan_over_both_axes():
     assert r["schedules"]["ring"] < r["schedules"]["sequential"], r["schedules"]
     with pytest.raises(ValueError, match="dimension is the size of w's gather axis"):
         commfuse.explain("all_gather_both_matmul", (256, 512), (256, 256), 8, dimension=3)
+    # Memory: the unfused form holds both gathered operands; the fused op keeps every received block
+    # (and one copy of each own block it sends; float32 products add up in the output itself).
+    x_bytes, w_bytes = 256 * 512 * 4, 256 * 256 * 4
+    assert r["memory"]["unfused_temporaries"] == 4 * x_bytes + 2 * w_bytes, r["memory"]
+    assert r["memory"]["blocks_in_flight"] == 4 * x_bytes + 2 * w_bytes, r["memory"]
 
 
 def _errors(mesh_shape, x_shape, w_shape, *args, **kwargs):

@@ -109,13 +109,13 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                      (\"sequential\")"
                 )));
             }
-            let two_axis = kind == OpKind::AllGatherMatmulReduceScatter;
-            if two_axis && what == "tiled" {
+            let gather_scatter = kind == OpKind::AllGatherMatmulReduceScatter;
+            if gather_scatter && what == "tiled" {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: no \"tiled\" schedule: \"sliced\" cuts each block of w's columns into chunks"
                 )));
             }
-            if !two_axis && (!Schedule::sliceable(kind.pattern()) || !kind.cuts_rows()) {
+            if !gather_scatter && (!Schedule::sliceable(kind.pattern()) || !kind.cuts_rows()) {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: schedule \"{what}\" exists only for all_gather_matmul and matmul_reduce_scatter along a \
                      row dim, matmul_all_reduce and (sliced) all_gather_matmul_reduce_scatter"

@@ -69,7 +69,7 @@ pub struct PlanSummary {
     pub exchanges: usize,
     pub slots: usize,
     /// Bytes of blocks one rank holds at most while the call runs: its
-    /// slots, and the parts of `x` it sends. On the CPU backend these are the
+    /// slots, and the parts of `x` (and `w`) it sends. On the CPU backend these are the
     /// transport's blocks (outside XLA's workspace); on CUDA the slots are
     /// in the workspace.
     pub blocks_in_flight: usize,
@@ -187,22 +187,24 @@ fn blocks_in_flight(problem: &Problem, plan: &Plan) -> Result<usize> {
             _ => None,
         })
         .flatten()
-        .filter(|b| matches!(b, Buf::X | Buf::XBlock(_)))
+        .filter(|b| matches!(b, Buf::X | Buf::XBlock(_) | Buf::W))
         .collect();
     sent.sort_by_key(|b| match b {
-        Buf::XBlock(j) => *j + 1,
+        Buf::XBlock(j) => *j + 2,
+        Buf::W => 1,
         _ => 0,
     });
     sent.dedup();
     let size = problem.input.size();
-    let x_parts: usize = sent
+    let operand_parts: usize = sent
         .iter()
         .map(|b| match b {
             Buf::XBlock(j) => problem.x_block(*j).map_or(0, |r| r.len() * size),
+            Buf::W => problem.sizes().w * size,
             _ => problem.sizes().x * size,
         })
         .sum();
-    Ok(slots + x_parts)
+    Ok(slots + operand_parts)
 }
 
 /// `prepare` from and to JSON (the C ABI's `commfuse_prepare`).

@@ -3,9 +3,12 @@ batch-sharded over ``data`` and ``fsdp`` and sequence-sharded over
 ``tensor`` (sequence parallelism), the MLP weights' embedding dim sharded
 over ``fsdp`` (FSDP) and their hidden dim over ``tensor``. Each projection
 needs two collectives: the weight's gather over ``fsdp`` and the
-sequence's gather (or reduce-scatter) over ``tensor``. XLA gathers the
-weight first (it depends on no activation); the sequence collective is the
-fused op's. (A weight gradient constrained to the weight's layout, rows
+sequence's gather (or reduce-scatter) over ``tensor``. Under ``ring`` each
+projection is one op over both axes (``all_gather_both_matmul``, then
+``all_gather_matmul_reduce_scatter``); where that op does not run (under
+``bidirectional``, or ``auto`` where the cost model prefers one side), XLA
+gathers the weight first (it depends on no activation) and the sequence
+collective is the fused op's. (A weight gradient constrained to the weight's layout, rows
 over ``fsdp``, is the fused reduce-scatter over ``fsdp`` then XLA's sum
 over ``data``: `test_jit_programs`, the gradient here is left to XLA.)"""
 

@@ -5,14 +5,14 @@ TP, the weight's rows over FSDP and its columns over TP).
 
 One fused op (``Kind.ALL_GATHER_BOTH_MATMUL``) over the group of both axes:
 the row blocks of ``x`` travel round ``x_axis``'s ring and the blocks of
-``w`` round ``w_axis``'s, both rings' transfers in one exchange, while the
-product of each pair (x's row block p, its columns of w's block q, times
-w's block q) is added into row block p of the result
-(``Pattern::GatherGather`` in ``src/plan/build.rs``). The own block of w is
-multiplied with each block of x as it arrives, then each further block of
-w with every block of x: nothing waits at the head, and nothing travels
-after the last product. Every received block is kept, as the unfused form
-holds the gathered operands.
+``w`` round ``w_axis``'s, each ring's step an exchange of its own, in turn
+(``Pattern::GatherGather`` in ``src/plan/build.rs``). The product of each
+pair (x's row block p, its columns of w's block q, times w's block q) is
+added into row block p of the result as soon as the later of its two
+blocks has arrived, so the products each exchange makes possible run
+while the next one travels: nothing waits at the head (the own blocks are
+multiplied first), and nothing travels after the last product. Every
+received block is kept, as the unfused form holds the gathered operands.
 
 VJP: ``dx = psum_scatter(dy @ all_gather(w, w_axis)ᵀ, x_axis)``, which is
 ``all_gather_matmul_reduce_scatter(dy, wᵀ, w_axis, x_axis)``: both its
@@ -152,14 +152,15 @@ def _bwd(static, residuals, dy):
     collectives and dots."""
     x, w = residuals
     policy = static.policy._replace(strict=False)
-    dy_rows = _fused.rows_2d(dy)
+    # dy is in the product's dtype (preferred_element_type); w in the operands'.
+    dy_rows, w_t = _fused.common(_fused.rows_2d(dy), w.T)
     # The two-axis op runs "ring", "sequential" and "unfused" as asked; any other schedule (a whole program's) "auto".
     runs = [_abi.SCHEDULES[n] for n in gather_scatter.SCHEDULES] + [_abi.UNFUSED]
     asked = policy.asked if policy.asked in runs else _abi.AUTO
-    two = gather_scatter.settle(dy_rows.shape, w.T.shape, dy.dtype, x.dtype, axes=(static.w_axis, static.x_axis),
-                                sizes=(static.w_ranks, static.x_ranks), policy=policy.with_asked(asked),
-                                fast_f32=static.fast_f32)
-    dx = gather_scatter.forward(dy_rows, w.T, two).reshape(x.shape)
+    two = gather_scatter.settle(dy_rows.shape, w_t.shape, dy_rows.dtype, x.dtype,
+                                axes=(static.w_axis, static.x_axis), sizes=(static.w_ranks, static.x_ranks),
+                                policy=policy.with_asked(asked), fast_f32=static.fast_f32)
+    dx = gather_scatter.forward(dy_rows, w_t, two).reshape(x.shape)
     x_all = jax.lax.all_gather(_fused.rows_2d(x), static.x_axis, axis=0, tiled=True)
     over = _op.Static((static.w_axis,), static.w_ranks, 0, policy, np.dtype(w.dtype), static.fast_f32)
     dw = _op.call_static(_abi.Kind.MATMUL_REDUCE_SCATTER, x_all.T, dy_rows, over)

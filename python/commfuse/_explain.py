@@ -134,7 +134,7 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
         "workspace_cpu": prepared["workspace"]["cpu"],
         "workspace_cuda": prepared["workspace"]["cuda"],
         "blocks_in_flight": prepared["plan"]["blocks_in_flight"],
-        "unfused_temporaries": unfused_temporaries(op, x, w, n, jnp.dtype(dtype).itemsize),
+        "unfused_temporaries": unfused_temporaries(op, x, w, n, jnp.dtype(dtype).itemsize, int(dimension)),
     }
     # What schedule="auto" runs: the same judgement as the ops' (`_decide.judge`).
     code, why = judge(prepared, n, target, may_decline())
@@ -145,14 +145,20 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     return result
 
 
-def unfused_temporaries(op: str, x: tuple, w: tuple, n: int, itemsize: int) -> int:
+def unfused_temporaries(op: str, x: tuple, w: tuple, n: int, itemsize: int, dimension: int = 0) -> int:
     """Bytes of the intermediate the unfused jax.lax expression of `op`
     materializes on one device: the gathered operand (all_gather(x) @ w,
     x @ all_gather(w)), the whole product before it is scattered
-    (psum_scatter(x @ w), psum(x @ w)), or the exchanged operand or product
-    (all-to-all)."""
+    (psum_scatter(x @ w), psum(x @ w)), the exchanged operand or product
+    (all-to-all), or for the ops over two axes (`dimension` the first's
+    size F of n = F x T) the gathered w and the product before its scatter,
+    or both gathered operands."""
     size = lambda shape: int(np.prod(shape)) * itemsize
     rows = int(np.prod(x[:-1]))
+    if op == "all_gather_matmul_reduce_scatter":
+        return dimension * (size(w) + rows * w[1] * itemsize)
+    if op == "all_gather_both_matmul":
+        return n // dimension * size(x) + dimension * size(w)
     if op == "all_gather_matmul":
         return n * size(x)
     if op == "matmul_all_gather":

@@ -379,8 +379,8 @@ class Choice(NamedTuple):
     out_spec: tuple
     why: str = ""
     psum_axes: tuple = ()  # summed after the fused op (XLA's all-reduce)
-    # The op over both axes only: the choice where it does not run (XLA's
-    # gather of w, then the fused reduce-scatter).
+    # The ops over two axes only: the choice where it does not run (XLA's
+    # gather of w, then the fused reduce-scatter or gather of x's rows).
     otherwise: object = None
 
     def describe(self) -> str:
@@ -487,7 +487,7 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
                     return Choice(TWO_AXIS_OP, Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER, axes + reduce, rows[2],
                                   x_spec, w_spec, out_spec, otherwise=inner)
                 if what == "gather_w_k" and rows[0] == "gather_x_rows" and len(axes) == 1 and len(rows[1]) == 1 \
-                        and not reduce:
+                        and axes != rows[1] and not reduce:
                     # w's rows gathered over one axis, x's rows over another
                     # (SP x FSDP column-parallel): one op over both, where the
                     # policy runs it (`_decide_two_gathers`).
@@ -710,8 +710,10 @@ def _decide_two_gathers(choice: Choice, x_shape, w_shape, dtype, settings: Setti
     """The two-gather op on these shards where it runs: under a schedule
     it has that was asked for, a decision imposed for it, or "auto" where
     the cost model (`_both_sides.choose_two_gathers`) times it below fusing
-    one side and its own judgement fuses. (None, why not): the choice
-    otherwise made (XLA's gather of w, then the fused gather of x)."""
+    either gather alone and its own judgement fuses. (None, why not): the
+    choice otherwise made, XLA's gather of w (it depends on no activation,
+    so XLA may start it early), then the fused gather of x's rows, whichever
+    side the cost model would fuse."""
     policy = settings.policy
     w_axis, x_axis = choice.axes
     f, t = sizes[w_axis], sizes[x_axis]

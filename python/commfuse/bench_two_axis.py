@@ -1,19 +1,21 @@
 """The two-axis fused ops against the one-sided fusions and XLA, on 8 CPU
 devices as a 2 x 4 (fsdp x tp) mesh, under the link model:
 
-    python -m commfuse.bench_two_axis [--op gather-scatter|two-gathers] [--reps 7] [--gbytes-per-s G]
+    python -m commfuse.bench_two_axis [--op gather-scatter|two-gathers] [--reps 7]
+                                      [--gbytes-per-s G]
 
 ``gather-scatter`` (the default) is an FSDP x TP row-parallel layer,
 ``psum_scatter(x @ all_gather(w, "fsdp", axis=1), "tp",
 scatter_dimension=0)``, at shapes where the weight's gather and the
 product's reduce-scatter move the same bytes. ``two-gathers`` is an SP x
 FSDP column-parallel layer, ``all_gather(x, "tp") @ all_gather(w,
-"fsdp")``, at shapes where the two gathers move the same bytes. The link model (``COMMFUSE_CPU_LINK``, switch topology: one port out
-and one in per device) throttles commfuse's transfers only; XLA's own
-collectives run at memory speed, so the one-sided fusions, which leave one
-collective to XLA, are also given with that collective charged the link's
-time ("+link"). Each way's median of `reps` interleaved rounds of one
-jitted step; ratios from this one run, never asserted.
+"fsdp")``, at shapes where the two gathers move the same bytes. The link
+model (``COMMFUSE_CPU_LINK``, switch topology: one port out and one in per
+device) throttles commfuse's transfers only; XLA's own collectives run at
+memory speed, so the one-sided fusions, which leave one collective to XLA,
+are also given with that collective charged the link's time ("+link").
+Each way's median of `reps` interleaved rounds of one jitted step; ratios
+from this one run, never asserted.
 
 Columns: T_compute (the local product alone, every device at once: one
 GEMM of the gathered operands), the link's time for each collective, and
@@ -165,7 +167,6 @@ def main(argv=None) -> None:
     for (name, _, left), t in zip(ways(), measured):
         charged = t + {"scatter": t_scatter, "gather": t_gather, "both": t_gather + t_scatter, None: 0.0}[left]
         print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
-
 
 
 def two_gathers(args) -> None:

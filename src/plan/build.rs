@@ -887,7 +887,7 @@ impl Builder {
                 let (p, q) = ((t + t_size - s) % t_size, (f + f_size - c) % f_size);
                 // The later of the two exchanges this product needs (sequential: the last of all).
                 let needs = if sequential { last_exchange } else { x_in[s].max(w_in[c]) };
-                let deps: Vec<StepId> = needs.filter(|&x| Some(x) > waited).into_iter().collect();
+                let deps: Vec<StepId> = needs.filter(|&exchange| Some(exchange) > waited).into_iter().collect();
                 waited = waited.max(needs);
                 let action = Action::Matmul {
                     block: p * f_size + q,

@@ -500,6 +500,8 @@ class Rewriter:
         f_x, f_w = ins[0], ins[1]
         two = self._two_gather_form(f_x, f_w)
         if isinstance(two, str):
+            for f in (f_x, f_w):  # said by whichever stays XLA's
+                self.reasons[f.coll].append(f"not one op over both axes: {two}")
             return None
         rest = [f for f in group if f is not f_x and f is not f_w]
         if self.state.schedule != "auto" or two.imposed:
@@ -821,7 +823,6 @@ class Rewriter:
         (`commfuse.all_gather_both_matmul`), x's gathered dim moved first
         for it and back after."""
         f_x, f_w = two.f_x, two.f_w
-        self.tried.update((id(f_x), id(f_w)))
         eqns = self.jaxpr.eqns
         gx, gw, dot = eqns[f_x.coll], eqns[f_w.coll], eqns[f_x.dot]
         if f_x.dot in self.evaluated:
@@ -839,7 +840,8 @@ class Rewriter:
         if decision.refused is not None or not decision.fused:
             why = decision.refused if decision.refused is not None else \
                 f"kept as written: commfuse.{TWO_GATHERS_OP} would run unfused ({decision.why})"
-            self.reasons[f_x.coll].append(f"not one op over both axes: {why}")
+            for f in (f_x, f_w):  # said by whichever stays XLA's
+                self.reasons[f.coll].append(f"not one op over both axes: {why}")
             return False
         y = jnp.moveaxis(two_gathers_op.run(decision, jnp.moveaxis(x, two.rows, 0), w), 0, two.rows)
         target = dot.outvars[0]

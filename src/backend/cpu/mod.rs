@@ -139,7 +139,7 @@ struct CpuBackend<'a, A: Accum> {
     slot_kinds: Vec<SlotKind>,
     /// The blocks sent out of `x` (`Buf::X`, `Buf::XBlock`) or `w`
     /// (`Buf::W`): copied once, then handed to every peer that gets them.
-    sent_x: Mutex<HashMap<Buf, Shared>>,
+    sent: Mutex<HashMap<Buf, Shared>>,
     scratch: Mutex<Scratch<'a>>,
     endpoint: &'a Endpoint,
     copies: CopyCount,
@@ -294,7 +294,7 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
             slots: plan.slots.iter().map(|_| RwLock::new(None)).collect(),
             slot_bytes,
             slot_kinds: plan.slots.clone(),
-            sent_x: Mutex::new(HashMap::new()),
+            sent: Mutex::new(HashMap::new()),
             scratch: Mutex::new(Scratch { travel, travel_w, results, packed, packed_w: false }),
             endpoint,
             copies: CopyCount::default(),
@@ -381,14 +381,14 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
         }
     }
 
-    /// The block a send of part of `x` hands over: copied out of XLA's
-    /// buffer the first time, the same block after that.
-    fn x_block(&self, buf: Buf) -> Result<Shared> {
-        let mut sent = claim(&self.sent_x, "the blocks sent from x")?;
+    /// The block a send of (part of) `x`, or of `w`, hands over: copied out
+    /// of XLA's buffer the first time, the same block after that.
+    fn sent_block(&self, buf: Buf) -> Result<Shared> {
+        let mut sent = claim(&self.sent, "the blocks sent from x and w")?;
         if let Some(block) = sent.get(&buf) {
             return Ok(Arc::clone(block));
         }
-        let bytes = self.x_bytes(buf)?;
+        let bytes = self.sent_bytes(buf)?;
         self.copies.add(bytes.len());
         let block = Arc::new(Block::copy_of(bytes));
         sent.insert(buf, Arc::clone(&block));
@@ -396,7 +396,7 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
     }
 
     /// The bytes of `x` (or `w`) a send of `buf` carries.
-    fn x_bytes(&self, buf: Buf) -> Result<&'a [u8]> {
+    fn sent_bytes(&self, buf: Buf) -> Result<&'a [u8]> {
         match buf {
             Buf::X => Ok(self.x),
             Buf::W => Ok(self.w),
@@ -405,7 +405,7 @@ impl<'a, A: Accum> CpuBackend<'a, A> {
                 let size = self.problem.input.size();
                 Ok(&self.x[part.start * size..part.end * size])
             }
-            other => Err(Error::Internal(format!("{other:?} is not part of x"))),
+            other => Err(Error::Internal(format!("{other:?} is not part of x or w"))),
         }
     }
 }
@@ -432,7 +432,7 @@ impl<A: Accum> Backend for CpuBackend<'_, A> {
                     })?
                 }
                 Buf::Slot(_) => Arc::clone(Self::held(&*self.read_slot(t.buf)?, t.buf)?),
-                _ => self.x_block(t.buf)?,
+                _ => self.sent_block(t.buf)?,
             };
             self.endpoint.send(t.peer, t.tag, block, wait.ready);
             wait.transferred(Direction::Send, t, started, Instant::now());

@@ -282,7 +282,7 @@ impl Resolver<'_> {
     fn dst(&self, dst: Buf, accumulate: bool) -> Result<(Addr, DType)> {
         let (addr, dtype) = match dst {
             Buf::Out | Buf::OutBlock(_) => (Addr::of(Base::Out), self.problem.output),
-            Buf::Slot(i) if self.slot_kinds.get(i) != Some(&SlotKind::Input) => {
+            Buf::Slot(i) if matches!(self.slot_kinds.get(i), Some(SlotKind::Partial | SlotKind::Result)) => {
                 let s = self.slot(i)?;
                 (s.addr, s.dtype)
             }

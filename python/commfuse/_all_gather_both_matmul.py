@@ -116,12 +116,7 @@ def settle(x_shape, w_shape, dtype, out_dtype, *, axes, sizes, policy: Policy, f
 
 def run(decision: OpDecision, x, w):
     """``all_gather_both_matmul`` of `x` and `w` as `decision` (made for their shapes) says."""
-    x, w = _op.prepared_operands(OP, x, w, decision)
-    settings = decision.settled["settings"]
-    if _op.forward_mode(x, w):
-        unfused = Decision(settings.forward.call, _abi.UNFUSED, "forward-mode differentiation", ())
-        return forward(x, w, settings._replace(forward=unfused))
-    return _both(x, w, settings)
+    return _op.run_settled(OP, decision, x, w, forward, _both)
 
 
 def forward(x, w, static: _Settings):

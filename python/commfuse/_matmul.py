@@ -666,6 +666,24 @@ def _decide_tiles(choice: Choice, x_shape, w_shape, dtype, settings: Settings, r
     return Decided(choice, (decision,) * tiling.count, tiling=tiling, tiles_why=why)
 
 
+def _settle_two_axis(op, policy, settle) -> tuple[object | None, str, bool]:
+    """An op over two axes (`op`: its module) on shards that `settle(policy)`
+    settles, under `policy`: (its settings, "", whether the cost model is
+    still to weigh it against the other ways) where it runs (a schedule it
+    has was asked for, "auto", or a decision imposed for its call), else
+    (None, why not, False)."""
+    if policy.asked == _abi.UNFUSED:
+        return None, "unfused, as asked", False
+    asked = policy.asked if policy.asked in (_abi.SCHEDULES[n] for n in op.SCHEDULES) else _abi.AUTO
+    two = settle(policy.with_asked(asked))
+    imposed = dict(policy.imposed).get(two.forward.call) is not None
+    if asked != policy.asked and not imposed:
+        return None, f"it has no {_abi.schedule_name(policy.asked)!r} schedule", False
+    if not two.forward.fused:
+        return None, two.forward.why, False
+    return two, "", asked == _abi.AUTO and not imposed
+
+
 def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings,
                      sizes: dict) -> tuple[Decided | None, str]:
     """The op over both axes on these shards where it runs: under a
@@ -680,17 +698,12 @@ def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings
     rows, k, c = math.prod(moved[:-1]), moved[-1], w_shape[1]
     if rows == 0 or k == 0 or c == 0:
         return None, "an operand has no elements"
-    if policy.asked == _abi.UNFUSED:
-        return None, "unfused, as asked"
-    asked = policy.asked if policy.asked in (_abi.SCHEDULES[n] for n in two_axis_op.SCHEDULES) else _abi.AUTO
-    two = two_axis_op.settle(moved, w_shape, dtype, settings.out_dtype, axes=choice.axes, sizes=(f, t),
-                             policy=policy.with_asked(asked), fast_f32=settings.fast_f32)
-    imposed = dict(policy.imposed).get(two.forward.call) is not None
-    if asked != policy.asked and not imposed:
-        return None, f"it has no {_abi.schedule_name(policy.asked)!r} schedule"
-    if not two.forward.fused:
-        return None, two.forward.why
-    if asked == _abi.AUTO and not imposed:
+    two, why, weigh = _settle_two_axis(two_axis_op, policy, lambda asked: two_axis_op.settle(
+        moved, w_shape, dtype, settings.out_dtype, axes=choice.axes, sizes=(f, t), policy=asked,
+        fast_f32=settings.fast_f32))
+    if two is None:
+        return None, why
+    if weigh:
         machine = policy.resolved_machine(choice.axes)
         try:
             order, why = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
@@ -721,17 +734,12 @@ def _decide_two_gathers(choice: Choice, x_shape, w_shape, dtype, settings: Setti
     moved = (x_shape[d], *x_shape[:d], *x_shape[d + 1:])
     if 0 in moved or 0 in w_shape:
         return None, "an operand has no elements"
-    if policy.asked == _abi.UNFUSED:
-        return None, "unfused, as asked"
-    asked = policy.asked if policy.asked in (_abi.SCHEDULES[n] for n in two_gathers_op.SCHEDULES) else _abi.AUTO
-    two = two_gathers_op.settle(moved, w_shape, dtype, settings.out_dtype, axes=(x_axis, w_axis), sizes=(t, f),
-                                policy=policy.with_asked(asked), fast_f32=settings.fast_f32)
-    imposed = dict(policy.imposed).get(two.forward.call) is not None
-    if asked != policy.asked and not imposed:
-        return None, f"it has no {_abi.schedule_name(policy.asked)!r} schedule"
-    if not two.forward.fused:
-        return None, two.forward.why
-    if asked == _abi.AUTO and not imposed:
+    two, why, weigh = _settle_two_axis(two_gathers_op, policy, lambda asked: two_gathers_op.settle(
+        moved, w_shape, dtype, settings.out_dtype, axes=(x_axis, w_axis), sizes=(t, f), policy=asked,
+        fast_f32=settings.fast_f32))
+    if two is None:
+        return None, why
+    if weigh:
         call = two.forward.call
         try:
             order, why = _both_sides.choose_two_gathers(call.x, call.w, t, f, call.dtype,

@@ -144,6 +144,20 @@ def unfused(static: Static) -> Static:
     return static._replace(policy=static.policy._replace(asked=_abi.UNFUSED, imposed=()), forward=None)
 
 
+def run_settled(op: str, decision: OpDecision, x, w, forward, differentiable):
+    """An op whose decision settled its settings (`decision.settled["settings"]`,
+    with the forward call's decision as `forward`) on `x` and `w`: its
+    custom-VJP function `differentiable(x, w, settings)`, or under
+    forward-mode differentiation, which a custom VJP cannot take, `forward`
+    with its call unfused (jax.lax's collectives and dot)."""
+    x, w = prepared_operands(op, x, w, decision)
+    settings = decision.settled["settings"]
+    if forward_mode(x, w):
+        unfused = Decision(settings.forward.call, _abi.UNFUSED, "forward-mode differentiation", ())
+        return forward(x, w, settings._replace(forward=unfused))
+    return differentiable(x, w, settings)
+
+
 def forward_mode(x, w) -> bool:
     """Whether `x` or `w` is differentiated forward (``jax.jvp``,
     ``jacfwd``, ``hessian``), which a custom_vjp cannot take: then the

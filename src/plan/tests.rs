@@ -710,6 +710,52 @@ enum TwoAxis {
     Partials(Pieces),
 }
 
+/// One rank of a symbolic run of the two-axis plans: its plan, its index,
+/// whether its current exchange has posted its sends, and its slots.
+struct Rank<'a, V> {
+    plan: &'a Plan,
+    r: usize,
+    sent: &'a mut bool,
+    slots: &'a mut HashMap<usize, V>,
+}
+
+/// One rank's `Exchange` in a symbolic run: its sends posted once (what
+/// `read` finds; a handed-over slot emptied), then, when every receive has
+/// arrived, each taken into its slot, which must be of a kind the value
+/// `fits`. Whether the exchange ended (else the rank waits).
+fn symbolic_exchange<V: Clone + std::fmt::Debug>(
+    rank: Rank<V>,
+    sends: &[Transfer],
+    recvs: &[Transfer],
+    mailbox: &mut HashMap<(usize, usize, Tag), V>,
+    read: impl Fn(&HashMap<usize, V>, Buf) -> V,
+    fits: impl Fn(&V, SlotKind) -> bool,
+    label: &str,
+) -> bool {
+    let Rank { plan, r, sent, slots } = rank;
+    if !*sent {
+        for t in sends {
+            let v = read(slots, t.buf);
+            assert!(mailbox.insert((r, t.peer, t.tag), v).is_none(), "{label}: {:?} sent twice", t.tag);
+            if let (true, Buf::Slot(i)) = (plan.hands_over(t.buf), t.buf) {
+                slots.remove(&i);
+            }
+        }
+        *sent = true;
+    }
+    if !recvs.iter().all(|t| mailbox.contains_key(&(t.peer, r, t.tag))) {
+        return false;
+    }
+    for t in recvs {
+        let v = mailbox.remove(&(t.peer, r, t.tag)).expect("there");
+        let Buf::Slot(i) = t.buf else { panic!("{label}: receives into {:?}", t.buf) };
+        assert!(fits(&v, plan.slots[i]), "{label}: rank {r} receives {v:?} into a {:?} slot", plan.slots[i]);
+        slots.insert(i, v);
+    }
+    *sent = false;
+    true
+}
+
 /// Runs every rank's plan of `Pattern::GatherScatter { gathered: f_size }`
 /// message by message: each product multiplies the block of w its fine
 /// block names, each sum adds partials of one fine block once each, and
@@ -766,34 +812,17 @@ fn simulate_two_axis(plans: &[Plan], f_size: usize, label: &str) {
                         }
                     }
                     Action::Exchange { sends, recvs } => {
-                        if !sent[r] {
-                            for t in sends {
-                                let v = read(&slots[r], r, t.buf);
-                                assert!(
-                                    mailbox.insert((r, t.peer, t.tag), v).is_none(),
-                                    "{label}: {:?} sent twice",
-                                    t.tag
-                                );
-                                if let (true, Buf::Slot(i)) = (plans[r].hands_over(t.buf), t.buf) {
-                                    slots[r].remove(&i);
-                                }
-                            }
-                            sent[r] = true;
-                        }
-                        if !recvs.iter().all(|t| mailbox.contains_key(&(t.peer, r, t.tag))) {
+                        let fits = |v: &TwoAxis, kind| {
+                            matches!(
+                                (v, kind),
+                                (TwoAxis::W(_), SlotKind::Input) | (TwoAxis::Partials(_), SlotKind::Partial)
+                            )
+                        };
+                        let read = |slots: &HashMap<usize, TwoAxis>, b| read(slots, r, b);
+                        let rank = Rank { plan: &plans[r], r, sent: &mut sent[r], slots: &mut slots[r] };
+                        if !symbolic_exchange(rank, sends, recvs, &mut mailbox, read, fits, label) {
                             break;
                         }
-                        for t in recvs {
-                            let v = mailbox.remove(&(t.peer, r, t.tag)).expect("there");
-                            let Buf::Slot(i) = t.buf else { panic!("{label}: receives into {:?}", t.buf) };
-                            let fits = matches!(
-                                (&v, plans[r].slots[i]),
-                                (TwoAxis::W(_), SlotKind::Input) | (TwoAxis::Partials(_), SlotKind::Partial)
-                            );
-                            assert!(fits, "{label}: rank {r} receives {v:?} into a {:?} slot", plans[r].slots[i]);
-                            slots[r].insert(i, v);
-                        }
-                        sent[r] = false;
                     }
                     other => panic!("{label}: unexpected {other:?}"),
                 }
@@ -1007,28 +1036,17 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
                         outs[r] = (slots[r].get(&i).cloned(), outs[r].1 + 1);
                     }
                     Action::Exchange { sends, recvs } => {
-                        if !sent[r] {
-                            for s in sends {
-                                let v = read(&slots[r], r, s.buf);
-                                let fresh = mailbox.insert((r, s.peer, s.tag), v).is_none();
-                                assert!(fresh, "{label}: {:?} sent twice", s.tag);
-                            }
-                            sent[r] = true;
-                        }
-                        if !recvs.iter().all(|t| mailbox.contains_key(&(t.peer, r, t.tag))) {
+                        let fits = |v: &TwoGathers, kind| {
+                            matches!(
+                                (v, kind),
+                                (TwoGathers::X { .. }, SlotKind::Input) | (TwoGathers::W { .. }, SlotKind::Weight)
+                            )
+                        };
+                        let read = |slots: &HashMap<usize, TwoGathers>, b| read(slots, r, b);
+                        let rank = Rank { plan: &plans[r], r, sent: &mut sent[r], slots: &mut slots[r] };
+                        if !symbolic_exchange(rank, sends, recvs, &mut mailbox, read, fits, label) {
                             break;
                         }
-                        for rv in recvs {
-                            let v = mailbox.remove(&(rv.peer, r, rv.tag)).expect("there");
-                            let Buf::Slot(i) = rv.buf else { panic!("{label}: receives into {:?}", rv.buf) };
-                            let fits = matches!(
-                                (&v, plans[r].slots[i]),
-                                (TwoGathers::X { .. }, SlotKind::Input) | (TwoGathers::W { .. }, SlotKind::Weight)
-                            );
-                            assert!(fits, "{label}: rank {r} receives {v:?} into a {:?} slot", plans[r].slots[i]);
-                            slots[r].insert(i, v);
-                        }
-                        sent[r] = false;
                     }
                     other => panic!("{label}: unexpected {other:?}"),
                 }

@@ -828,12 +828,12 @@ impl Builder {
     /// contraction). x's blocks travel round the T ranks that share f and
     /// w's round the F ranks that share t, the two rings' steps in turn,
     /// and every received block is kept (the gathered operands, as the
-    /// unfused form holds them). The product of
-    /// x's row block p and w's block q (x_p's columns of block q times w_q)
-    /// is added into row block p of the result, in order of the later of
-    /// the two blocks' arrivals: the products each exchange makes possible
-    /// run while the next exchange travels. Nothing but the own blocks is
-    /// needed at the head, and nothing travels after the last product.
+    /// unfused form holds them). The product of x's row block p and w's
+    /// block q (x_p's columns of block q times w_q) is added into row block
+    /// p of the result, in order of the later of the two blocks' arrivals:
+    /// the products each exchange makes possible run while the next
+    /// exchange travels. Nothing but the own blocks is needed at the head,
+    /// and nothing travels after the last product.
     /// The products add up in the output itself where its dtype is the
     /// accumulator's (`into_out`), else in a result slot summed into it at
     /// the end. Sequential: every block gathered first, then the products.

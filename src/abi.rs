@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// The op kinds; a kind's code is its index (`_abi.Kind`).
-pub const KINDS: [OpKind; 13] = [
+pub const KINDS: [OpKind; 14] = [
     OpKind::AllGatherMatmul,
     OpKind::AllGatherMatmulContract,
     OpKind::MatmulAllGather,
@@ -32,6 +32,7 @@ pub const KINDS: [OpKind; 13] = [
     OpKind::MatmulAllReduce,
     OpKind::AllGatherMatmulReduceScatter,
     OpKind::AllGatherBothMatmul,
+    OpKind::AllGatherContractMatmulReduceScatter,
 ];
 
 /// The attributes of a fused op's call, as Python's lowering writes them
@@ -103,9 +104,9 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                     plan::MAX_CHUNKS
                 )));
             }
-            if kind == OpKind::AllGatherBothMatmul {
+            if matches!(kind, OpKind::AllGatherBothMatmul | OpKind::AllGatherContractMatmulReduceScatter) {
                 return Err(Error::InvalidArgument(format!(
-                    "{name}: no \"{what}\" schedule: both gathers run one way (\"ring\"), or nothing overlaps \
+                    "{name}: no \"{what}\" schedule: both rings run one way (\"ring\"), or nothing overlaps \
                      (\"sequential\")"
                 )));
             }

@@ -100,7 +100,7 @@ fn dim(u: &mut Unstructured) -> Result<i64> {
 
 /// A valid call of a random op on a random group (as Python lowers it).
 fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
-    let kind = u.int_in_range(0u8..=12)?;
+    let kind = u.int_in_range(0u8..=13)?;
     let r = *u.choose(&[1usize, 1, 1, 1, 2, 3, 4])?;
     let ri = r as i64;
     // The two-axis ops' group is F x T (its first axis's size F first).
@@ -134,7 +134,8 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
         9 => (vec![m, k], vec![k, ri * n], vec![ri, m, n], 0, 0),
         10 => (vec![ri * m, k], vec![k, n], vec![ri * m, n], 0, 0),
         11 => (vec![k, n], vec![t * m, k], vec![f, m, n], f, 1),
-        _ => (vec![m, f * k], vec![k, n], vec![t * m, n], f, 0),
+        12 => (vec![m, f * k], vec![k, n], vec![t * m, n], f, 0),
+        _ => (vec![f * k, m], vec![t * m, n], vec![k, n], f, 0),
     };
     let rows = usize::try_from(x_rows(&x, &w, lhs)).unwrap_or(0);
     let trivial = out.contains(&0) || k == 0;

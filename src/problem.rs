@@ -53,6 +53,16 @@ pub enum OpKind {
     /// travel round B's ring and blocks of w round A's; block `p * F + q`
     /// is x's row block p times w's block q, added into output rows p.
     AllGatherBothMatmul,
+    /// `psum_scatter(all_gather(x, B, axis=1) @ w, A, scatter_dimension=0)`
+    /// over two mesh axes (the weight gradient of `AllGatherBothMatmul`:
+    /// `all_gather(x, B)ᵀ @ dy` reduce-scattered over A): x `[F*kq, m]` (its
+    /// columns, the contraction, gathered over B), w `[T*m, c]`, over a group
+    /// of F x T ranks (rank `f * T + t`; A's size F given as `dimension`,
+    /// then B's T); output `[kq, c]`. Blocks of x travel round B's ring;
+    /// block `q * T + p` is row block q of x's block p times w's rows p,
+    /// added into the partial of the result's row block q, and the partials
+    /// are reduce-scattered round A's ring.
+    AllGatherContractMatmulReduceScatter,
 }
 
 impl OpKind {
@@ -79,6 +89,7 @@ impl OpKind {
             MatmulAllReduce => "matmul_all_reduce",
             AllGatherMatmulReduceScatter => "all_gather_matmul_reduce_scatter",
             AllGatherBothMatmul => "all_gather_both_matmul",
+            AllGatherContractMatmulReduceScatter => "all_gather_contract_matmul_reduce_scatter",
         }
     }
 
@@ -103,6 +114,7 @@ impl OpKind {
         match self {
             AllGatherMatmulReduceScatter => Pattern::GatherScatter { gathered: 0 },
             AllGatherBothMatmul => Pattern::GatherGather { gathered: 0, into_out: false },
+            AllGatherContractMatmulReduceScatter => Pattern::GatherContractScatter { scattered: 0 },
             AllGatherMatmul | MatmulAllGather => Pattern::Gather { accumulate: false },
             AllGatherMatmulContract | MatmulAllGatherContract => Pattern::Gather { accumulate: true },
             MatmulReduceScatter | MatmulReduceScatterCols => Pattern::Scatter,
@@ -174,9 +186,10 @@ pub struct Problem {
     group: usize,
     /// `Schedule::Sliced { slices }`: block indices are fine (`j * slices + c`).
     slices: Option<usize>,
-    /// Two-axis kinds: the size F of the gather axis (block `d * F + j` is
-    /// the scatter axis's row block d of the product with w's block j);
-    /// 1 for the others.
+    /// Two-axis kinds: the size F of the first axis (the gather-scatter
+    /// kind's gather axis: block `d * F + j` is the scatter axis's row block
+    /// d of the product with w's block j; the others' see `OpKind`); 1 for
+    /// the others.
     gathered: usize,
     outer: usize,
     /// Rows per segment (row kinds) or rows of the whole `m` dim.
@@ -362,6 +375,22 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
                     }
                     (1, m / t, kb, c, vec![f, m / t, c])
                 }
+                AllGatherContractMatmulReduceScatter => {
+                    let (k, m) = two("x", &xd)?;
+                    let (mw, c) = two("w", &wd)?;
+                    let f = two_axis_size(name, "the scatter axis", dimension, nr)?;
+                    mismatch(
+                        checked_mul(name, "the columns of `x` times the size of the gather axis", m, nr / f)?,
+                        mw,
+                    )?;
+                    if k % f != 0 {
+                        bail!(
+                            InvalidArgument,
+                            "{name}: the rows of `x` ({k}) must be divisible by the scatter axis size {f}"
+                        );
+                    }
+                    (1, k / f, m, c, vec![k / f, c])
+                }
                 AllGatherBothMatmul => {
                     let (m, kx) = two("x", &xd)?;
                     let (kb, c) = two("w", &wd)?;
@@ -430,7 +459,7 @@ impl Problem {
         }
         let gathered = match kind {
             OpKind::AllGatherMatmulReduceScatter => expected[0],
-            OpKind::AllGatherBothMatmul => dimension as usize,
+            OpKind::AllGatherBothMatmul | OpKind::AllGatherContractMatmulReduceScatter => dimension as usize,
             _ => 1,
         };
         Ok(Problem {
@@ -552,6 +581,7 @@ impl Problem {
     pub fn pattern(&self) -> Pattern {
         match self.kind.pattern() {
             Pattern::GatherScatter { .. } => Pattern::GatherScatter { gathered: self.gathered },
+            Pattern::GatherContractScatter { .. } => Pattern::GatherContractScatter { scattered: self.gathered },
             Pattern::GatherGather { .. } => {
                 Pattern::GatherGather { gathered: self.gathered, into_out: self.output == self.accumulator() }
             }
@@ -594,6 +624,8 @@ impl Problem {
             AllGatherMatmulReduceScatter => (self.x_len, self.out_len / self.gathered),
             // Blocks of w travel in slots of their own (`SlotKind::Weight`, `Sizes::w`).
             AllGatherBothMatmul => (self.x_len, 0),
+            // A partial is one row block of the result (the output's size).
+            AllGatherContractMatmulReduceScatter => (self.x_len, self.out_len),
         };
         let parts = self.slices.unwrap_or(1);
         // Slices cut what travels, but a two-axis call's whole local w travels
@@ -618,6 +650,17 @@ impl Problem {
         let Problem { group: nr, outer, seg, k, n, .. } = *self;
         if self.kind == AllGatherMatmulReduceScatter {
             return vec![self.two_axis_gemm(block, dst)];
+        }
+        if self.kind == AllGatherContractMatmulReduceScatter {
+            // Block q * T + p: row block q of x's block p (the step's source)
+            // times w's rows p, into the partial of the result's row block q.
+            let t = self.group / self.gathered;
+            let (q, p) = (block / t, block % t);
+            return vec![Gemm {
+                lhs: (Side::Src, View::rows(q * seg * k, seg, k)),
+                rhs: (Side::W, View::rows(p * k * n, k, n)),
+                dst: View::rows(0, seg, n),
+            }];
         }
         if self.kind == AllGatherBothMatmul {
             // Block p * F + q: x's row block p (the step's source), its
@@ -695,7 +738,7 @@ impl Problem {
                 dst: into(j * seg * n, seg, n, n),
             }],
             AllGatherMatmulReduceScatter => unreachable!("two_axis_gemm"),
-            AllGatherBothMatmul => unreachable!("above"),
+            AllGatherBothMatmul | AllGatherContractMatmulReduceScatter => unreachable!("above"),
         }
     }
 

@@ -43,6 +43,9 @@ class Kind(enum.IntEnum):
     # Two axes (A of F ranks, then B of T): x [m, F*kb] travels over B, w [kb, c] over A; dimension = F;
     # out [T*m, c] (all_gather(x, B) @ all_gather(w, A), both along their first dim).
     ALL_GATHER_BOTH_MATMUL = 12
+    # Two axes (A of F ranks, then B of T): x [F*kq, m] travels over B (its columns, the contraction), w [T*m, c];
+    # dimension = F; out [kq, c] (psum_scatter(all_gather(x, B, axis=1) @ w, A): the two-gather op's dw).
+    ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER = 13
 
 
 # Schedule codes (``abi::SCHEDULES``): the low byte; "sliced" and "tiled"

@@ -15,10 +15,12 @@ multiplied first), and nothing travels after the last product. Every
 received block is kept, as the unfused form holds the gathered operands.
 
 VJP: ``dx = psum_scatter(dy @ all_gather(w, w_axis)ᵀ, x_axis)``, which is
-``all_gather_matmul_reduce_scatter(dy, wᵀ, w_axis, x_axis)``: both its
-collectives in one fused op; ``dw = psum_scatter(all_gather(x, x_axis)ᵀ @
-dy, w_axis)``, a fused ``matmul_reduce_scatter`` over ``w_axis`` (x
-gathered by XLA) (`_bwd`).
+``all_gather_matmul_reduce_scatter(dy, wᵀ, w_axis, x_axis)``, and ``dw =
+psum_scatter(all_gather(x, x_axis)ᵀ @ dy, w_axis)``, the library's
+gather-contract-scatter kind (``Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER``:
+xᵀ's blocks round ``x_axis``'s ring, the partials of dw's row blocks
+reduce-scattered round ``w_axis``'s): each runs both its collectives in
+one fused op (`_bwd`).
 """
 
 from __future__ import annotations
@@ -139,26 +141,24 @@ def _fwd(x, w, static):
 
 def _bwd(static, residuals, dy):
     """dx = psum_scatter(dy @ all_gather(wᵀ, w_axis, axis=1), x_axis): the
-    two-axis op, both collectives in one fused call; dw =
-    psum_scatter(all_gather(x, x_axis)ᵀ @ dy, w_axis): the product's row
-    blocks reduce-scattered round w_axis inside a fused
-    ``matmul_reduce_scatter`` (x gathered by XLA). Each is decided under the
-    forward's policy, so "unfused" or a declining "auto" runs jax.lax's
-    collectives and dots."""
+    two-axis op; dw = psum_scatter(all_gather(xᵀ, x_axis, axis=1) @ dy,
+    w_axis): the gather-contract-scatter kind. Each runs both its
+    collectives in one fused call, decided under the forward's policy, so
+    "unfused" or a declining "auto" runs jax.lax's collectives and dots."""
     x, w = residuals
+    # Both ops run "ring", "sequential" and "unfused" as asked; any other schedule (a whole program's) "auto".
+    runs = [_abi.SCHEDULES[n] for n in SCHEDULES] + [_abi.UNFUSED]
     policy = static.policy._replace(strict=False)
+    policy = policy.with_asked(policy.asked if policy.asked in runs else _abi.AUTO)
     # dy is in the product's dtype (preferred_element_type); w in the operands'.
     dy_rows, w_t = _fused.common(_fused.rows_2d(dy), w.T)
-    # The two-axis op runs "ring", "sequential" and "unfused" as asked; any other schedule (a whole program's) "auto".
-    runs = [_abi.SCHEDULES[n] for n in gather_scatter.SCHEDULES] + [_abi.UNFUSED]
-    asked = policy.asked if policy.asked in runs else _abi.AUTO
     two = gather_scatter.settle(dy_rows.shape, w_t.shape, dy_rows.dtype, x.dtype,
                                 axes=(static.w_axis, static.x_axis), sizes=(static.w_ranks, static.x_ranks),
-                                policy=policy.with_asked(asked), fast_f32=static.fast_f32)
+                                policy=policy, fast_f32=static.fast_f32)
     dx = gather_scatter.forward(dy_rows, w_t, two).reshape(x.shape)
-    x_all = jax.lax.all_gather(_fused.rows_2d(x), static.x_axis, axis=0, tiled=True)
-    over = _op.Static((static.w_axis,), static.w_ranks, 0, policy, np.dtype(w.dtype), static.fast_f32)
-    dw = _op.call_static(_abi.Kind.MATMUL_REDUCE_SCATTER, x_all.T, dy_rows, over)
+    over = _op.Static((static.w_axis, static.x_axis), static.w_ranks * static.x_ranks, static.w_ranks, policy,
+                      np.dtype(w.dtype), static.fast_f32)
+    dw = _op.call_static(_abi.Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER, _fused.rows_2d(x).T, dy_rows, over)
     return _varying.match_primal(dx, x), _varying.match_primal(dw, w)
 
 

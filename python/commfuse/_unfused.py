@@ -77,6 +77,9 @@ def unfused(kind: "Kind", x, w, *, out_dtype, axes, ranks: int, dimension: int, 
     if kind == K.ALL_GATHER_BOTH_MATMUL:  # x [m, F*kb] over axes[1], w [kb, c] over axes[0]
         gathered_x = jax.lax.all_gather(x, axes[1], axis=0, tiled=True)
         return dot(gathered_x, jax.lax.all_gather(w, axes[0], axis=0, tiled=True))
+    if kind == K.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER:  # x [F*kq, m] over axes[1], w [T*m, c]
+        gathered_x = jax.lax.all_gather(x, axes[1], axis=1, tiled=True)
+        return jax.lax.psum_scatter(dot(gathered_x, w), axes[0], scatter_dimension=0, tiled=True)
     # MATMUL_ALL_TO_ALL_COLS: x [m, k], w [k, N*c]: column block j goes to rank j.
     y = dot(x, w)
     return a2a(jnp.moveaxis(y.reshape(y.shape[0], ranks, y.shape[1] // ranks), 1, 0))

@@ -39,6 +39,10 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no gather axis size of a group of {n}");
             b.gather_scatter(gathered, 1, sequential);
         }
+        Pattern::GatherContractScatter { scattered } => {
+            assert!(scattered >= 1 && n % scattered == 0, "{scattered} is no scatter axis size of a group of {n}");
+            b.gather_contract_scatter(scattered, sequential);
+        }
         Pattern::GatherGather { gathered, into_out } => {
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no axis size of w's gather in a group of {n}");
             b.gather_gather(gathered, into_out, sequential);
@@ -902,6 +906,76 @@ impl Builder {
         if !into_out {
             self.push(Lane::Compute, Action::Sum { terms: vec![result], dst: Buf::Out }, vec![]);
         }
+    }
+
+    /// A gather along the contraction, then a reduce-scatter
+    /// (`Pattern::GatherContractScatter`): rank `f * T + t` holds block t of
+    /// x's columns (the contraction). They travel round the T ranks that
+    /// share f, every received block kept. The product of x's block p (its
+    /// row block q) with the second operand's rows p is added into the
+    /// partial of the result's row block q, and the F partials are
+    /// reduce-scattered round the F ranks that share t, the adds on the
+    /// comm lane. The first partial the ring sends is computed first, each
+    /// of its products as its block of x arrives; every other partial
+    /// while the ring's previous step travels; the own partial, which the
+    /// ring ends with, last. Sequential: the gather, then every product,
+    /// then the reduce-scatter.
+    fn gather_contract_scatter(&mut self, scattered: usize, sequential: bool) {
+        let (n, f_size) = (self.n, scattered);
+        let t_size = n / f_size;
+        let (f, t) = (self.rank / t_size, self.rank % t_size);
+        let rank_of = |f: usize, t: usize| (f % f_size) * t_size + t % t_size;
+        let (next_f, prev_f) = (rank_of(f + 1, t), rank_of(f + f_size - 1, t));
+        let (next_t, prev_t) = (rank_of(f, t + 1), rank_of(f, t + t_size - 1));
+        let x_slots = self.slots(SlotKind::Input, t_size - 1);
+        let partials = self.slots(SlotKind::Partial, f_size);
+        let incoming = self.slots(SlotKind::Partial, (f_size - 1).min(2));
+        // The block of x held at step s (block t - s of the columns).
+        let x_at = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(x_slots[s - 1]) };
+        let mut arrived: Vec<Option<StepId>> = vec![None];
+        for e in 0..t_size - 1 {
+            let tag = tag(Direction::Forward, e);
+            let sends = vec![Transfer { peer: next_t, buf: x_at(e), tag }];
+            let recvs = vec![Transfer { peer: prev_t, buf: x_at(e + 1), tag }];
+            arrived.push(Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![])));
+        }
+        // The row block the ring reduces at its step s; the own one last.
+        let block_at = |s: usize| (f + 2 * f_size - 1 - s) % f_size;
+        // done[s]: the last product of the partial the ring takes at step s.
+        let mut done: Vec<StepId> = vec![];
+        for s in 0..f_size {
+            let q = block_at(s);
+            for step in 0..t_size {
+                let p = (t + t_size - step) % t_size;
+                let waits = if sequential { arrived.last() } else { arrived.get(step) };
+                let deps: Vec<StepId> = waits.copied().flatten().filter(|_| s == 0).into_iter().collect();
+                let action = Action::Matmul {
+                    block: q * t_size + p,
+                    src: x_at(step),
+                    with: Buf::W,
+                    dst: Buf::Slot(partials[q]),
+                    accumulate: step > 0,
+                };
+                done.push(self.push(Lane::Compute, action, deps));
+            }
+        }
+        let done = |s: usize| if sequential { done[done.len() - 1] } else { done[(s + 1) * t_size - 1] };
+        for s in 0..f_size - 1 {
+            let slot = Buf::Slot(partials[block_at(s)]);
+            if s > 0 {
+                let terms = vec![slot, Buf::Slot(incoming[(s - 1) % incoming.len()])];
+                self.push(Lane::Comm, Action::Sum { terms, dst: slot }, vec![done(s)]);
+            }
+            let tag = tag(Direction::Backward, s);
+            let sends = vec![Transfer { peer: next_f, buf: slot, tag }];
+            let recvs = vec![Transfer { peer: prev_f, buf: Buf::Slot(incoming[s % incoming.len()]), tag }];
+            self.push(Lane::Comm, Action::Exchange { sends, recvs }, if s == 0 { vec![done(0)] } else { vec![] });
+        }
+        let mut terms = vec![Buf::Slot(partials[f])];
+        if f_size > 1 {
+            terms.push(Buf::Slot(incoming[(f_size - 2) % incoming.len()]));
+        }
+        self.push(Lane::Comm, Action::Sum { terms, dst: Buf::Out }, vec![done(f_size - 1)]);
     }
 
     /// Copies the block received at step s into its output block.

@@ -84,6 +84,13 @@ pub enum Pattern {
     /// products add up in the output itself (its dtype is the accumulator's),
     /// else in a result slot that is summed into the output at the end.
     GatherGather { gathered: usize, into_out: bool },
+    /// A gather along the contraction, then a reduce-scatter, over a group
+    /// of F x T ranks (rank `f * T + t`): the blocks of `x` (the left
+    /// operand's columns) travel round the T ranks that share `f`, each
+    /// product adding into the partial of its row block of the result, and
+    /// the F partials are reduce-scattered round the F ranks that share `t`.
+    /// `scattered` is F (0: not known from the op kind alone).
+    GatherContractScatter { scattered: usize },
 }
 
 impl Pattern {
@@ -106,13 +113,20 @@ impl Pattern {
 
     /// Whether partial products travel and are summed on the way.
     pub fn reduces(self) -> bool {
-        matches!(self, Pattern::Scatter | Pattern::AllReduce | Pattern::GatherScatter { .. })
+        matches!(
+            self,
+            Pattern::Scatter
+                | Pattern::AllReduce
+                | Pattern::GatherScatter { .. }
+                | Pattern::GatherContractScatter { .. }
+        )
     }
 
     /// The size F of a two-axis pattern's first axis (`None` for the one-axis patterns).
     pub fn two_axis(self) -> Option<usize> {
         match self {
             Pattern::GatherScatter { gathered } | Pattern::GatherGather { gathered, .. } => Some(gathered),
+            Pattern::GatherContractScatter { scattered } => Some(scattered),
             _ => None,
         }
     }

@@ -109,8 +109,8 @@ fn sliced_piece(pattern: Pattern, rank: usize, block: usize, k: usize) -> (usize
         Pattern::Gather { .. } => (block / k, block),
         Pattern::Scatter | Pattern::AllReduce | Pattern::MatmulThenExchange => (rank, block),
         Pattern::ExchangeThenMatmul { .. } => (block, rank),
-        Pattern::GatherScatter { .. } | Pattern::GatherGather { .. } => {
-            unreachable!("two-axis plans have their own checks (simulate_two_axis, simulate_two_gathers)")
+        Pattern::GatherScatter { .. } | Pattern::GatherGather { .. } | Pattern::GatherContractScatter { .. } => {
+            unreachable!("two-axis plans have their own checks (simulate_two_axis, simulate_two_gathers, ...)")
         }
     }
 }
@@ -371,7 +371,9 @@ fn head_and_tail_are_not_exposed() {
                         assert!(own.deps.is_empty(), "{pattern:?}");
                         assert!(matches!(last.action, Action::Sum { .. }));
                     }
-                    Pattern::GatherScatter { .. } | Pattern::GatherGather { .. } => unreachable!("not in PATTERNS"),
+                    Pattern::GatherScatter { .. }
+                    | Pattern::GatherGather { .. }
+                    | Pattern::GatherContractScatter { .. } => unreachable!("not in PATTERNS"),
                 }
             }
         }
@@ -1130,6 +1132,169 @@ fn two_gather_products_wait_only_for_their_own_blocks() {
             }
             let last = *products.last().expect("products");
             assert!(exchanges.iter().all(|&e| !hb[last][e]), "a transfer after the last product");
+        }
+    }
+}
+
+/// What a buffer holds in the symbolic run of a gather-contract-scatter plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ContractScatter {
+    /// Block p of x's columns, of the ranks with this f.
+    X { f: usize, p: usize },
+    /// Products (origin rank, block q * T + p) summed so far.
+    Partials(Pieces),
+}
+
+/// Runs every rank's plan of `Pattern::GatherContractScatter { scattered:
+/// f_size }` message by message: each product multiplies block p of x's
+/// columns of the rank's own f (block `q * T + p`); rank f*T + t ends with
+/// row block f of the result summed over every p and every rank of its t,
+/// each product once, written once.
+fn simulate_contract_scatter(plans: &[Plan], f_size: usize, label: &str) {
+    let n = plans.len();
+    let t_size = n / f_size;
+    let mut cursor = vec![0usize; n];
+    let mut sent = vec![false; n];
+    let mut slots: Vec<HashMap<usize, ContractScatter>> = vec![HashMap::new(); n];
+    let mut outs: Vec<(usize, Pieces)> = vec![(0, BTreeSet::new()); n];
+    let mut mailbox: HashMap<(usize, usize, Tag), ContractScatter> = HashMap::new();
+    let read = |slots: &HashMap<usize, ContractScatter>, r: usize, b: Buf| -> ContractScatter {
+        match b {
+            Buf::X => ContractScatter::X { f: r / t_size, p: r % t_size },
+            Buf::Slot(i) => slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
+            other => panic!("{label}: rank {r} reads {other:?}"),
+        }
+    };
+    loop {
+        let mut progressed = false;
+        for r in 0..n {
+            let f = r / t_size;
+            while let Some(step) = plans[r].steps.get(cursor[r]) {
+                match &step.action {
+                    Action::Matmul { block, src, with: Buf::W, dst: Buf::Slot(i), accumulate } => {
+                        let p = block % t_size;
+                        assert_eq!(read(&slots[r], r, *src), ContractScatter::X { f, p }, "{label}: rank {r} {block}");
+                        let mut acc = match (accumulate, slots[r].get(i)) {
+                            (true, Some(ContractScatter::Partials(v))) => v.clone(),
+                            (true, other) => panic!("{label}: rank {r} accumulates onto {other:?}"),
+                            (false, _) => BTreeSet::new(),
+                        };
+                        assert!(acc.insert((r, *block)), "{label}: rank {r} adds {block} twice");
+                        slots[r].insert(*i, ContractScatter::Partials(acc));
+                    }
+                    Action::Sum { terms, dst } => {
+                        let mut acc = BTreeSet::new();
+                        for t in terms {
+                            let ContractScatter::Partials(v) = read(&slots[r], r, *t) else {
+                                panic!("{label}: sums x")
+                            };
+                            for item in v {
+                                assert!(acc.insert(item), "{label}: rank {r} counts {item:?} twice");
+                            }
+                        }
+                        let rows: BTreeSet<usize> = acc.iter().map(|&(_, b)| b / t_size).collect();
+                        assert_eq!(rows.len(), 1, "{label}: rank {r} sums row blocks {rows:?}");
+                        match dst {
+                            Buf::Slot(i) => {
+                                slots[r].insert(*i, ContractScatter::Partials(acc));
+                            }
+                            Buf::Out => outs[r] = (outs[r].0 + 1, acc),
+                            other => panic!("{label}: rank {r} sums into {other:?}"),
+                        }
+                    }
+                    Action::Exchange { sends, recvs } => {
+                        let fits = |v: &ContractScatter, kind| {
+                            matches!(
+                                (v, kind),
+                                (ContractScatter::X { .. }, SlotKind::Input)
+                                    | (ContractScatter::Partials(_), SlotKind::Partial)
+                            )
+                        };
+                        let read = |slots: &HashMap<usize, ContractScatter>, b| read(slots, r, b);
+                        let rank = Rank { plan: &plans[r], r, sent: &mut sent[r], slots: &mut slots[r] };
+                        if !symbolic_exchange(rank, sends, recvs, &mut mailbox, read, fits, label) {
+                            break;
+                        }
+                    }
+                    other => panic!("{label}: unexpected {other:?}"),
+                }
+                cursor[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..n).all(|r| cursor[r] == plans[r].steps.len()) {
+            break;
+        }
+        assert!(progressed, "{label}: deadlock at cursors {cursor:?}");
+    }
+    assert!(mailbox.is_empty(), "{label}: sends never received");
+    for (r, (writes, got)) in outs.iter().enumerate() {
+        let (f, t) = (r / t_size, r % t_size);
+        assert_eq!(*writes, 1, "{label}: rank {r} writes its output {writes} times");
+        let want: Pieces =
+            (0..f_size).flat_map(|g| (0..t_size).map(move |p| (g * t_size + t, f * t_size + p))).collect();
+        assert_eq!(*got, want, "{label}: rank {r}'s output");
+    }
+}
+
+#[test]
+fn every_gather_contract_scatter_plan_is_correct_and_race_free() {
+    let mut checked = 0;
+    for f_size in 1..=6 {
+        for t_size in 1..=6 {
+            let n = f_size * t_size;
+            for schedule in SCHEDULES {
+                let pattern = Pattern::GatherContractScatter { scattered: f_size };
+                let plans: Vec<Plan> = (0..n).map(|r| plan(pattern, schedule, n, r)).collect();
+                let label = format!("F={f_size} T={t_size} {schedule:?}");
+                for p in &plans {
+                    check_hazards(p, &format!("{label} rank={}", p.rank));
+                }
+                simulate_contract_scatter(&plans, f_size, &label);
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 36 * SCHEDULES.len());
+}
+
+/// The point of the gather-contract-scatter plan: only the first partial's
+/// products wait for blocks of x (each for its own), the reduce-scatter's
+/// step s waits for partial s's products only (it runs while the next
+/// partial is multiplied), and only the own partial's sum is left after the
+/// last product.
+#[test]
+fn gather_contract_scatter_steps_wait_only_for_their_own_products() {
+    for (f_size, t_size) in [(2, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1), (5, 3)] {
+        let n = f_size * t_size;
+        for rank in 0..n {
+            let p = plan(Pattern::GatherContractScatter { scattered: f_size }, Schedule::Ring, n, rank);
+            let hb = happens_before(&p);
+            let products = matmuls(&p);
+            assert_eq!(products.len(), n);
+            let label = format!("F={f_size} T={t_size} rank {rank}");
+            let exchange = |direction: Direction, step: usize| {
+                p.steps
+                    .iter()
+                    .find(|e| match &e.action {
+                        Action::Exchange { sends, .. } => sends.iter().any(|t| t.tag == Tag { direction, step }),
+                        _ => false,
+                    })
+                    .expect("every step is an exchange")
+                    .id
+            };
+            for (i, &product) in products.iter().enumerate() {
+                let (s, step) = (i / t_size, i % t_size);
+                for e in 0..t_size - 1 {
+                    let waits = hb[exchange(Direction::Forward, e)][product];
+                    assert_eq!(waits, s > 0 || e < step, "{label}: product {i} and x's exchange {e}");
+                }
+            }
+            for s in 0..f_size - 1 {
+                let ring = exchange(Direction::Backward, s);
+                assert!(hb[products[(s + 1) * t_size - 1]][ring], "{label}: ring step {s} before its partial");
+                assert!(!hb[products[(s + 1) * t_size]][ring], "{label}: ring step {s} waits for the next partial");
+            }
         }
     }
 }

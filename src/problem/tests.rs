@@ -25,6 +25,7 @@ pub(crate) fn cases() -> Vec<Case> {
         (MatmulAllReduce, vec![12, 8], vec![8, 6], vec![12, 6], 0),
         // F = 2 (w's gather axis) x T = 2 (x's).
         (AllGatherBothMatmul, vec![3, 10], vec![5, 6], vec![6, 6], 2),
+        (AllGatherContractMatmulReduceScatter, vec![6, 5], vec![10, 6], vec![3, 6], 2),
     ]
 }
 

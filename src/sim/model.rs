@@ -206,6 +206,8 @@ pub fn whole_gemm_s(problem: &Problem, n: usize, machine: &Machine) -> Option<f6
         AllGatherMatmulReduceScatter => (m * (count / problem.gathered()), k, c * problem.gathered()),
         // Every row block by every block of w: the gathered x @ the gathered w.
         AllGatherBothMatmul => (m * (count / problem.gathered()), k * problem.gathered(), c),
+        // Every row block by every block of x's columns: x gathered @ w.
+        AllGatherContractMatmulReduceScatter => (m * problem.gathered(), k * (count / problem.gathered()), c),
     };
     let shared = machine.shared_processors.map_or(1.0, |p| (n as f64 / p).max(1.0));
     Some(shared * machine.compute.gemm_s(m, k, c, problem.input, problem.accumulator(), false))

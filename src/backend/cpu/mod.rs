@@ -822,6 +822,10 @@ mod tests {
                 let f = example_dimension(kind);
                 [vec![m, f * k], vec![k, c], vec![n / f * m, c]]
             }
+            OpKind::AllGatherContractMatmulReduceScatter => {
+                let f = example_dimension(kind);
+                [vec![f * m, k], vec![n / f * k, c], vec![m, c]]
+            }
         }
     }
 
@@ -913,6 +917,49 @@ mod tests {
                             let at = (p * m + row) * c + col;
                             assert_eq!(got[at] as f64, want, "{schedule:?} n={n} rank {r} out[{p}][{row}][{col}]");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The gather-contract-scatter op on the CPU backend against its
+    /// definition: rank (f, t) of F x T ends with row block f of the sum over
+    /// f' of rank (f', t)'s x gathered along its columns over T (rank (f', p)'s
+    /// x is columns block p) times rank (f', t)'s w.
+    #[test]
+    fn the_gather_contract_scatter_op_reduce_scatters_the_product_of_the_gathered_columns() {
+        let (m, k, c) = (3usize, 4usize, 5usize);
+        let fill = |rank: usize, len: usize| -> Vec<f64> {
+            (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f64 - 8.0).collect()
+        };
+        let kind = OpKind::AllGatherContractMatmulReduceScatter;
+        let f_size = example_dimension(kind) as usize;
+        for (i, (n, schedule)) in
+            [(4, Schedule::Ring), (4, Schedule::Sequential), (6, Schedule::Ring)].into_iter().enumerate()
+        {
+            let t_size = n / f_size;
+            let dims = example_dims(kind, n as i64, m as i64, k as i64, c as i64);
+            let dims: [&[i64]; 3] = [&dims[0], &dims[1], &dims[2]];
+            let runs = run_ranks_as(kind, schedule, n, dims, 7700 + i as i64, None, Lanes::Threads);
+            for (r, run) in runs.iter().enumerate() {
+                let (f, t) = (r / t_size, r % t_size);
+                let got: Vec<f32> = bytemuck::cast_slice(&run.out).to_vec();
+                assert_eq!(got.len(), m * c);
+                for row in 0..m {
+                    for col in 0..c {
+                        let want: f64 = (0..f_size)
+                            .map(|g| {
+                                let w = fill(g * t_size + t, t_size * k * c);
+                                (0..t_size)
+                                    .map(|p| {
+                                        let x = fill(g * t_size + p, f_size * m * k);
+                                        (0..k).map(|j| x[(f * m + row) * k + j] * w[(p * k + j) * c + col]).sum::<f64>()
+                                    })
+                                    .sum::<f64>()
+                            })
+                            .sum();
+                        assert_eq!(got[row * c + col] as f64, want, "{schedule:?} n={n} rank {r} out[{row}][{col}]");
                     }
                 }
             }

@@ -571,7 +571,7 @@ mod tests {
     fn problem(kind: OpKind, x: &[i64], w: &[i64], out: &[i64], input: DType, output: DType) -> Problem {
         let op = |dims, dtype| Operand { dims, dtype };
         // The two-gather case runs over F = 2 x T = 2.
-        let dimension = if kind == OpKind::AllGatherBothMatmul { 2 } else { 0 };
+        let dimension = if kind.pattern().two_axis().is_some() { 2 } else { 0 };
         Problem::new(kind, op(x, input), op(w, input), op(out, output), dimension, 4).unwrap()
     }
 
@@ -601,6 +601,7 @@ mod tests {
             (MatmulReduceScatter, vec![12, 8], vec![8, 6], vec![3, 6]),
             (MatmulReduceScatterCols, vec![5, 8], vec![8, 12], vec![5, 3]),
             (AllGatherBothMatmul, vec![3, 10], vec![5, 6], vec![6, 6]),
+            (AllGatherContractMatmulReduceScatter, vec![6, 5], vec![10, 6], vec![3, 6]),
             (AllToAllMatmul, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6]),
             (AllToAllMatmulContract, vec![4, 5, 3], vec![12, 6], vec![5, 6]),
             (MatmulAllToAll, vec![4, 3, 8], vec![8, 6], vec![4, 3, 6]),

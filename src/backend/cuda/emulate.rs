@@ -616,6 +616,7 @@ pub fn problem_of(case: &Case, n: usize, schedule: Schedule) -> Problem {
     let dimension = match kind {
         OpKind::AllGatherMatmulReduceScatter => out[0],
         OpKind::AllGatherBothMatmul => x[1] / w[0],
+        OpKind::AllGatherContractMatmulReduceScatter => x[0] / out[0],
         _ => 0,
     };
     Problem::new(*kind, op(x), op(w), op(out), dimension, n).unwrap().for_schedule(schedule).unwrap()
@@ -639,6 +640,7 @@ pub fn cases(n: i64) -> Vec<Case> {
         // Over F x T ranks: F = 2 where n is even, else 1.
         (AllGatherMatmulReduceScatter, vec![8, 6], vec![3 * n / (2 - n % 2), 8], vec![2 - n % 2, 3, 6]),
         (AllGatherBothMatmul, vec![3, 4 * (2 - n % 2)], vec![4, 6], vec![3 * n / (2 - n % 2), 6]),
+        (AllGatherContractMatmulReduceScatter, vec![3 * (2 - n % 2), 4], vec![4 * n / (2 - n % 2), 6], vec![3, 6]),
     ]
 }
 

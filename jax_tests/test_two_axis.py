@@ -210,7 +210,9 @@ def test_the_cost_model_orders_the_op_over_both_axes_by_its_time(monkeypatch):
               np.dtype(np.float32))
     order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False)
     assert sorted(order) == ["gather", "reduce", "tiles"], order
-    order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two_axis=True)
+    # The op over both axes, as its library call: w [64, 32] gathered over F = 2, x [256, 64].
+    both = ("all_gather_matmul_reduce_scatter", (256, 64), (64, 32), 2)
+    order, why = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two_axis=both)
     assert sorted(order) == ["gather", "reduce", "tiles", "two_axis"] and "two_axis" in why
     # Its prediction cut to nothing or made the slowest moves it first or last.
     predict = _explain.predict
@@ -222,7 +224,7 @@ def test_the_cost_model_orders_the_op_over_both_axes_by_its_time(monkeypatch):
             return out
 
         monkeypatch.setattr(_both_sides._explain, "predict", scaled)
-        order, _ = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two_axis=True)
+        order, _ = _both_sides.choose(*shapes, Machine("h100_nvlink"), False, two_axis=both)
         assert order[place] == "two_axis", order
 
 

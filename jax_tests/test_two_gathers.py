@@ -286,3 +286,53 @@ def test_an_sp_fsdp_column_parallel_layer_leaves_xla_no_gather():
     want = jax.jit(jax.grad(lambda *a: fn(*a)[0], argnums=(0, 1)))(*args)
     for got, w_ in zip(grad(*args), want):
         assert_close(np.asarray(got), np.asarray(w_), np.float32)
+
+
+def test_an_sp_fsdp_step_with_its_backward_in_the_body_leaves_xla_no_gather_or_scatter():
+    # sp_fsdp_train_step: value_and_grad inside the shard_map. Under ring the
+    # forward is the two-gather op, the input gradient the two-axis op (the
+    # gathered weight's transpose), the weight gradient the
+    # gather-contract-scatter op; each gathered value, read by two dots, is
+    # gathered again inside each op, so XLA runs only the loss's psum.
+    from programs import sp_fsdp_train_step
+
+    program = sp_fsdp_train_step.PROGRAM
+    mesh = make_mesh(program.mesh)
+    fn, args = program.build(mesh, np.random.default_rng(12))
+    ov = commfuse.overlap(fn, schedule="ring")
+    assert collectives(jax.jit(ov).lower(*args).compile().as_text()) == {"all-reduce": 1, "commfuse": 3}
+    assert collectives(jax.jit(fn).lower(*args).compile().as_text()) == \
+        {"all-gather": 2, "reduce-scatter": 2, "all-reduce": 1}
+    report = "\n".join(ov.last_report)
+    for op in ("all_gather_both_matmul", "all_gather_matmul_reduce_scatter",
+               "all_gather_contract_matmul_reduce_scatter"):
+        assert f"-> commfuse.{op}(" in report, report
+    for got, want in zip(jax.tree.leaves(jax.jit(ov)(*args)), jax.tree.leaves(jax.jit(fn)(*args))):
+        assert_close(np.asarray(got), np.asarray(want), np.float32)
+
+
+def test_the_gather_contract_scatter_op_matches_jax_lax():
+    # psum_scatter(all_gather(x, "tp", axis=1) @ w, "fsdp"): x [F*kq, m] per
+    # device, w [T*m, c], every schedule it has, f32 and bf16.
+    from commfuse import _all_gather_contract_matmul_reduce_scatter as contract
+
+    mesh = make_mesh({"fsdp": 2, "tp": 4})
+    for dtype in (np.float32, jnp.bfloat16):
+        x = jax.device_put(rand((2 * 2 * 8, 4 * 6), dtype, seed=2), NamedSharding(mesh, P("fsdp", "tp")))
+        w = jax.device_put(rand((2 * 4 * 6, 4 * 5), dtype, seed=3), NamedSharding(mesh, P("fsdp", "tp")))
+        spec = dict(mesh=mesh, in_specs=(P("fsdp", "tp"), P("fsdp", "tp")), out_specs=P("fsdp", "tp"))
+
+        def lax(a, b):
+            return jax.lax.psum_scatter(jax.lax.all_gather(a, "tp", axis=1, tiled=True) @ b, "fsdp",
+                                        scatter_dimension=0, tiled=True)
+
+        want = jax.jit(jax.shard_map(lax, **spec))(x, w)
+        for schedule in ("ring", "sequential", "unfused"):
+            def fused(a, b, schedule=schedule):
+                return contract.run(contract.decide(a, b, "tp", "fsdp", schedule=schedule), a, b)
+
+            got = jax.jit(jax.shard_map(fused, **spec))(x, w)
+            assert_close(np.asarray(got), np.asarray(want), dtype, err_msg=f"{schedule} {np.dtype(dtype).name}")
+            if schedule == "ring":
+                text = jax.jit(jax.shard_map(fused, **spec)).lower(x, w).compile().as_text()
+                assert collectives(text) == {"commfuse": 1}, collectives(text)

@@ -135,7 +135,7 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
         10 => (vec![ri * m, k], vec![k, n], vec![ri * m, n], 0, 0),
         11 => (vec![k, n], vec![t * m, k], vec![f, m, n], f, 1),
         12 => (vec![m, f * k], vec![k, n], vec![t * m, n], f, 0),
-        _ => (vec![f * k, m], vec![t * m, n], vec![k, n], f, 0),
+        _ => (vec![f * m, k], vec![t * k, n], vec![m, n], f, 0),
     };
     let rows = usize::try_from(x_rows(&x, &w, lhs)).unwrap_or(0);
     let trivial = out.contains(&0) || k == 0;
@@ -159,7 +159,7 @@ fn valid_call(u: &mut Unstructured) -> Result<FrameCase> {
     let me = i64::from(synthetic::DEVICE_ORDINAL);
     let at = u.int_in_range(0..=r - 1)?;
     let group: Vec<i64> = (0..r).map(|q| if q == at { me } else { 3000 + q as i64 }).collect();
-    let (mesh_devices, mesh_shape, axes) = if kind == 11 {
+    let (mesh_devices, mesh_shape, axes) = if kind >= 11 {
         (group, vec![f, t], vec![0, 1])
     } else if u.arbitrary::<bool>()? {
         let mut devices = group.clone();

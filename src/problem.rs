@@ -217,6 +217,10 @@ fn dims_usize(op: &str, arg: &str, dims: &[i64]) -> Result<Vec<usize>> {
 /// what one allocation can address.
 pub const MAX_ELEMENTS: usize = (isize::MAX as usize) / 8;
 
+/// The most segments (the product of `x`'s dims before the gathered or
+/// scattered dim) of a row kind: each plan step runs one GEMM per segment.
+pub const MAX_SEGMENTS: usize = 1 << 18;
+
 /// `a * b` for sizes, or INVALID_ARGUMENT naming `what` when it overflows.
 pub fn checked_mul(op: &str, what: &str, a: usize, b: usize) -> Result<usize> {
     match a.checked_mul(b) {
@@ -280,6 +284,15 @@ fn geometry(kind: OpKind, x: &[i64], w: &[i64], dimension: i64, nr: usize) -> Re
             let d = dimension as usize;
             elements(name, "x", &xd)?;
             let outer: usize = xd[..d].iter().product();
+            // Each step runs one GEMM per segment: their count is bounded
+            // before any step lists them.
+            if outer > MAX_SEGMENTS {
+                bail!(
+                    InvalidArgument,
+                    "{name}: `x` has {outer} segments before its dim {d} (the product of the dims before it); at most \
+                     {MAX_SEGMENTS}: fold them into the rows, or gather or scatter a leading dim"
+                );
+            }
             let inner: usize = xd[d + 1..rank - 1].iter().product();
             let mut expected = xd.clone();
             expected[rank - 1] = wd[1];

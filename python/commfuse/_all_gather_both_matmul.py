@@ -16,9 +16,9 @@ received block is kept, as the unfused form holds the gathered operands.
 
 VJP: ``dx = psum_scatter(dy @ all_gather(w, w_axis)ᵀ, x_axis)``, which is
 ``all_gather_matmul_reduce_scatter(dy, wᵀ, w_axis, x_axis)``, and ``dw =
-psum_scatter(all_gather(x, x_axis)ᵀ @ dy, w_axis)``, the library's
-gather-contract-scatter kind (``Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER``:
-xᵀ's blocks round ``x_axis``'s ring, the partials of dw's row blocks
+psum_scatter(all_gather(x, x_axis)ᵀ @ dy, w_axis)``, which is
+``all_gather_contract_matmul_reduce_scatter(xᵀ, dy, x_axis, w_axis)``
+(xᵀ's blocks round ``x_axis``'s ring, the partials of dw's row blocks
 reduce-scattered round ``w_axis``'s): each runs both its collectives in
 one fused op (`_bwd`).
 """
@@ -32,7 +32,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import _abi, _all_gather_matmul_reduce_scatter as gather_scatter, _checks, _fused, _op, _varying
+from . import _abi, _checks, _fused, _op, _varying
+from . import _all_gather_contract_matmul_reduce_scatter as contract_scatter
+from . import _all_gather_matmul_reduce_scatter as gather_scatter
 from ._decide import Policy, decide as decide_call
 from ._decision import Call, Decision
 from ._op import OpDecision
@@ -142,7 +144,7 @@ def _fwd(x, w, static):
 def _bwd(static, residuals, dy):
     """dx = psum_scatter(dy @ all_gather(wᵀ, w_axis, axis=1), x_axis): the
     two-axis op; dw = psum_scatter(all_gather(xᵀ, x_axis, axis=1) @ dy,
-    w_axis): the gather-contract-scatter kind. Each runs both its
+    w_axis): the gather-contract-scatter op. Each runs both its
     collectives in one fused call, decided under the forward's policy, so
     "unfused" or a declining "auto" runs jax.lax's collectives and dots."""
     x, w = residuals
@@ -156,9 +158,11 @@ def _bwd(static, residuals, dy):
                                 axes=(static.w_axis, static.x_axis), sizes=(static.w_ranks, static.x_ranks),
                                 policy=policy, fast_f32=static.fast_f32)
     dx = gather_scatter.forward(dy_rows, w_t, two).reshape(x.shape)
-    over = _op.Static((static.w_axis, static.x_axis), static.w_ranks * static.x_ranks, static.w_ranks, policy,
-                      np.dtype(w.dtype), static.fast_f32)
-    dw = _op.call_static(_abi.Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER, _fused.rows_2d(x).T, dy_rows, over)
+    x_t, dy_rows = _fused.common(_fused.rows_2d(x).T, dy_rows)
+    scatter = contract_scatter.settle(x_t.shape, dy_rows.shape, x_t.dtype, w.dtype,
+                                      axes=(static.x_axis, static.w_axis), sizes=(static.x_ranks, static.w_ranks),
+                                      policy=policy, fast_f32=static.fast_f32)
+    dw = contract_scatter.forward(x_t, dy_rows, scatter)
     return _varying.match_primal(dx, x), _varying.match_primal(dw, w)
 
 

@@ -85,7 +85,7 @@ def find_tiling(operand_shape, gather_dim: int, free_dims: list, out_dim_of, sca
 
 def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind: str, n_reduce: int,
            reduce_x_shape, reduce_w_shape, tiles: int | None, dtype, machine: Machine | None = None,
-           decline: bool = True, two_axis: bool = False) -> tuple[list, str]:
+           decline: bool = True, two_axis: tuple | None = None) -> tuple[list, str]:
     """(the ways fastest first, why) by the cost model: "gather", "reduce",
     "tiles" (given a count of `tiles`) and, given `two_axis`, "two_axis".
     `op` is the gather's fused op
@@ -95,9 +95,10 @@ def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind
     reduce-scatter's transfers (twice that for a psum: reduce-scatter, then
     all-gather), on `machine` (None: the one the program runs on); a fused
     call's fixed cost counts where "auto" may `decline` to fuse.
-    `two_axis`: the dot has the form of the op over both axes (`op` is
-    then "matmul_all_gather" of `w_shape`, `reduce_x_shape` its x): that op
-    is timed too, where the cost model can time it."""
+    `two_axis`: the dot has the form of an op over both axes, given as
+    ``(op, x_shape, w_shape, dimension)`` of its library call over the
+    devices of both axes: that op is timed too, as "two_axis", where the
+    cost model can time it."""
     machine = machine or Machine.current()
     devices = n_gather * n_reduce
     gather = _explain.predict(op, x_shape, w_shape, n_gather, dimension=dimension, dtype=dtype, machine=machine.spec,
@@ -116,9 +117,10 @@ def choose(op: str, x_shape, w_shape, n_gather: int, dimension: int, reduce_kind
     if tiles:
         times["tiles"] = max(t_c, t_g) + t_r / tiles + tiles * fixed
     if two_axis:
+        both_op, both_x, both_w, both_dimension = two_axis
         try:
-            both = _explain.predict("all_gather_matmul_reduce_scatter", reduce_x_shape, w_shape, devices,
-                                    dimension=n_gather, dtype=dtype, machine=machine.spec)
+            both = _explain.predict(both_op, both_x, both_w, devices, dimension=both_dimension, dtype=dtype,
+                                    machine=machine.spec)
         except (ValueError, TypeError, KeyError):
             both = None  # the other ways are timed without it
         if both is not None:

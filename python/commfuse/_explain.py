@@ -36,6 +36,12 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
             raise ValueError(f"commfuse.explain: {op}: dimension is the gather axis's size, which must divide "
                              f"n = {n}; got {dimension}")
         return _abi.Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER, dimension, w, (int(np.prod(x[:-1])), x[-1])
+    if op == "all_gather_contract_matmul_reduce_scatter":
+        # Over two axes: n = F x T devices, `dimension` = F (the scatter axis's size); x [F*kq, m], w [T*m, c].
+        if dimension < 1 or n % dimension or len(x) != 2 or len(w) != 2:
+            raise ValueError(f"commfuse.explain: {op}: x and w must be 2-D and dimension the scatter axis's size, "
+                             f"which must divide n = {n}; got x {x}, w {w}, dimension {dimension}")
+        return _abi.Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER, dimension, x, w
     if op == "all_gather_both_matmul":
         # Over two axes: n = F x T devices, `dimension` = F (w's gather axis's size).
         if dimension < 1 or n % dimension:
@@ -159,6 +165,8 @@ def unfused_temporaries(op: str, x: tuple, w: tuple, n: int, itemsize: int, dime
         return dimension * (size(w) + rows * w[1] * itemsize)
     if op == "all_gather_both_matmul":
         return n // dimension * size(x) + dimension * size(w)
+    if op == "all_gather_contract_matmul_reduce_scatter":  # the gathered x, and the product before its scatter
+        return n // dimension * size(x) + x[0] * w[1] * itemsize
     if op == "all_gather_matmul":
         return n * size(x)
     if op == "matmul_all_gather":

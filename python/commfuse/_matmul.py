@@ -708,7 +708,8 @@ def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings
         try:
             order, why = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
                                             (rows, k), (k, f * c), None, np.dtype(settings.out_dtype), machine,
-                                            policy.decline, two_axis=True)
+                                            policy.decline,
+                                            two_axis=(TWO_AXIS_OP, (rows, k), tuple(w_shape), f))
         except (ValueError, TypeError, KeyError) as e:
             return None, f"the cost model cannot time it ({e})"
         if "two_axis" not in order:

@@ -95,7 +95,7 @@ fn folds_leading_dims_into_segments() {
 #[test]
 fn errors_name_the_argument() {
     type Case<'a> = (OpKind, &'a [i64], &'a [i64], &'a [i64], i64, &'a str);
-    let cases: [Case; 10] = [
+    let cases: [Case; 11] = [
         (OpKind::AllGatherMatmul, &[8], &[8, 6], &[8, 6], 0, "`x` must have rank >= 2"),
         (OpKind::AllGatherMatmul, &[4, 8], &[8, 6, 1], &[16, 6], 0, "`w` must be 2-D"),
         (OpKind::AllGatherMatmul, &[4, 7], &[8, 6], &[16, 6], 0, "`w` must be 2-D [7, n]"),
@@ -107,6 +107,8 @@ fn errors_name_the_argument() {
         // The FSDP gathers pass the gathered weights first: errors name them `w`.
         (OpKind::MatmulAllGather, &[-1, 6], &[5, 8], &[5, 24], 0, "`w` has a negative dim"),
         (OpKind::MatmulAllGatherContract, &[2, 6], &[5, 8, 1], &[5, 6], 0, "`x` must be 2-D"),
+        // One GEMM per segment in every step: their count is bounded (a frame's dims are not trusted).
+        (OpKind::AllGatherMatmul, &[1 << 19, 2, 1, 8], &[8, 6], &[1 << 19, 2, 4, 6], 2, "segments before its dim 2"),
     ];
     for (kind, x, w, out, d, want) in cases {
         let e = Problem::new(kind, op(x), op(w), op(out), d, 4).unwrap_err();

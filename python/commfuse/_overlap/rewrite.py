@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _all_gather_both_matmul as two_gathers_op
+from .. import _all_gather_contract_matmul_reduce_scatter as contract_scatter_op
 from .. import _all_gather_matmul_reduce_scatter as two_axis_op
 from .. import _both_sides as both_sides
 from .. import _compat
@@ -77,6 +78,7 @@ from .state import State
 _TRANSPOSES = frozenset(("transpose",))
 TWO_AXIS_OP = two_axis_op.OP
 TWO_GATHERS_OP = two_gathers_op.OP
+CONTRACT_SCATTER_OP = contract_scatter_op.OP
 
 
 @dataclass
@@ -458,12 +460,15 @@ class Rewriter:
         if set(collective_axes(self.jaxpr.eqns[f_in.coll])) & set(collective_axes(self.jaxpr.eqns[f_out.coll])):
             return group
         two = self._two_axis(f_in, f_out)
+        if isinstance(two, str):
+            two = self._contract_scatter(f_in, f_out) or two
+        both_axes = isinstance(two, (_TwoAxis, _ContractScatter))
         # Asked for a schedule (or imposed): the one way that fuses both collectives.
-        first = isinstance(two, _TwoAxis) and (self.state.schedule != "auto" or two.imposed)
+        first = both_axes and (self.state.schedule != "auto" or two.imposed)
         # Why not one op, said where the dot has a reduce-scatter (a psum has no such op).
         alone = f"; not one op over both axes: {two}" if isinstance(two, str) \
             and self.jaxpr.eqns[f_out.coll].primitive.name in REDUCE_SCATTER else ""
-        plan = self._both_plan(f_in, f_out, two if isinstance(two, _TwoAxis) else None)
+        plan = self._both_plan(f_in, f_out, two if both_axes else None)
         if isinstance(plan, str):
             if first:
                 return [two, *group]
@@ -473,7 +478,7 @@ class Rewriter:
                 self.reasons[f_out.coll].append(alone[2:])
             return group
         order = plan["order"]
-        head = [two] if isinstance(two, _TwoAxis) and (first or order[0] == "two_axis") else []
+        head = [two] if both_axes and (first or order[0] == "two_axis") else []
         plan["why"] += alone
         way = next(w for w in order if w != "two_axis")
         rest = [f for f in group if f is not f_in and f is not f_out]
@@ -578,16 +583,21 @@ class Rewriter:
         (`_TwoAxis`): ``psum_scatter(x @ all_gather(w, A, axis=1,
         tiled=True), B, scatter_dimension=d, tiled=True)`` with w 2-D, d one
         of x's dims but its last (moved first for the op, which scatters x's
-        leading dim) and one mesh axis each; else why not, said in the report."""
+        leading dim) and one mesh axis each, or the same of ``all_gather(v,
+        A, axis=0)ᵀ`` (the dot contracting v's columns: JAX's transpose of a
+        gather of w's rows, the input gradient of an FSDP layer), run on
+        ``w = vᵀ``; else why not, said in the report."""
         eqns = self.jaxpr.eqns
         gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
         (lc, rc), (lb, _) = dot.params["dimension_numbers"]
         x, w = dot.invars
-        if f_in.operand != 1 or w.aval.ndim != 2 or gather.params["all_gather_dimension"] != 1 \
+        columns = (gather.params["all_gather_dimension"], tuple(rc))
+        if f_in.operand != 1 or w.aval.ndim != 2 or columns not in ((1, (0,)), (0, (1,))) \
                 or not gather.params.get("tiled", False):
-            return "the gather is not of the columns of a 2-D right operand (all_gather(w, axis=1, tiled=True))"
-        if tuple(lb) or tuple(lc) != (x.aval.ndim - 1,) or tuple(rc) != (0,):
-            return "the dot is not x @ w (x's last dim contracted with w's first)"
+            return ("the gather is not of the columns of a 2-D right operand as the dot multiplies it "
+                    "(all_gather(w, axis=1, tiled=True), or all_gather(v, axis=0, tiled=True) contracted as vᵀ)")
+        if tuple(lb) or tuple(lc) != (x.aval.ndim - 1,):
+            return "the dot is not x @ w (x's last dim contracted with w's)"
         if coll.primitive.name not in REDUCE_SCATTER or not coll.params.get("tiled", False) \
                 or any(eqns[j].primitive.name not in CASTS for j in f_out.chain):
             return "the product is not psum_scatter'd as it is (tiled, only pvary casts between)"
@@ -596,11 +606,81 @@ class Rewriter:
         gather_axes, scatter_axes = axes_of(gather.params["axis_name"]), collective_axes(coll)
         if len(gather_axes) != 1 or len(scatter_axes) != 1:
             return "the gather or the psum_scatter spans several mesh axes (the op takes one each)"
-        two = _TwoAxis(f_in, f_out, gather_axes[0], scatter_axes[0], coll.params["scatter_dimension"])
+        two = _TwoAxis(f_in, f_out, gather_axes[0], scatter_axes[0], coll.params["scatter_dimension"],
+                       transposed=columns == (0, (1,)))
         two.imposed = self._imposed_two_axis(two)
         if self.state.schedule not in two_axis_op.SCHEDULES and not two.imposed:
             return f"it has no {self.state.schedule!r} schedule (it runs {', '.join(two_axis_op.SCHEDULES)})"
         return two
+
+    def _contract_scatter(self, f_in: Fusion, f_out: Fusion) -> "_ContractScatter | None":
+        """The dot of `f_in` and `f_out` as the gather-contract-scatter op
+        takes it (`_ContractScatter`): one operand gathered along one of the
+        dims the dot contracts, over one mesh axis, the result reduce-scattered
+        over another along that operand's one free dim (after the chain's
+        transposes), the other operand with one free dim too (a weight
+        gradient of sequence-parallel activations whose weight is sharded by
+        FSDP); else None (the two-axis op's reason is the one said)."""
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        (lc, rc), (lb, _) = dot.params["dimension_numbers"]
+        k, g = f_in.operand, gather.params["all_gather_dimension"]
+        own, other = (lc, rc) if k == 0 else (rc, lc)
+        shapes = [v.aval.shape for v in dot.invars]
+        free = [[d for d in range(len(shapes[i])) if d not in (lc, rc)[i]] for i in (0, 1)]
+        if len(lb) or g not in own or len(free[0]) != 1 or len(free[1]) != 1 \
+                or not gather.params.get("tiled", False) or coll.primitive.name not in REDUCE_SCATTER \
+                or not coll.params.get("tiled", False) \
+                or any(eqns[j].primitive.name not in CASTS and eqns[j].primitive.name not in _TRANSPOSES
+                       for j in f_out.chain):
+            return None
+        perm = self._chain_perm(f_out)
+        if perm.index(k) != coll.params["scatter_dimension"]:
+            return None  # the reduce-scatter does not split the gathered operand's free dim
+        gather_axes, scatter_axes = axes_of(gather.params["axis_name"]), collective_axes(coll)
+        if len(gather_axes) != 1 or len(scatter_axes) != 1:
+            return None
+        two = _ContractScatter(f_in, f_out, gather_axes[0], scatter_axes[0], tuple(own), tuple(other),
+                               free[k][0], free[1 - k][0], perm)
+        if self.state.schedule not in contract_scatter_op.SCHEDULES and not self._imposed_contract_scatter(two):
+            return None
+        two.imposed = self._imposed_contract_scatter(two)
+        return two
+
+    def _contract_scatter_operands(self, two: "_ContractScatter", g_local, other):
+        """The op's x ``[F*kq, m]`` and w ``[T*m, c]`` from the gathered
+        operand's local value and the other operand: the contraction
+        flattened in the same order on both sides, the gathered dim's
+        blocks (T of them) leading on w's side."""
+        eqns = self.jaxpr.eqns
+        g = eqns[two.f_in.coll].params["all_gather_dimension"]
+        ranks = jax.lax.axis_size(two.gather_axis)
+        x = jnp.transpose(g_local, (two.free_own, *two.own)).reshape(g_local.shape[two.free_own], -1)
+        w = jnp.transpose(other, (*two.other, two.free_other))
+        j = two.own.index(g)
+        w = w.reshape(w.shape[:j] + (ranks, w.shape[j] // ranks) + w.shape[j + 1:])
+        return x, jnp.moveaxis(w, j, 0).reshape(-1, w.shape[-1])
+
+    def _contract_scatter_decision(self, two: "_ContractScatter", schedule: str):
+        """The op's decision (`OpDecision`) for the dot of `two` under `schedule`, from shapes."""
+        eqns = self.jaxpr.eqns
+        dot = eqns[two.f_in.dot]
+        g_local = eqns[two.f_in.coll].invars[0].aval
+        other = dot.invars[1 - two.f_in.operand].aval
+        x, w = jax.eval_shape(lambda a, b: self._contract_scatter_operands(two, a, b),
+                              jax.ShapeDtypeStruct(g_local.shape, g_local.dtype),
+                              jax.ShapeDtypeStruct(other.shape, other.dtype))
+        return contract_scatter_op.decide(x, w, two.gather_axis, two.scatter_axis, schedule=schedule,
+                                          precision=dot.params.get("precision"),
+                                          preferred_element_type=dot.params.get("preferred_element_type"),
+                                          policy=self.state.policy)
+
+    def _imposed_contract_scatter(self, two: "_ContractScatter") -> bool:
+        """Whether a decision is imposed (a plan's) for the op `two` would call."""
+        if not self.state.policy.imposed:
+            return False
+        decision = self._contract_scatter_decision(two, "auto")
+        return decision.fused and dict(self.state.policy.imposed).get(decision.calls[0].call) is not None
 
     def _imposed_two_axis(self, two: "_TwoAxis") -> bool:
         """Whether a decision is imposed (a plan's) for the op `two` would call."""
@@ -617,13 +697,14 @@ class Rewriter:
         x, w = dot.invars[0].aval, gather.invars[0].aval
         shape = list(x.shape)
         shape.insert(0, shape.pop(two.rows))
-        return two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
+        w_shape = w.shape[::-1] if two.transposed else w.shape
+        return two_axis_op.decide(jax.ShapeDtypeStruct(tuple(shape), x.dtype), jax.ShapeDtypeStruct(w_shape, w.dtype),
                                   two.gather_axis, two.scatter_axis, schedule=schedule,
                                   precision=dot.params.get("precision"),
                                   preferred_element_type=dot.params.get("preferred_element_type"),
                                   policy=self.state.policy)
 
-    def _both_plan(self, f_in: Fusion, f_out: Fusion, two: "_TwoAxis | None" = None):
+    def _both_plan(self, f_in: Fusion, f_out: Fusion, two: "_TwoAxis | _ContractScatter | None" = None):
         """How to run a dot with a gather in and a sum out (`both_sides`;
         `two`: its form for the op over both axes), or why not."""
         eqns = self.jaxpr.eqns
@@ -673,11 +754,19 @@ class Rewriter:
         dtype = np.dtype(dot.outvars[0].aval.dtype)
         policy = self.state.policy
         machine = policy.resolved_machine(collective_axes(gather) + collective_axes(coll))
+        # The op over both axes' library call, timed beside the other ways.
+        both = None
+        if isinstance(two, _TwoAxis):
+            both = (TWO_AXIS_OP, (m, kk), tuple(w_local), ranks)
+        elif isinstance(two, _ContractScatter):
+            decision = self._contract_scatter_decision(two, "auto")
+            if decision.calls:
+                both = (CONTRACT_SCATTER_OP, decision.calls[0].call.x, decision.calls[0].call.w, n_reduce)
         try:
             order, why = both_sides.choose(op, tuple(x_local), tuple(w_local), ranks, flat_dim,
                                            "psum" if scatter is None else "psum_scatter", n_reduce, (m, kk),
                                            (kk, n), tiling and tiling.count, dtype, machine, policy.decline,
-                                           two_axis=two is not None)
+                                           two_axis=both)
         except (ValueError, TypeError, KeyError) as e:
             return f"the cost model cannot time it ({e})"
         return {"order": order, "why": why, "tiling": tiling, "role": role, "ranks": ranks}
@@ -797,6 +886,8 @@ class Rewriter:
         for j in f_in.chain:
             w = vary(w, axes_of(eqns[j].params.get("axes", ())))
         w = vary(w, cast_axes)
+        if two.transposed:
+            w = w.T
         x = vary(self.read(dot.invars[0]), cast_axes)
         if self._forward_mode(f_out.coll, TWO_AXIS_OP, x, w):
             return False
@@ -857,8 +948,50 @@ class Rewriter:
         self.done[f_w.coll].append(line.replace("]: rewrote ", "]: (the same rewrite) "))
         return True
 
+    def _fuse_contract_scatter(self, two: "_ContractScatter") -> bool:
+        """The gather, the dot and the reduce-scatter as one op over both
+        axes (`all_gather_contract_matmul_reduce_scatter`), its operands laid
+        out for it and its result back as the chain's transposes have it."""
+        f_in, f_out = two.f_in, two.f_out
+        self.tried.update((id(f_in), id(f_out)))
+        eqns = self.jaxpr.eqns
+        gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
+        if f_in.dot in self.evaluated or f_out.coll in self.evaluated:
+            return False
+        cast_axes = self._cast_axes(f_out)
+        g_local = self.read(gather.invars[0])
+        for j in f_in.chain:
+            g_local = vary(g_local, axes_of(eqns[j].params.get("axes", ())))
+        g_local = vary(g_local, cast_axes)
+        other = vary(self.read(dot.invars[1 - f_in.operand]), cast_axes)
+        if self._forward_mode(f_out.coll, CONTRACT_SCATTER_OP, g_local, other):
+            return False
+        schedule = self.state.schedule if self.state.schedule in contract_scatter_op.SCHEDULES else "auto"
+        decision = self._contract_scatter_decision(two, schedule)
+        self.state.decisions.append(decision)  # accepted or not: the report is the decisions
+        if decision.refused is not None or not decision.fused:
+            why = decision.refused if decision.refused is not None else \
+                f"kept as written: commfuse.{CONTRACT_SCATTER_OP} would run unfused ({decision.why})"
+            self.reasons[f_out.coll].append(f"not one op over both axes: {why}")
+            return False
+        x, w = self._contract_scatter_operands(two, g_local, other)
+        y = contract_scatter_op.run(decision, x, w)  # [rows of the gathered operand's free dim, the other's]
+        if f_in.operand == 1:
+            y = y.T  # as the dot lays out its result: the left operand's free dim first
+        if two.perm != sorted(two.perm):
+            y = y.transpose(two.perm)
+        self._rewrote_both(f_in, f_out, y, CONTRACT_SCATTER_OP,
+                           f"commfuse.{CONTRACT_SCATTER_OP}(x: {fmt(x)}, w: {fmt(w)}, gather_axis="
+                           f"{two.gather_axis!r}, scatter_axis={two.scatter_axis!r}, schedule={schedule!r}) -> "
+                           f"{fmt(coll.outvars[0].aval)} [operands laid out for it, the contraction flattened]: "
+                           f"{decision.why}")
+        return True
+
     def _fuse(self, f) -> bool:
         """Tries one candidate; whether it fused."""
+        if isinstance(f, _ContractScatter):
+            with _compat.source_context(self.jaxpr.eqns[f.f_in.dot]):
+                return self._fuse_contract_scatter(f)
         if isinstance(f, _TwoGathers):
             with _compat.source_context(self.jaxpr.eqns[f.f_x.dot]):
                 return self._fuse_two_gathers(f)
@@ -1319,6 +1452,7 @@ class _TwoAxis:
     scatter_axis: str
     rows: int
     imposed: bool = False  # a decision is imposed for its call (a plan's)
+    transposed: bool = False  # the dot contracts the gathered operand's columns: the op takes its transpose
 
     @property
     def coll(self) -> int:
@@ -1326,6 +1460,32 @@ class _TwoAxis:
 
     def __str__(self) -> str:
         return f"commfuse.{TWO_AXIS_OP} over {self.gather_axis!r} and {self.scatter_axis!r}"
+
+
+@dataclass
+class _ContractScatter:
+    """A gather candidate (along a contracted dim) and a reduce-scatter
+    candidate of one dot, as one op over both axes
+    (`Rewriter._contract_scatter`): the gathered operand's contracted dims
+    (`own`) and the other's paired with them (`other`), each one's free dim,
+    and the chain's permutation of the dot's result."""
+    f_in: Fusion
+    f_out: Fusion
+    gather_axis: str
+    scatter_axis: str
+    own: tuple
+    other: tuple
+    free_own: int
+    free_other: int
+    perm: list
+    imposed: bool = False  # a decision is imposed for its call (a plan's)
+
+    @property
+    def coll(self) -> int:
+        return self.f_out.coll
+
+    def __str__(self) -> str:
+        return f"commfuse.{CONTRACT_SCATTER_OP} over {self.gather_axis!r} and {self.scatter_axis!r}"
 
 
 @dataclass

@@ -309,6 +309,13 @@ def test_an_sp_fsdp_step_with_its_backward_in_the_body_leaves_xla_no_gather_or_s
         assert f"-> commfuse.{op}(" in report, report
     for got, want in zip(jax.tree.leaves(jax.jit(ov)(*args)), jax.tree.leaves(jax.jit(fn)(*args))):
         assert_close(np.asarray(got), np.asarray(want), np.float32)
+    # Under auto the weight gradient's sides cannot be timed apart (its
+    # contraction is gathered along one of two dims): the op over both axes
+    # is tried first and decides for itself (the tests' auto never declines).
+    auto = commfuse.overlap(fn)
+    jax.jit(auto).lower(*args)
+    assert any("-> commfuse.all_gather_contract_matmul_reduce_scatter(" in line for line in auto.last_report), \
+        auto.last_report
 
 
 def test_the_gather_contract_scatter_op_matches_jax_lax():

@@ -219,7 +219,7 @@ pub const MAX_ELEMENTS: usize = (isize::MAX as usize) / 8;
 
 /// The most segments (the product of `x`'s dims before the gathered or
 /// scattered dim) of a row kind: each plan step runs one GEMM per segment.
-pub const MAX_SEGMENTS: usize = 1 << 18;
+pub const MAX_SEGMENTS: usize = 1 << 22;
 
 /// `a * b` for sizes, or INVALID_ARGUMENT naming `what` when it overflows.
 pub fn checked_mul(op: &str, what: &str, a: usize, b: usize) -> Result<usize> {
@@ -582,7 +582,9 @@ impl Problem {
         (j < self.x_parts).then(|| j * part..(j + 1) * part)
     }
 
-    /// The size F of a two-axis kind's gather axis (1 for the others).
+    /// The size F of a two-axis kind's first axis (the gather axis of
+    /// `AllGatherMatmulReduceScatter`, w's of `AllGatherBothMatmul`, the
+    /// scatter axis of `AllGatherContractMatmulReduceScatter`; 1 for the others).
     pub fn gathered(&self) -> usize {
         self.gathered
     }

@@ -4,9 +4,10 @@ layer of `sp_fsdp_column_parallel` differentiates): the forward's product
 gathers both operands; the input gradient is ``psum_scatter(dy @
 all_gather(w, "fsdp")ᵀ, "tp")`` and the weight gradient
 ``psum_scatter(all_gather(h, "tp")ᵀ @ dy, "fsdp")``, each a gather on one
-axis and a reduce-scatter on the other. ``overlap`` runs each of the three
-as one op over both axes (the gathers' results, read by two dots each, are
-gathered again inside each op), leaving XLA the loss's psum."""
+axis and a reduce-scatter on the other. Under ``ring`` ``overlap`` runs each
+of the three as one op over both axes (the gathers' results, read by two
+dots each, are gathered again inside each op), leaving XLA the loss's
+psum."""
 
 from __future__ import annotations
 

@@ -51,11 +51,17 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", precision=None, 
            policy: Policy = Policy()) -> OpDecision:
     """What the op on `x` ``[F*kq, m]`` and `w` ``[T*m, c]`` runs as, from shapes (see `_op.OpDecision`)."""
     def checked():
+        for arg, axis in (("gather_axis", gather_axis), ("scatter_axis", scatter_axis)):
+            if not isinstance(axis, str):
+                raise ValueError(f"commfuse.{OP}: {arg} must name one mesh axis, got {axis!r}")
         if gather_axis == scatter_axis:
             raise ValueError(f"commfuse.{OP}: gather_axis and scatter_axis must be two mesh axes, both are "
                              f"{gather_axis!r}")
         _, gathered = _checks.axis_group(OP, gather_axis, "gather_axis")
         _, scattered = _checks.axis_group(OP, scatter_axis, "scatter_axis")
+        if gathered * scattered > _abi.LIMITS["max_ranks"]:
+            raise ValueError(f"commfuse.{OP}: gather_axis and scatter_axis span {gathered * scattered} devices; the "
+                             f"fused ops take at most {_abi.LIMITS['max_ranks']}")
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] * gathered != w.shape[0] or x.shape[0] % scattered:
             raise ValueError(f"commfuse.{OP}: x must be [F*kq, m] and w [T*m, c] (F = {scattered}, T = {gathered}), "
                              f"got x {tuple(x.shape)}, w {tuple(w.shape)}")

@@ -58,7 +58,7 @@ def _layout(op: str, x: tuple, w: tuple, n: int, dimension: int):
         return layout((n * x[1], x[2]), w, n, 0, 0)
     raise ValueError(f"commfuse.explain: unknown op {op!r}; expected all_gather_matmul, matmul_reduce_scatter, "
                      "matmul_all_gather, matmul_all_reduce, all_gather_matmul_reduce_scatter, all_gather_both_matmul, "
-                     "all_to_all_matmul or matmul_all_to_all")
+                     "all_gather_contract_matmul_reduce_scatter, all_to_all_matmul or matmul_all_to_all")
 
 
 def explain(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="float32", machine: str = "cpu_here",
@@ -81,7 +81,8 @@ def predict(op: str, x_shape, w_shape, n: int, *, dimension: int = 0, dtype="flo
     (``op(x, w, axis)`` inside ``shard_map``); ``dimension`` is the gathered or
     scattered dim (``all_gather_matmul_reduce_scatter``: the size F of its
     gather axis, ``n`` being F x T; ``all_gather_both_matmul``: the size F of
-    w's gather axis). ``machine`` names a preset: ``"h100_nvlink"``,
+    w's gather axis; ``all_gather_contract_matmul_reduce_scatter``, x
+    ``[F*kq, m]`` and w ``[T*m, c]``: the size F of its scatter axis). ``machine`` names a preset: ``"h100_nvlink"``,
     ``"h200_nvlink"``, ``"h100_pcie"``, ``"h100_cluster"`` (nodes of 8; a
     group inside one: ``"h100_cluster:across_nodes=1"`` for one spanning
     nodes), or ``"cpu_here"`` (this host's CPU devices; the link model in

@@ -108,7 +108,7 @@ fn errors_name_the_argument() {
         (OpKind::MatmulAllGather, &[-1, 6], &[5, 8], &[5, 24], 0, "`w` has a negative dim"),
         (OpKind::MatmulAllGatherContract, &[2, 6], &[5, 8, 1], &[5, 6], 0, "`x` must be 2-D"),
         // One GEMM per segment in every step: their count is bounded (a frame's dims are not trusted).
-        (OpKind::AllGatherMatmul, &[1 << 19, 2, 1, 8], &[8, 6], &[1 << 19, 2, 4, 6], 2, "segments before its dim 2"),
+        (OpKind::AllGatherMatmul, &[1 << 23, 1, 1, 8], &[8, 6], &[1 << 23, 1, 4, 6], 2, "segments before its dim 2"),
     ];
     for (kind, x, w, out, d, want) in cases {
         let e = Problem::new(kind, op(x), op(w), op(out), d, 4).unwrap_err();

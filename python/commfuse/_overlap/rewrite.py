@@ -31,14 +31,19 @@ matmul (batch dims) is one fused call per batch (``BatchedDot``), and
 expert parallelism's all_to_all over the expert dim one per local expert.
 A dot with a gather into it and a sum of its result over other axes is run
 as the cost model prefers (``_both_sides``): one op over both axes
-(``psum_scatter(x @ all_gather(w, A, axis=1), B)``), tiles that hide both,
-or one side fused; other dots next to two collectives are fused with the one that
+(``psum_scatter(x @ all_gather(w, A, axis=1), B)``, or of the gathered
+weight's transpose; a gather along the contraction reduce-scattered over
+the other axis: ``all_gather_contract_matmul_reduce_scatter``), tiles that
+hide both, or one side fused; a dot whose two operands are gathered over
+two axes, as one op over both (``all_gather_both_matmul``) or one side
+fused; other dots next to two collectives are fused with the one that
 moves more bytes. Every value the rewrite reads is there by construction:
 one no fusion produced is computed by its own equation (`Rewriter.read`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -441,7 +446,8 @@ class Rewriter:
         """`group` (one dot's candidates) in the order to try them. A gather
         into the dot and a sum of its result over other axes are timed by
         the cost model (`both_sides`): the one op over both axes
-        (`_TwoAxis`, where the dot has its form) or the tiled composition
+        (`_TwoAxis`, or `_ContractScatter` for a gather along the
+        contraction, where the dot has its form) or the tiled composition
         come first when they are the fastest, else the side whose fusion
         saves more. Under a schedule asked for (not "auto") the op over
         both axes comes first wherever the dot has its form: it is the one
@@ -461,6 +467,7 @@ class Rewriter:
             return group
         two = self._two_axis(f_in, f_out)
         if isinstance(two, str):
+            # A gather along the contraction: the other op over both axes, or its reason.
             two = self._contract_scatter(f_in, f_out) or two
         both_axes = isinstance(two, (_TwoAxis, _ContractScatter))
         # Asked for a schedule (or imposed): the one way that fuses both collectives.
@@ -470,7 +477,10 @@ class Rewriter:
             and self.jaxpr.eqns[f_out.coll].primitive.name in REDUCE_SCATTER else ""
         plan = self._both_plan(f_in, f_out, two if both_axes else None)
         if isinstance(plan, str):
-            if first:
+            # The sides cannot be timed (a contraction gathered along one of
+            # several dims, say): the op over both axes, where the dot has its
+            # form, is tried first under "auto" too, and decides for itself.
+            if first or isinstance(two, _ContractScatter):
                 return [two, *group]
             self.reasons[f_out.coll].append(f"not fused with the gather into the same dot: {plan}")
             if alone:
@@ -613,38 +623,42 @@ class Rewriter:
             return f"it has no {self.state.schedule!r} schedule (it runs {', '.join(two_axis_op.SCHEDULES)})"
         return two
 
-    def _contract_scatter(self, f_in: Fusion, f_out: Fusion) -> "_ContractScatter | None":
+    def _contract_scatter(self, f_in: Fusion, f_out: Fusion) -> "_ContractScatter | str | None":
         """The dot of `f_in` and `f_out` as the gather-contract-scatter op
         takes it (`_ContractScatter`): one operand gathered along one of the
         dims the dot contracts, over one mesh axis, the result reduce-scattered
         over another along that operand's one free dim (after the chain's
         transposes), the other operand with one free dim too (a weight
         gradient of sequence-parallel activations whose weight is sharded by
-        FSDP); else None (the two-axis op's reason is the one said)."""
+        FSDP); else why not, or None where the gather is not along the
+        contraction (the two-axis op's reason is then the one to say)."""
         eqns = self.jaxpr.eqns
         gather, dot, coll = eqns[f_in.coll], eqns[f_in.dot], eqns[f_out.coll]
         (lc, rc), (lb, _) = dot.params["dimension_numbers"]
         k, g = f_in.operand, gather.params["all_gather_dimension"]
         own, other = (lc, rc) if k == 0 else (rc, lc)
+        if g not in own:
+            return None
         shapes = [v.aval.shape for v in dot.invars]
         free = [[d for d in range(len(shapes[i])) if d not in (lc, rc)[i]] for i in (0, 1)]
-        if len(lb) or g not in own or len(free[0]) != 1 or len(free[1]) != 1 \
-                or not gather.params.get("tiled", False) or coll.primitive.name not in REDUCE_SCATTER \
+        if len(lb) or len(free[0]) != 1 or len(free[1]) != 1:
+            return "a dot along the gathered contraction whose operands are not matrices once it is flattened"
+        if not gather.params.get("tiled", False) or coll.primitive.name not in REDUCE_SCATTER \
                 or not coll.params.get("tiled", False) \
                 or any(eqns[j].primitive.name not in CASTS and eqns[j].primitive.name not in _TRANSPOSES
                        for j in f_out.chain):
-            return None
+            return "the gather or the sum is not tiled, or the sum is not a psum_scatter of the product as it is"
         perm = self._chain_perm(f_out)
         if perm.index(k) != coll.params["scatter_dimension"]:
-            return None  # the reduce-scatter does not split the gathered operand's free dim
+            return "the psum_scatter does not split the gathered operand's free dim"
         gather_axes, scatter_axes = axes_of(gather.params["axis_name"]), collective_axes(coll)
         if len(gather_axes) != 1 or len(scatter_axes) != 1:
-            return None
+            return "the gather or the psum_scatter spans several mesh axes (the op takes one each)"
         two = _ContractScatter(f_in, f_out, gather_axes[0], scatter_axes[0], tuple(own), tuple(other),
                                free[k][0], free[1 - k][0], perm)
-        if self.state.schedule not in contract_scatter_op.SCHEDULES and not self._imposed_contract_scatter(two):
-            return None
         two.imposed = self._imposed_contract_scatter(two)
+        if self.state.schedule not in contract_scatter_op.SCHEDULES and not two.imposed:
+            return f"it has no {self.state.schedule!r} schedule (it runs {', '.join(contract_scatter_op.SCHEDULES)})"
         return two
 
     def _contract_scatter_operands(self, two: "_ContractScatter", g_local, other):
@@ -655,11 +669,13 @@ class Rewriter:
         eqns = self.jaxpr.eqns
         g = eqns[two.f_in.coll].params["all_gather_dimension"]
         ranks = jax.lax.axis_size(two.gather_axis)
-        x = jnp.transpose(g_local, (two.free_own, *two.own)).reshape(g_local.shape[two.free_own], -1)
+        # Sizes spelled out: a reshape to -1 next to an empty dim cannot infer it.
+        contraction = math.prod(g_local.shape[d] for d in two.own)
+        x = jnp.transpose(g_local, (two.free_own, *two.own)).reshape(g_local.shape[two.free_own], contraction)
         w = jnp.transpose(other, (*two.other, two.free_other))
         j = two.own.index(g)
         w = w.reshape(w.shape[:j] + (ranks, w.shape[j] // ranks) + w.shape[j + 1:])
-        return x, jnp.moveaxis(w, j, 0).reshape(-1, w.shape[-1])
+        return x, jnp.moveaxis(w, j, 0).reshape(math.prod(w.shape[:-1]), w.shape[-1])
 
     def _contract_scatter_decision(self, two: "_ContractScatter", schedule: str):
         """The op's decision (`OpDecision`) for the dot of `two` under `schedule`, from shapes."""

@@ -830,7 +830,7 @@ mod tests {
     }
 
     /// The `dimension` attribute of `kind`'s examples: a two-axis kind's
-    /// gather axis is 2 ranks (n = 2 x n/2).
+    /// first axis is 2 ranks (n = 2 x n/2).
     fn example_dimension(kind: OpKind) -> i64 {
         if kind.pattern().two_axis().is_some() {
             2

@@ -2,8 +2,8 @@
 //!
 //! Unsafe code is denied crate-wide and allowed only at the edges: `xla`
 //! (the call frame), `exports` (the C ABI), the CPU GEMM wrapper
-//! (`backend::cpu::gemm`) and the CUDA backend's driver layer (see
-//! `backend::cuda`). Planning, execution, transport, numerics and the cost
+//! (`backend::cpu::gemm`), a thread's priority (`thread_priority`) and the
+//! CUDA backend's driver layer (see `backend::cuda`). Planning, execution, transport, numerics and the cost
 //! model are safe code, most of them `#![forbid(unsafe_code)]`.
 #![deny(unsafe_code)]
 
@@ -26,6 +26,8 @@ pub mod problem;
 pub mod reshard;
 pub mod sim;
 pub mod sync;
+#[allow(unsafe_code)]
+pub mod thread_priority;
 pub mod trace;
 #[allow(unsafe_code)]
 pub mod xla;

@@ -58,6 +58,36 @@ def test_matches_jax_lax_and_the_model(shape, dtype, schedule):
     assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), dtype)
 
 
+@pytest.mark.parametrize("schedule,slices", [("ring", 2), ("ring", 4), ("auto", 2)])
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (3, 2), (1, 4)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_sliced_matches_jax_lax_and_the_model(shape, dtype, schedule, slices):
+    # Each device's 4 rows of x travel in `slices` row chunks ("auto" with slices= runs that plan).
+    f, t = shape
+    mesh, x, w, xs, ws, spec = _case(shape, 4, 8 * f, 6 * t, dtype, seed=f * 10 + t + slices)
+    op = lambda a, b: OP(a, b, "tp", "fsdp", schedule=schedule, slices=slices)  # noqa: E731
+    fused = jax.jit(jax.shard_map(op, **spec))(xs, ws)
+    plain = jax.jit(jax.shard_map(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp"), **spec))(xs, ws)
+    assert_close(np.asarray(fused), np.asarray(plain), dtype)
+    assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), dtype)
+    text = jax.jit(jax.shard_map(op, **spec)).lower(xs, ws).compile().as_text()
+    assert collectives(text) == {"commfuse": 1}, collectives(text)
+
+
+def test_a_sliced_product_of_a_rank_3_x_and_its_gradients_match_jax_lax():
+    # x [F*T*2, 3, 16]: each device's 6 rows (2 x 3) in 3 chunks, so a chunk cuts across x's leading dim.
+    mesh, x, w, xs, ws, spec = _case((2, 2), 2, 16, 12, np.float32, seed=5, lead=(3,))
+    fused = lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring", slices=3)  # noqa: E731
+    plain = lambda a, b: lax_two_gathers(a, b, "tp", "fsdp")  # noqa: E731
+    assert_close(np.asarray(jax.jit(jax.shard_map(fused, **spec))(xs, ws)),
+                 np.asarray(jax.jit(jax.shard_map(plain, **spec))(xs, ws)), np.float32)
+    loss = lambda body: lambda a, b: jnp.sum(jax.shard_map(body, **spec)(a, b) ** 2)  # noqa: E731
+    got = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(xs, ws)
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(xs, ws)
+    for g, w_ in zip(got, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+
+
 def test_bf16_operands_with_a_float32_product_and_its_gradients():
     mesh, x, w, xs, ws, spec = _case((2, 2), 4, 16, 8, jnp.bfloat16, seed=4)
     op = lambda a, b: OP(a, b, "tp", "fsdp", schedule="ring", preferred_element_type=jnp.float32)  # noqa: E731
@@ -153,8 +183,9 @@ def test_the_gradient_runs_its_collectives_inside_fused_ops(schedule):
 def test_explain_prices_the_plan_over_both_axes():
     # One device's x [256, 512] (K = F x 256), w [256, 256], over F = 2 x T = 4.
     r = commfuse.explain("all_gather_both_matmul", (256, 512), (256, 256), 8, dimension=2, machine="h100_nvlink")
-    assert r["choice"] in ("ring", "sequential"), r["choice"]
-    assert set(r["schedules"]) == {"ring", "sequential"}, r["schedules"]
+    assert r["choice"] in r["schedules"], r["choice"]
+    # x's 256 rows per device travel whole or in 2, 4 or 8 row chunks.
+    assert set(r["schedules"]) == {"ring", "sequential", "sliced(2)", "sliced(4)", "sliced(8)"}, r["schedules"]
     assert r["schedules"]["ring"] < r["schedules"]["sequential"], r["schedules"]
     with pytest.raises(ValueError, match="dimension is the size of w's gather axis"):
         commfuse.explain("all_gather_both_matmul", (256, 512), (256, 256), 8, dimension=3)
@@ -179,6 +210,9 @@ def _errors(mesh_shape, x_shape, w_shape, *args, **kwargs):
     (("tp", "tp"), {}, "x_axis and w_axis must be two mesh axes"),
     (("tp", "fsdp"), {"schedule": "bidirectional"}, "schedule 'bidirectional' does not exist"),
     (("tp", "fsdp"), {"schedule": "sliced"}, "schedule 'sliced' does not exist"),
+    (("tp", "fsdp"), {"slices": 3}, "slices=3 must divide x's 4 rows"),
+    (("tp", "fsdp"), {"slices": 0}, r"slices must be an int in \[1, "),
+    (("tp", "fsdp"), {"slices": 2, "schedule": "sequential"}, "slices=2 with schedule='sequential'"),
     (("tp", "C"), {}, "unknown w_axis 'C'"),
     (("Z", "fsdp"), {}, "unknown x_axis 'Z'"),
     ((("tp",), "fsdp"), {}, "x_axis must name one mesh axis"),

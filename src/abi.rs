@@ -104,22 +104,26 @@ pub fn schedule(kind: OpKind, code: i64) -> Result<Schedule> {
                     plan::MAX_CHUNKS
                 )));
             }
-            if matches!(kind, OpKind::AllGatherBothMatmul | OpKind::AllGatherContractMatmulReduceScatter) {
+            if kind == OpKind::AllGatherContractMatmulReduceScatter {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: no \"{what}\" schedule: both rings run one way (\"ring\"), or nothing overlaps \
                      (\"sequential\")"
                 )));
             }
-            let gather_scatter = kind == OpKind::AllGatherMatmulReduceScatter;
-            if gather_scatter && what == "tiled" {
+            // The two-axis kinds cut one operand's blocks: w's columns (gather-scatter), x's rows (two gathers).
+            let two_axis = matches!(kind, OpKind::AllGatherMatmulReduceScatter | OpKind::AllGatherBothMatmul);
+            if two_axis && what == "tiled" {
+                let cut =
+                    if kind == OpKind::AllGatherBothMatmul { "x's row blocks" } else { "each block of w's columns" };
                 return Err(Error::InvalidArgument(format!(
-                    "{name}: no \"tiled\" schedule: \"sliced\" cuts each block of w's columns into chunks"
+                    "{name}: no \"tiled\" schedule: \"sliced\" cuts {cut} into chunks"
                 )));
             }
-            if !gather_scatter && (!Schedule::sliceable(kind.pattern()) || !kind.cuts_rows()) {
+            if !two_axis && (!Schedule::sliceable(kind.pattern()) || !kind.cuts_rows()) {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: schedule \"{what}\" exists only for all_gather_matmul and matmul_reduce_scatter along a \
-                     row dim, matmul_all_reduce and (sliced) all_gather_matmul_reduce_scatter"
+                     row dim, matmul_all_reduce, and (sliced) all_gather_matmul_reduce_scatter and \
+                     all_gather_both_matmul"
                 )));
             }
             let chunks = chunks as usize;

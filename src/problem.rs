@@ -535,7 +535,10 @@ impl Problem {
             self.slices = Some(slices);
             return Ok(self);
         }
-        if !self.kind.cuts_rows() {
+        if self.kind == OpKind::AllGatherBothMatmul && what != "sliced" {
+            bail!(InvalidArgument, "{name}: no {what} schedule; \"sliced\" cuts x's row blocks");
+        }
+        if !self.kind.cuts_rows() && self.kind != OpKind::AllGatherBothMatmul {
             bail!(InvalidArgument, "{name}: the {what} schedule needs a row gather, scatter or all-reduce");
         }
         if slices == 0 {
@@ -568,7 +571,7 @@ impl Problem {
                 self.seg
             );
         }
-        if self.kind == OpKind::AllGatherMatmul {
+        if matches!(self.kind, OpKind::AllGatherMatmul | OpKind::AllGatherBothMatmul) {
             self.x_parts = slices;
         }
         self.slices = Some(slices);
@@ -678,15 +681,19 @@ impl Problem {
             }];
         }
         if self.kind == AllGatherBothMatmul {
-            // Block p * F + q: x's row block p (the step's source), its
-            // columns of block q, times w's block q (the step's `with`),
-            // into rows p of the result (a slot laid out as the output).
-            let f = self.gathered;
-            let (p, q) = (block / f, block % f);
+            // Block (p * S + u) * F + q (S the slices, 1 unsliced): row chunk
+            // u of x's row block p (the step's source: a received chunk, or
+            // the own x whole), its columns of block q, times w's block q
+            // (the step's `with`), into those rows of the result (a slot
+            // laid out as the output).
+            let (f, slices) = (self.gathered, self.slices.unwrap_or(1));
+            let (p, u, q) = (block / (f * slices), block / f % slices, block % f);
+            let rows = seg / slices;
+            let in_x = if matches!(src, Buf::XBlock(_)) { u * rows * f * k } else { 0 };
             return vec![Gemm {
-                lhs: (Side::Src, View { offset: q * k, rows: seg, cols: k, row_stride: f * k }),
+                lhs: (Side::Src, View { offset: in_x + q * k, rows, cols: k, row_stride: f * k }),
                 rhs: (Side::W, View::rows(0, k, n)),
-                dst: View::rows(p * seg * n, seg, n),
+                dst: View::rows((p * seg + u * rows) * n, rows, n),
             }];
         }
         if let Some(parts) = self.slices {

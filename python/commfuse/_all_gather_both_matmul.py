@@ -13,6 +13,9 @@ blocks has arrived, so the products each exchange makes possible run
 while the next one travels: nothing waits at the head (the own blocks are
 multiplied first), and nothing travels after the last product. Every
 received block is kept, as the unfused form holds the gathered operands.
+Sliced (``slices=S``), x's row blocks travel in S row chunks, each
+multiplied as it arrives, so what waits for the last transfer is one
+chunk's products instead of a whole block's.
 
 VJP: ``dx = psum_scatter(dy @ all_gather(w, w_axis)ᵀ, x_axis)``, which is
 ``all_gather_matmul_reduce_scatter(dy, wᵀ, w_axis, x_axis)``, and ``dw =
@@ -56,7 +59,8 @@ class _Settings(NamedTuple):
     policy: Policy = Policy()  # what the backward's fused ops are decided under
 
 
-def all_gather_both_matmul(x, w, x_axis, w_axis, *, schedule="auto", precision=None, preferred_element_type=None):
+def all_gather_both_matmul(x, w, x_axis, w_axis, *, schedule="auto", slices=None, precision=None,
+                           preferred_element_type=None):
     """Returns ``jax.lax.all_gather(x, x_axis, axis=0, tiled=True) @
     jax.lax.all_gather(w, w_axis, axis=0, tiled=True)``.
 
@@ -68,13 +72,18 @@ def all_gather_both_matmul(x, w, x_axis, w_axis, *, schedule="auto", precision=N
     decides, or jax.lax's collectives and dot where fusing does not pay),
     "ring" (both rings, overlapped), "sequential" (both gathers, then the
     products; overlaps nothing) or "unfused" (jax.lax's own collectives and
-    dot).
+    dot). ``slices`` (> 1, dividing x's rows, the product of its dims but
+    the last): x's row blocks travel in that many row chunks, each
+    multiplied as it arrives, so only the last chunk's products are left
+    after the last transfer; with "auto" it fixes the plan (the call is
+    fused). Unset, "ring" sends whole blocks and "auto" picks among the
+    unsliced and sliced (2, 4, 8) plans by the cost model.
     """
-    return run(decide(x, w, x_axis, w_axis, schedule=schedule, precision=precision,
+    return run(decide(x, w, x_axis, w_axis, schedule=schedule, slices=slices, precision=precision,
                       preferred_element_type=preferred_element_type), x, w)
 
 
-def decide(x, w, x_axis, w_axis, *, schedule="auto", precision=None, preferred_element_type=None,
+def decide(x, w, x_axis, w_axis, *, schedule="auto", slices=None, precision=None, preferred_element_type=None,
            policy: Policy = Policy()) -> OpDecision:
     """What ``all_gather_both_matmul(x, w, ...)`` runs as, from shapes (see `_op.OpDecision`)."""
     def checked():
@@ -93,8 +102,17 @@ def decide(x, w, x_axis, w_axis, *, schedule="auto", precision=None, preferred_e
         _checks.check_matmul_operands(OP, x, w, w_factor=f_ranks)
         if schedule in ("bidirectional", "sliced", "tiled"):
             raise ValueError(f"commfuse.{OP}: schedule {schedule!r} does not exist for this op: both rings run one "
-                             "way ('ring'), or nothing overlaps ('sequential')")
+                             "way ('ring', with slices= to cut x's row blocks), or nothing overlaps ('sequential')")
         code = _checks.check_schedule(OP, schedule)
+        cut = _checks.check_slices(OP, slices, code)
+        rows = math.prod(x.shape[:-1])
+        if cut not in (None, 1):
+            if rows % cut:
+                raise ValueError(f"commfuse.{OP}: slices={cut} must divide x's {rows} rows (the product of its "
+                                 f"dims but the last, x.shape={tuple(x.shape)}): each row block of x travels in "
+                                 "slices chunks")
+            if code != _abi.UNFUSED:
+                code = _abi.schedule_code("sliced", cut)
         fast = _checks.fast_f32(OP, precision)
         dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
         asked = policy.with_asked(code)
@@ -148,10 +166,12 @@ def _bwd(static, residuals, dy):
     collectives in one fused call, decided under the forward's policy, so
     "unfused" or a declining "auto" runs jax.lax's collectives and dots."""
     x, w = residuals
-    # Both ops run "ring", "sequential" and "unfused" as asked; any other schedule (a whole program's) "auto".
+    # Both ops run "ring", "sequential" and "unfused" as asked, a sliced forward's "ring"; any other schedule
+    # (a whole program's) "auto".
     runs = [_abi.SCHEDULES[n] for n in SCHEDULES] + [_abi.UNFUSED]
     policy = static.policy._replace(strict=False)
-    policy = policy.with_asked(policy.asked if policy.asked in runs else _abi.AUTO)
+    asked = _abi.SCHEDULES["ring"] if _abi.cut_schedule(policy.asked) else policy.asked
+    policy = policy.with_asked(asked if asked in runs else _abi.AUTO)
     # dy is in the product's dtype (preferred_element_type); w in the operands'.
     dy_rows, w_t = _fused.common(_fused.rows_2d(dy), w.T)
     two = gather_scatter.settle(dy_rows.shape, w_t.shape, dy_rows.dtype, x.dtype,

@@ -105,15 +105,8 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None, pre
                              "one way ('ring', with slices= to cut each block of w's columns), or nothing overlaps "
                              "('sequential')")
         code = _checks.check_schedule(OP, schedule)
-        most = _abi.LIMITS["max_chunks"]
-        if slices is not None and (not isinstance(slices, (int, np.integer)) or isinstance(slices, bool)
-                                   or not 1 <= slices <= most):
-            raise ValueError(f"commfuse.{OP}: slices must be an int in [1, {most}], got {slices!r}")
-        cut = None if slices is None else int(slices)
+        cut = _checks.check_slices(OP, slices, code)
         if cut not in (None, 1):
-            if code == _abi.SCHEDULES["sequential"]:
-                raise ValueError(f"commfuse.{OP}: slices={cut} with schedule='sequential': chunks overlap nothing "
-                                 "there; leave slices unset or pick 'ring' or 'auto'")
             if w.shape[1] % cut:
                 raise ValueError(f"commfuse.{OP}: slices={cut} must divide w's {w.shape[1]} columns (each block "
                                  f"of w's columns is cut into slices chunks)")

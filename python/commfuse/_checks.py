@@ -196,6 +196,20 @@ def check_schedule(op: str, schedule, slices=_ABSENT, tiles=_ABSENT) -> int:
     return SCHEDULES[schedule]
 
 
+def check_slices(op: str, slices, code: int):
+    """A two-axis op's ``slices=`` (None, or an int in [1, max_chunks]) as an int or None, for the
+    schedule `code` asked: chunks overlap nothing under "sequential"."""
+    most = _abi.LIMITS["max_chunks"]
+    if slices is None:
+        return None
+    if not isinstance(slices, (int, np.integer)) or isinstance(slices, bool) or not 1 <= slices <= most:
+        raise ValueError(f"commfuse.{op}: slices must be an int in [1, {most}], got {slices!r}")
+    if slices > 1 and code == SCHEDULES["sequential"]:
+        raise ValueError(f"commfuse.{op}: slices={slices} with schedule='sequential': chunks overlap nothing there; "
+                         "leave slices unset or pick 'ring' or 'auto'")
+    return int(slices)
+
+
 def check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> None:
     """A sliced or tiled call must be a row gather or scatter whose block rows divide into the chunks."""
     schedule = cut_schedule(code)
@@ -205,10 +219,13 @@ def check_cut(kind: "Kind", x_shape, dimension: int, ranks: int, code: int) -> N
             raise ValueError(f"commfuse ({kind.name.lower()}): slices={chunks_of(code)} must divide w's "
                              f"{x_shape[1]} columns")
         return
-    if kind not in _abi.CUT_KINDS:
+    # Sliced, the two-gather op's row blocks of x (`x_shape`: its rows, then the contraction) travel in chunks.
+    two_gathers = kind == Kind.ALL_GATHER_BOTH_MATMUL and schedule == "sliced"
+    if kind not in _abi.CUT_KINDS and not two_gathers:
         raise ValueError(
             f"commfuse ({kind.name.lower()}): schedule={schedule!r} exists only for all_gather_matmul and "
-            f"matmul_reduce_scatter along a row dimension (not the last dim), and matmul_all_reduce")
+            f"matmul_reduce_scatter along a row dimension (not the last dim), and matmul_all_reduce (and sliced, "
+            f"all_gather_matmul_reduce_scatter and all_gather_both_matmul)")
     rows = math.prod(x_shape[:-1])
     if kind in (Kind.MATMUL_REDUCE_SCATTER, Kind.MATMUL_ALL_REDUCE):
         rows //= ranks

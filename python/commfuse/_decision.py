@@ -97,9 +97,10 @@ def as_asked(call: Call, schedule: int, why: str = "as asked") -> Decision:
         return empty
     if _abi.cut_schedule(schedule):
         check_cut(call.kind, call.x, call.dimension, call.ranks, schedule)
-    # (A two-axis call's dimension is its gather axis's size; its chunks cut w's columns.)
-    recut = (bool(_abi.cut_schedule(schedule)) and call.kind != Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER
-             and (len(call.x) != 2 or call.dimension != 0))
+    # (A two-axis call's dimension is its first axis's size, and its operands are laid out already: the
+    # chunks cut w's columns (gather-scatter) or x's row blocks (two gathers).)
+    two_axis = call.kind in (Kind.ALL_GATHER_MATMUL_REDUCE_SCATTER, Kind.ALL_GATHER_BOTH_MATMUL)
+    recut = bool(_abi.cut_schedule(schedule)) and not two_axis and (len(call.x) != 2 or call.dimension != 0)
     if recut:
         out = tuple(_abi.prepare(call.shapes(_abi.UNFUSED))["out"])
         return Decision(call, schedule, why, out, (0, 0), True)

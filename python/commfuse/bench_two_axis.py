@@ -89,6 +89,8 @@ def two_gather_ways():
     return [
         ("xla", lambda x, w: _gather_x(x) @ _gather_w_rows(w), "both"),
         ("two-gather ring", lambda x, w: fused(x, w, "tp", "fsdp", schedule="ring"), None),
+        ("two-gather sliced(2)", lambda x, w: fused(x, w, "tp", "fsdp", schedule="ring", slices=2), None),
+        ("two-gather sliced(4)", lambda x, w: fused(x, w, "tp", "fsdp", schedule="ring", slices=4), None),
         ("two-gather auto", lambda x, w: fused(x, w, "tp", "fsdp", schedule="auto"), None),
         ("two-gather sequential", lambda x, w: fused(x, w, "tp", "fsdp", schedule="sequential"), None),
         ("x fused (ring)", lambda x, w: commfuse.all_gather_matmul(x, _gather_w_rows(w), "tp", schedule="ring"),

@@ -26,6 +26,13 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
                 assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no gather axis size of a group of {n}");
                 b.gather_scatter(gathered, k, false)
             }
+            Pattern::GatherGather { gathered, into_out } if !tiled => {
+                assert!(
+                    gathered >= 1 && n % gathered == 0,
+                    "{gathered} is no axis size of w's gather in a group of {n}"
+                );
+                b.gather_gather(gathered, into_out, k, false)
+            }
             Pattern::Gather { accumulate: false } if tiled => b.gather_tiled(k),
             Pattern::Gather { accumulate: false } => b.gather_sliced(k),
             Pattern::Scatter | Pattern::AllReduce if tiled => b.scatter_tiled(k),
@@ -45,7 +52,7 @@ pub fn plan(pattern: Pattern, schedule: Schedule, n: usize, rank: usize) -> Plan
         }
         Pattern::GatherGather { gathered, into_out } => {
             assert!(gathered >= 1 && n % gathered == 0, "{gathered} is no axis size of w's gather in a group of {n}");
-            b.gather_gather(gathered, into_out, sequential);
+            b.gather_gather(gathered, into_out, 1, sequential);
         }
         Pattern::Gather { accumulate } => {
             b.result = accumulate.then(|| b.slot(SlotKind::Result));
@@ -841,67 +848,88 @@ impl Builder {
     /// The products add up in the output itself where its dtype is the
     /// accumulator's (`into_out`), else in a result slot summed into it at
     /// the end. Sequential: every block gathered first, then the products.
-    fn gather_gather(&mut self, gathered: usize, into_out: bool, sequential: bool) {
+    /// Sliced (`chunks` > 1): each row block of x travels as `chunks` row
+    /// chunks, an exchange each (the own one is `XBlock(u)`), and each
+    /// chunk is multiplied as it arrives, so what is left after the last
+    /// transfer is one chunk's products, not one block's. Product
+    /// `((p * chunks + u) * F + q)`: chunk u of x's row block p by w's block q.
+    fn gather_gather(&mut self, gathered: usize, into_out: bool, chunks: usize, sequential: bool) {
         let (n, f_size) = (self.n, gathered);
         let t_size = n / f_size;
         let (f, t) = (self.rank / t_size, self.rank % t_size);
         let rank_of = |f: usize, t: usize| (f % f_size) * t_size + t % t_size;
         let (next_f, prev_f) = (rank_of(f + 1, t), rank_of(f + f_size - 1, t));
         let (next_t, prev_t) = (rank_of(f, t + 1), rank_of(f, t + t_size - 1));
-        let x_slots = self.slots(SlotKind::Input, t_size - 1);
+        let x_slots = self.slots(SlotKind::Input, (t_size - 1) * chunks);
         let w_slots = self.slots(SlotKind::Weight, f_size - 1);
         let result = if into_out { Buf::Out } else { Buf::Slot(self.slot(SlotKind::Result)) };
-        // The block of x held at step s (row block t - s), and of w at step c (block f - c).
-        let x_at = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(x_slots[s - 1]) };
+        // Chunk u of the block of x held at step s (row block t - s), and w's block at step c (block f - c).
+        let x_at = |s: usize, u: usize| match s {
+            0 if chunks == 1 => Buf::X,
+            0 => Buf::XBlock(u),
+            _ => Buf::Slot(x_slots[(s - 1) * chunks + u]),
+        };
         let w_at = |c: usize| if c == 0 { Buf::W } else { Buf::Slot(w_slots[c - 1]) };
-        // Each ring's step e is an exchange of its own, x's then w's: a
-        // device's one port carries them in turn, and the products of x's
-        // block e + 1 with the blocks of w already here run while w's block
-        // e + 1 travels. x_in[s] / w_in[c]: the exchange that brought step
+        // Each ring's step e is an exchange of its own (x's: one per chunk),
+        // w's then x's: a device's one port carries them in turn, and the
+        // products of w's block e + 1 with the blocks of x already here run
+        // while x's block e + 1 travels. The last transfer is then a chunk
+        // of x, so what waits for it is that chunk's products, not every
+        // product of a block of w. And where devices start apart (a host
+        // running several), w's exchanges with an f-peer come before x's
+        // with t-peers at every step, so a late device's block of w does
+        // not land on a port still busy with a block of x.
+        // x_in[s][u] / w_in[c]: the exchange that brought chunk u of step
         // s's block of x / step c's of w.
-        let (mut x_in, mut w_in): (Vec<Option<StepId>>, Vec<Option<StepId>>) = (vec![None], vec![None]);
+        let mut x_in: Vec<Vec<Option<StepId>>> = vec![vec![None; chunks]];
+        let mut w_in: Vec<Option<StepId>> = vec![None];
         for e in 0..(t_size - 1).max(f_size - 1) {
-            let rings = [(e + 1 < t_size, Direction::Forward), (e + 1 < f_size, Direction::Backward)];
-            for (on, direction) in rings {
-                if !on {
-                    continue;
+            if e + 1 < f_size {
+                let tag = tag(Direction::Backward, e);
+                let sends = vec![Transfer { peer: next_f, buf: w_at(e), tag }];
+                let recvs = vec![Transfer { peer: prev_f, buf: w_at(e + 1), tag }];
+                w_in.push(Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![])));
+            }
+            if e + 1 < t_size {
+                let mut arrived = Vec::with_capacity(chunks);
+                for u in 0..chunks {
+                    let tag = tag(Direction::Forward, e * chunks + u);
+                    let sends = vec![Transfer { peer: next_t, buf: x_at(e, u), tag }];
+                    let recvs = vec![Transfer { peer: prev_t, buf: x_at(e + 1, u), tag }];
+                    arrived.push(Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![])));
                 }
-                let tag = tag(direction, e);
-                let (peers, held, into) = match direction {
-                    Direction::Forward => ((next_t, prev_t), x_at(e), x_at(e + 1)),
-                    Direction::Backward => ((next_f, prev_f), w_at(e), w_at(e + 1)),
-                };
-                let sends = vec![Transfer { peer: peers.0, buf: held, tag }];
-                let recvs = vec![Transfer { peer: peers.1, buf: into, tag }];
-                let exchange = Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![]));
-                if direction == Direction::Forward { &mut x_in } else { &mut w_in }.push(exchange);
+                x_in.push(arrived);
             }
         }
         let last_exchange = self.steps.iter().rposition(|s| s.lane == Lane::Comm);
-        // Level e: the products step e's blocks make possible with every
-        // block before them, in the order those blocks arrive: x's block e
-        // by w's blocks before e, then every block of x so far by w's
-        // block e. A row block's first product is the one with w's step-0
-        // block (the own), so the rest add onto it.
-        let mut waited: Option<StepId> = None;
+        // Every product (s, u, c): chunk u of step s's block of x by step
+        // c's block of w, in the order the later of its two blocks arrives
+        // (stable among products whose blocks arrived together). A row
+        // chunk's first product is the one with w's step-0 block (the own),
+        // so the rest add onto it.
+        let mut products: Vec<(usize, usize, usize)> = vec![];
         for e in 0..t_size.max(f_size) {
-            let new_x = (e < t_size).then(|| (0..f_size.min(e)).map(move |c| (e, c)));
-            let new_w = (e < f_size).then(|| (0..t_size.min(e + 1)).map(move |s| (s, e)));
-            for (s, c) in new_x.into_iter().flatten().chain(new_w.into_iter().flatten()) {
-                let (p, q) = ((t + t_size - s) % t_size, (f + f_size - c) % f_size);
-                // The later of the two exchanges this product needs (sequential: the last of all).
-                let needs = if sequential { last_exchange } else { x_in[s].max(w_in[c]) };
-                let deps: Vec<StepId> = needs.filter(|&exchange| Some(exchange) > waited).into_iter().collect();
-                waited = waited.max(needs);
-                let action = Action::Matmul {
-                    block: p * f_size + q,
-                    src: x_at(s),
-                    with: w_at(c),
-                    dst: result,
-                    accumulate: c > 0,
-                };
-                self.push(Lane::Compute, action, deps);
-            }
+            let new_x = (e < t_size).then(|| (0..chunks).flat_map(move |u| (0..f_size.min(e)).map(move |c| (e, u, c))));
+            let new_w =
+                (e < f_size).then(|| (0..t_size.min(e + 1)).flat_map(move |s| (0..chunks).map(move |u| (s, u, e))));
+            products.extend(new_x.into_iter().flatten().chain(new_w.into_iter().flatten()));
+        }
+        products.sort_by_key(|&(s, u, c)| x_in[s][u].max(w_in[c]));
+        let mut waited: Option<StepId> = None;
+        for (s, u, c) in products {
+            let (p, q) = ((t + t_size - s) % t_size, (f + f_size - c) % f_size);
+            // The later of the two exchanges this product needs (sequential: the last of all).
+            let needs = if sequential { last_exchange } else { x_in[s][u].max(w_in[c]) };
+            let deps: Vec<StepId> = needs.filter(|&exchange| Some(exchange) > waited).into_iter().collect();
+            waited = waited.max(needs);
+            let action = Action::Matmul {
+                block: (p * chunks + u) * f_size + q,
+                src: x_at(s, u),
+                with: w_at(c),
+                dst: result,
+                accumulate: c > 0,
+            };
+            self.push(Lane::Compute, action, deps);
         }
         if !into_out {
             self.push(Lane::Compute, Action::Sum { terms: vec![result], dst: Buf::Out }, vec![]);

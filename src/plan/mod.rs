@@ -83,6 +83,8 @@ pub enum Pattern {
     /// from the op kind alone, see `Problem::pattern`); `into_out`: the
     /// products add up in the output itself (its dtype is the accumulator's),
     /// else in a result slot that is summed into the output at the end.
+    /// Sliced: x's row blocks travel in row chunks, and block
+    /// `(p * slices + u) * F + q` is chunk u of x's row block p by w's block q.
     GatherGather { gathered: usize, into_out: bool },
     /// A gather along the contraction, then a reduce-scatter, over a group
     /// of F x T ranks (rank `f * T + t`): the blocks of `x` (the left
@@ -151,7 +153,10 @@ pub enum Schedule {
     /// reduce-scatter (RS) is exposed. Row gathers and scatters only
     /// (`Pattern::Gather { accumulate: false }` and `Pattern::Scatter`), and
     /// the all-reduce, whose chunk c is all-gathered inside the op right after
-    /// its reduce-scatter, so both run while chunk c+1 is multiplied.
+    /// its reduce-scatter, so both run while chunk c+1 is multiplied. Of the
+    /// two-axis patterns, `GatherScatter` (each block of w's columns cut)
+    /// and `GatherGather` (x's row blocks travel in chunks, each multiplied
+    /// as it arrives: see their docs for their block indices).
     ///
     /// In a sliced plan block indices are fine: block `j * slices + c` is
     /// chunk c of block j (in `Matmul::block` and `OutBlock`), `XBlock(c)` of a
@@ -190,6 +195,7 @@ impl Schedule {
                 | Pattern::Scatter
                 | Pattern::AllReduce
                 | Pattern::GatherScatter { .. }
+                | Pattern::GatherGather { .. }
         )
     }
 

@@ -969,23 +969,25 @@ fn two_axis_ring_steps_wait_for_their_own_product_only() {
 /// What a buffer holds in the symbolic run of a two-gather plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum TwoGathers {
-    /// Row block p of x, of the ranks with this f.
-    X { f: usize, p: usize },
+    /// Row chunk u (0 unsliced) of row block p of x, of the ranks with this f.
+    X { f: usize, p: usize, u: usize },
     /// Block q of w (its rows), of the ranks with this t.
     W { t: usize, q: usize },
-    /// Per row block of the result, the blocks of w multiplied into it.
+    /// Per row chunk `p * S + u` of the result, the blocks of w multiplied into it.
     Result(BTreeMap<usize, BTreeSet<usize>>),
 }
 
 /// Runs every rank's plan of `Pattern::GatherGather { gathered: f_size, .. }`
-/// message by message: each product multiplies x's row block p of the
-/// rank's own f by w's block q of its own t (block `p * F + q`), into row
-/// block p of its result; rank f*T + t ends with every row block's
-/// products over every block of w, each once, in the output (added up
-/// there, or summed into it once from a result slot).
+/// message by message: each product multiplies row chunk u of x's row
+/// block p of the rank's own f by w's block q of its own t (block
+/// `(p * S + u) * F + q`, S the plan's chunks), into those rows of its
+/// result; rank f*T + t ends with every row chunk's products over every
+/// block of w, each once, in the output (added up there, or summed into
+/// it once from a result slot).
 fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
     let n = plans.len();
     let t_size = n / f_size;
+    let chunks = plans[0].schedule.chunks();
     let mut cursor = vec![0usize; n];
     let mut sent = vec![false; n];
     let mut slots: Vec<HashMap<usize, TwoGathers>> = vec![HashMap::new(); n];
@@ -994,7 +996,8 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
     let mut mailbox: HashMap<(usize, usize, Tag), TwoGathers> = HashMap::new();
     let read = |slots: &HashMap<usize, TwoGathers>, r: usize, b: Buf| -> TwoGathers {
         match b {
-            Buf::X => TwoGathers::X { f: r / t_size, p: r % t_size },
+            Buf::X if chunks == 1 => TwoGathers::X { f: r / t_size, p: r % t_size, u: 0 },
+            Buf::XBlock(u) if chunks > 1 => TwoGathers::X { f: r / t_size, p: r % t_size, u },
             Buf::W => TwoGathers::W { t: r % t_size, q: r / t_size },
             Buf::Slot(i) => slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
             other => panic!("{label}: rank {r} reads {other:?}"),
@@ -1007,9 +1010,9 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
             while let Some(step) = plans[r].steps.get(cursor[r]) {
                 match &step.action {
                     Action::Matmul { block, src, with, dst, accumulate } => {
-                        let (p, q) = (block / f_size, block % f_size);
+                        let (p, u, q) = (block / (f_size * chunks), block / f_size % chunks, block % f_size);
                         let operands = (read(&slots[r], r, *src), read(&slots[r], r, *with));
-                        let want = (TwoGathers::X { f, p }, TwoGathers::W { t, q });
+                        let want = (TwoGathers::X { f, p, u }, TwoGathers::W { t, q });
                         assert_eq!(operands, want, "{label}: rank {r} block {block}");
                         let held = match dst {
                             Buf::Slot(i) => slots[r].get(i).cloned(),
@@ -1021,7 +1024,7 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
                             (true, other) => panic!("{label}: rank {r} accumulates onto {other:?}"),
                             (false, _) => BTreeMap::new(),
                         };
-                        let row = rows.entry(p).or_default();
+                        let row = rows.entry(p * chunks + u).or_default();
                         if !accumulate {
                             row.clear();
                         }
@@ -1063,7 +1066,7 @@ fn simulate_two_gathers(plans: &[Plan], f_size: usize, label: &str) {
     }
     assert!(mailbox.is_empty(), "{label}: sends never received");
     let into_out = matches!(plans[0].pattern, Pattern::GatherGather { into_out: true, .. });
-    let want: BTreeMap<usize, BTreeSet<usize>> = (0..t_size).map(|p| (p, (0..f_size).collect())).collect();
+    let want: BTreeMap<usize, BTreeSet<usize>> = (0..t_size * chunks).map(|p| (p, (0..f_size).collect())).collect();
     for (r, (held, sums)) in outs.iter().enumerate() {
         assert_eq!(held, &Some(TwoGathers::Result(want.clone())), "{label}: rank {r}'s output");
         assert_eq!(*sums, usize::from(!into_out), "{label}: rank {r}'s output summed {sums} times");
@@ -1076,7 +1079,8 @@ fn every_two_gather_plan_is_correct_and_race_free() {
     for f_size in 1..=6 {
         for t_size in 1..=6 {
             let n = f_size * t_size;
-            for (schedule, into_out) in SCHEDULES.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+            let sliced = [Schedule::Sliced { slices: 2 }, Schedule::Sliced { slices: 3 }];
+            for (schedule, into_out) in SCHEDULES.into_iter().chain(sliced).flat_map(|s| [(s, false), (s, true)]) {
                 let pattern = Pattern::GatherGather { gathered: f_size, into_out };
                 let plans: Vec<Plan> = (0..n).map(|r| plan(pattern, schedule, n, r)).collect();
                 let label = format!("F={f_size} T={t_size} {schedule:?} into_out={into_out}");
@@ -1088,7 +1092,7 @@ fn every_two_gather_plan_is_correct_and_race_free() {
             }
         }
     }
-    assert_eq!(checked, 36 * SCHEDULES.len() * 2);
+    assert_eq!(checked, 36 * (SCHEDULES.len() + 2) * 2);
 }
 
 /// The point of the two-gather plan: nothing waits at the head (the first
@@ -1098,18 +1102,22 @@ fn every_two_gather_plan_is_correct_and_race_free() {
 /// after the last product.
 #[test]
 fn two_gather_products_wait_only_for_their_own_blocks() {
-    for (f_size, t_size) in [(2, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1), (8, 8), (3, 5)] {
+    let cases = [(2, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1), (8, 8), (3, 5)];
+    for ((f_size, t_size), chunks) in cases.into_iter().flat_map(|c| [(c, 1), (c, 2), (c, 3)]) {
         let n = f_size * t_size;
+        let schedule = if chunks == 1 { Schedule::Ring } else { Schedule::Sliced { slices: chunks } };
         for rank in 0..n {
             let (f, t) = (rank / t_size, rank % t_size);
             let pattern = Pattern::GatherGather { gathered: f_size, into_out: rank % 2 == 0 };
-            let p = plan(pattern, Schedule::Ring, n, rank);
+            let p = plan(pattern, schedule, n, rank);
             let hb = happens_before(&p);
             let products = matmuls(&p);
-            assert_eq!(products.len(), n);
-            // The exchange that brings the block of x (Forward) or w (Backward) of step s.
-            let brings = |direction: Direction, s: usize| -> Option<StepId> {
-                let tag = Tag { direction, step: s.checked_sub(1)? };
+            assert_eq!(products.len(), n * chunks);
+            // The exchange that brings chunk u of x's block (Forward) or w's block (Backward) of step s.
+            let brings = |direction: Direction, s: usize, u: usize| -> Option<StepId> {
+                let step = s.checked_sub(1)?;
+                let tag =
+                    Tag { direction, step: if direction == Direction::Forward { step * chunks + u } else { step } };
                 let exchange = p.steps.iter().find(|e| match &e.action {
                     Action::Exchange { recvs, .. } => recvs.iter().any(|r| r.tag == tag),
                     _ => false,
@@ -1118,20 +1126,32 @@ fn two_gather_products_wait_only_for_their_own_blocks() {
             };
             let exchanges: Vec<StepId> =
                 p.steps.iter().filter(|s| matches!(s.action, Action::Exchange { .. })).map(|s| s.id).collect();
-            assert_eq!(exchanges.len(), (f_size - 1) + (t_size - 1));
+            assert_eq!(exchanges.len(), (f_size - 1) + (t_size - 1) * chunks);
             let mut needed: Option<StepId> = None;
             for &product in &products {
                 let Action::Matmul { block, .. } = p.steps[product].action else { unreachable!() };
-                // The steps at which x's row block and w's block arrive.
-                let (s, c) = ((t + t_size - block / f_size) % t_size, (f + f_size - block % f_size) % f_size);
-                needed = needed.max(brings(Direction::Forward, s)).max(brings(Direction::Backward, c));
+                // The steps at which x's row chunk and w's block arrive.
+                let (row, u, q) = (block / (f_size * chunks), block / f_size % chunks, block % f_size);
+                let (s, c) = ((t + t_size - row) % t_size, (f + f_size - q) % f_size);
+                needed = needed.max(brings(Direction::Forward, s, u)).max(brings(Direction::Backward, c, 0));
                 for &exchange in &exchanges {
-                    let label = format!("F={f_size} T={t_size} rank {rank}: block {block} and exchange {exchange}");
+                    let label =
+                        format!("F={f_size} T={t_size} S={chunks} rank {rank}: block {block} and exchange {exchange}");
                     assert_eq!(hb[exchange][product], needed.is_some_and(|e| exchange <= e), "{label}");
                 }
             }
             let last = *products.last().expect("products");
             assert!(exchanges.iter().all(|&e| !hb[last][e]), "a transfer after the last product");
+            // What slicing is for: where x's ring is the longer one, what
+            // waits for the last transfer is one chunk's F products.
+            if t_size >= f_size && t_size > 1 {
+                let last_exchange = *exchanges.last().expect("exchanges");
+                let after = products.iter().filter(|&&m| hb[last_exchange][m]).count();
+                assert_eq!(
+                    after, f_size,
+                    "F={f_size} T={t_size} S={chunks} rank {rank}: products after the last transfer"
+                );
+            }
         }
     }
 }

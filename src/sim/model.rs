@@ -244,7 +244,9 @@ pub fn auto_pick(choice: &Choice, n: usize, pattern: crate::plan::Pattern) -> Sc
                     !tiled
                         && matches!(
                             pattern,
-                            crate::plan::Pattern::AllReduce | crate::plan::Pattern::GatherScatter { .. }
+                            crate::plan::Pattern::AllReduce
+                                | crate::plan::Pattern::GatherScatter { .. }
+                                | crate::plan::Pattern::GatherGather { .. }
                         )
                 }
                 Schedule::Tiled { .. } => tiled,

@@ -894,7 +894,9 @@ mod tests {
         let kind = OpKind::AllGatherBothMatmul;
         let f_size = example_dimension(kind) as usize;
         for (i, (n, schedule)) in
-            [(4, Schedule::Ring), (4, Schedule::Sequential), (6, Schedule::Ring)].into_iter().enumerate()
+            [(4, Schedule::Ring), (4, Schedule::Sequential), (6, Schedule::Ring), (6, Schedule::Sliced { slices: 3 })]
+                .into_iter()
+                .enumerate()
         {
             let t_size = n / f_size;
             let dims = example_dims(kind, n as i64, m as i64, k as i64, c as i64);

@@ -653,8 +653,9 @@ pub fn reference(case: &Case, schedule: Schedule, n: usize, site: i64) -> Vec<Ve
 /// The schedules to emulate for `kind` (cut into blocks of 3 rows where the kind takes that).
 pub fn schedules(kind: OpKind) -> Vec<Schedule> {
     let mut schedules = vec![Schedule::Auto, Schedule::Ring, Schedule::Bidirectional, Schedule::Sequential];
-    if kind.cuts_rows() || kind == OpKind::AllGatherMatmulReduceScatter {
-        // The cases' blocks have 3 rows (the two-axis case: w's blocks 6 columns).
+    if kind.cuts_rows() || matches!(kind, OpKind::AllGatherMatmulReduceScatter | OpKind::AllGatherBothMatmul) {
+        // The cases' blocks have 3 rows (x's row blocks of the two-gather
+        // case too; the gather-scatter case: w's blocks 6 columns).
         schedules.push(Schedule::Sliced { slices: 3 });
     }
     schedules

@@ -946,8 +946,9 @@ impl Builder {
     /// comm lane. The first partial the ring sends is computed first, each
     /// of its products as its block of x arrives; every other partial
     /// while the ring's previous step travels; the own partial, which the
-    /// ring ends with, last. Sequential: the gather, then every product,
-    /// then the reduce-scatter.
+    /// ring ends with, last. Two slots hold the partials in turn, so the
+    /// workspace holds two of them, not F. Sequential: the gather, then
+    /// every product (F slots), then the reduce-scatter.
     fn gather_contract_scatter(&mut self, scattered: usize, sequential: bool) {
         let (n, f_size) = (self.n, scattered);
         let t_size = n / f_size;
@@ -956,7 +957,13 @@ impl Builder {
         let (next_f, prev_f) = (rank_of(f + 1, t), rank_of(f + f_size - 1, t));
         let (next_t, prev_t) = (rank_of(f, t + 1), rank_of(f, t + t_size - 1));
         let x_slots = self.slots(SlotKind::Input, t_size - 1);
-        let partials = self.slots(SlotKind::Partial, f_size);
+        // Two partials in turn (sequential: all F, every product before the
+        // ring): the ring's step s sends the partial computed s-th, and the
+        // partial of step s + 2 is written into its slot once that send is
+        // done, so the products run at most one ring step ahead of it.
+        let kept = if sequential { f_size } else { f_size.min(2) };
+        let partials = self.slots(SlotKind::Partial, kept);
+        let partial_at = |s: usize| Buf::Slot(partials[s % kept]);
         let incoming = self.slots(SlotKind::Partial, (f_size - 1).min(2));
         // The block of x held at step s (block t - s of the columns).
         let x_at = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(x_slots[s - 1]) };
@@ -969,41 +976,57 @@ impl Builder {
         }
         // The row block the ring reduces at its step s; the own one last.
         let block_at = |s: usize| (f + 2 * f_size - 1 - s) % f_size;
-        // done[s]: the last product of the partial the ring takes at step s.
+        // done[s]: the last product of the partial the ring takes at step s;
+        // sent[s]: the ring's exchange of it. Each ring step is pushed once
+        // its partial is complete (sequential: all after the last product).
         let mut done: Vec<StepId> = vec![];
+        let mut sent: Vec<StepId> = vec![];
         for s in 0..f_size {
             let q = block_at(s);
             for step in 0..t_size {
                 let p = (t + t_size - step) % t_size;
                 let waits = if sequential { arrived.last() } else { arrived.get(step) };
-                let deps: Vec<StepId> = waits.copied().flatten().filter(|_| s == 0).into_iter().collect();
+                let mut deps: Vec<StepId> = waits.copied().flatten().filter(|_| s == 0).into_iter().collect();
+                if step == 0 && s >= kept {
+                    // The slot's previous partial has left.
+                    deps.push(sent[s - kept]);
+                }
                 let action = Action::Matmul {
                     block: q * t_size + p,
                     src: x_at(step),
                     with: Buf::W,
-                    dst: Buf::Slot(partials[q]),
+                    dst: partial_at(s),
                     accumulate: step > 0,
                 };
-                done.push(self.push(Lane::Compute, action, deps));
+                let product = self.push(Lane::Compute, action, deps);
+                if step + 1 == t_size {
+                    done.push(product);
+                }
+            }
+            let ready = match sequential {
+                true if s + 1 == f_size => f_size - 1,
+                true => 0,
+                false => (s + 1).min(f_size - 1),
+            };
+            while sent.len() < ready {
+                let r = sent.len();
+                let (slot, complete) = (partial_at(r), if sequential { done[f_size - 1] } else { done[r] });
+                if r > 0 {
+                    let terms = vec![slot, Buf::Slot(incoming[(r - 1) % incoming.len()])];
+                    self.push(Lane::Comm, Action::Sum { terms, dst: slot }, vec![complete]);
+                }
+                let tag = tag(Direction::Backward, r);
+                let sends = vec![Transfer { peer: next_f, buf: slot, tag }];
+                let recvs = vec![Transfer { peer: prev_f, buf: Buf::Slot(incoming[r % incoming.len()]), tag }];
+                let deps = if r == 0 { vec![complete] } else { vec![] };
+                sent.push(self.push(Lane::Comm, Action::Exchange { sends, recvs }, deps));
             }
         }
-        let done = |s: usize| if sequential { done[done.len() - 1] } else { done[(s + 1) * t_size - 1] };
-        for s in 0..f_size - 1 {
-            let slot = Buf::Slot(partials[block_at(s)]);
-            if s > 0 {
-                let terms = vec![slot, Buf::Slot(incoming[(s - 1) % incoming.len()])];
-                self.push(Lane::Comm, Action::Sum { terms, dst: slot }, vec![done(s)]);
-            }
-            let tag = tag(Direction::Backward, s);
-            let sends = vec![Transfer { peer: next_f, buf: slot, tag }];
-            let recvs = vec![Transfer { peer: prev_f, buf: Buf::Slot(incoming[s % incoming.len()]), tag }];
-            self.push(Lane::Comm, Action::Exchange { sends, recvs }, if s == 0 { vec![done(0)] } else { vec![] });
-        }
-        let mut terms = vec![Buf::Slot(partials[f])];
+        let mut terms = vec![partial_at(f_size - 1)];
         if f_size > 1 {
             terms.push(Buf::Slot(incoming[(f_size - 2) % incoming.len()]));
         }
-        self.push(Lane::Comm, Action::Sum { terms, dst: Buf::Out }, vec![done(f_size - 1)]);
+        self.push(Lane::Comm, Action::Sum { terms, dst: Buf::Out }, vec![done[f_size - 1]]);
     }
 
     /// Copies the block received at step s into its output block.

@@ -1314,7 +1314,17 @@ fn gather_contract_scatter_steps_wait_only_for_their_own_products() {
                 let ring = exchange(Direction::Backward, s);
                 assert!(hb[products[(s + 1) * t_size - 1]][ring], "{label}: ring step {s} before its partial");
                 assert!(!hb[products[(s + 1) * t_size]][ring], "{label}: ring step {s} waits for the next partial");
+                // Two partial slots in turn: the partial after next is written where this one was sent from.
+                if let Some(&after_next) = products.get((s + 2) * t_size) {
+                    assert!(hb[ring][after_next], "{label}: partial {} overwrites ring step {s}'s", s + 2);
+                }
+                if let (Some(&after_next), true) = (products.get((s + 2) * t_size), s + 1 < f_size - 1) {
+                    let next_ring = exchange(Direction::Backward, s + 1);
+                    assert!(!hb[next_ring][after_next], "{label}: partial {} waits for ring step {}", s + 2, s + 1);
+                }
             }
+            let partial_slots = p.slots.iter().filter(|&&k| k == SlotKind::Partial).count();
+            assert_eq!(partial_slots, f_size.min(2) + (f_size - 1).min(2), "{label}: partial slots");
         }
     }
 }

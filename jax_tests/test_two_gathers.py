@@ -352,15 +352,18 @@ def test_an_sp_fsdp_step_with_its_backward_in_the_body_leaves_xla_no_gather_or_s
         auto.last_report
 
 
-def test_the_gather_contract_scatter_op_matches_jax_lax():
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_gather_contract_scatter_op_matches_jax_lax(shape):
     # psum_scatter(all_gather(x, "tp", axis=1) @ w, "fsdp"): x [F*kq, m] per
-    # device, w [T*m, c], every schedule it has, f32 and bf16.
+    # device, w [T*m, c], every schedule it has, f32 and bf16 (F > 2: its
+    # two partial slots reused).
     from commfuse import _all_gather_contract_matmul_reduce_scatter as contract
 
-    mesh = make_mesh({"fsdp": 2, "tp": 4})
+    f, t = shape
+    mesh = make_mesh({"fsdp": f, "tp": t})
     for dtype in (np.float32, jnp.bfloat16):
-        x = jax.device_put(rand((2 * 2 * 8, 4 * 6), dtype, seed=2), NamedSharding(mesh, P("fsdp", "tp")))
-        w = jax.device_put(rand((2 * 4 * 6, 4 * 5), dtype, seed=3), NamedSharding(mesh, P("fsdp", "tp")))
+        x = jax.device_put(rand((f * f * 8, t * 6), dtype, seed=2), NamedSharding(mesh, P("fsdp", "tp")))
+        w = jax.device_put(rand((f * t * 6, t * 5), dtype, seed=3), NamedSharding(mesh, P("fsdp", "tp")))
         spec = dict(mesh=mesh, in_specs=(P("fsdp", "tp"), P("fsdp", "tp")), out_specs=P("fsdp", "tp"))
 
         def lax(a, b):

@@ -625,6 +625,9 @@ pub fn problem_of(case: &Case, n: usize, schedule: Schedule) -> Problem {
 /// Small shapes of every op kind for `n` ranks (dimension 0 for row kinds).
 pub fn cases(n: i64) -> Vec<Case> {
     use OpKind::*;
+    // The gather-contract-scatter case's scatter axis: 4, 3 or 2 ranks where
+    // they divide n, so that its two partial slots are reused (F > 2).
+    let f = [4, 3, 2, 1].into_iter().find(|f| n % f == 0).expect("1 divides n");
     vec![
         (AllGatherMatmul, vec![3, 8], vec![8, 6], vec![3 * n, 6]),
         (AllGatherMatmulContract, vec![5, 3], vec![3 * n, 7], vec![5, 7]),
@@ -637,10 +640,10 @@ pub fn cases(n: i64) -> Vec<Case> {
         (MatmulAllToAll, vec![n, 3, 8], vec![8, 6], vec![n, 3, 6]),
         (MatmulAllToAllCols, vec![5, 8], vec![8, 3 * n], vec![n, 5, 3]),
         (MatmulAllReduce, vec![3 * n, 8], vec![8, 6], vec![3 * n, 6]),
-        // Over F x T ranks: F = 2 where n is even, else 1.
+        // Over F x T ranks: F = 2 where n is even, else 1 (the last: `f`).
         (AllGatherMatmulReduceScatter, vec![8, 6], vec![3 * n / (2 - n % 2), 8], vec![2 - n % 2, 3, 6]),
         (AllGatherBothMatmul, vec![3, 4 * (2 - n % 2)], vec![4, 6], vec![3 * n / (2 - n % 2), 6]),
-        (AllGatherContractMatmulReduceScatter, vec![3 * (2 - n % 2), 4], vec![4 * n / (2 - n % 2), 6], vec![3, 6]),
+        (AllGatherContractMatmulReduceScatter, vec![3 * f, 4], vec![4 * n / f, 6], vec![3, 6]),
     ]
 }
 

@@ -1,7 +1,7 @@
 """The two-axis fused ops against the one-sided fusions and XLA, on 8 CPU
 devices as a 2 x 4 (fsdp x tp) mesh, under the link model:
 
-    python -m commfuse.bench_two_axis [--op gather-scatter|two-gathers] [--reps 7]
+    python -m commfuse.bench_two_axis [--op gather-scatter|two-gathers|contract-scatter] [--reps 7]
                                       [--gbytes-per-s G]
 
 ``gather-scatter`` (the default) is an FSDP x TP row-parallel layer,
@@ -9,7 +9,12 @@ devices as a 2 x 4 (fsdp x tp) mesh, under the link model:
 scatter_dimension=0)``, at shapes where the weight's gather and the
 product's reduce-scatter move the same bytes. ``two-gathers`` is an SP x
 FSDP column-parallel layer, ``all_gather(x, "tp") @ all_gather(w,
-"fsdp")``, at shapes where the two gathers move the same bytes. The link
+"fsdp")``, at shapes where the two gathers move the same bytes.
+``contract-scatter`` is that layer's weight gradient, ``psum_scatter(
+all_gather(x, "tp", axis=1) @ w, "fsdp")`` (x's columns, the contraction,
+gathered; the library's gather-contract-scatter kind, which ``overlap``
+runs for it), at shapes where the gather and the reduce-scatter move the
+same bytes. The link
 model (``COMMFUSE_CPU_LINK``, switch topology: one port out and one in per
 device) throttles commfuse's transfers only; XLA's own collectives run at
 memory speed, so the one-sided fusions, which leave one collective to XLA,
@@ -100,6 +105,33 @@ def two_gather_ways():
     ]
 
 
+def _gather_columns(x):
+    return jax.lax.all_gather(x, "tp", axis=1, tiled=True)
+
+
+def _scatter_rows_fsdp(y):
+    return jax.lax.psum_scatter(y, "fsdp", scatter_dimension=0, tiled=True)
+
+
+def contract_scatter_ways():
+    """(name, per-device body, collective left to XLA or None) of the weight gradient."""
+    from . import _all_gather_contract_matmul_reduce_scatter as contract
+
+    def fused(schedule):
+        return lambda x, w: contract.run(contract.decide(x, w, "tp", "fsdp", schedule=schedule), x, w)
+
+    return [
+        ("xla", lambda x, w: _scatter_rows_fsdp(_gather_columns(x) @ w), "both"),
+        ("op ring", fused("ring"), None),
+        ("op sequential", fused("sequential"), None),
+        # x_all @ w = (wᵀ @ all_gather(xᵀ, "tp", axis=0))ᵀ: the contraction's gather fused.
+        ("gather fused (ring)", lambda x, w: _scatter_rows_fsdp(
+            commfuse.matmul_all_gather(w.T, x.T, "tp", gather_dimension=0, schedule="ring").T), "second"),
+        ("reduce fused (ring)", lambda x, w: commfuse.matmul_reduce_scatter(_gather_columns(x), w, "fsdp",
+                                                                            schedule="ring"), "first"),
+    ]
+
+
 def _time(fns, args, reps):
     for f in fns:
         jax.block_until_ready(f(*args))
@@ -118,10 +150,13 @@ def main(argv=None) -> None:
     parser.add_argument("--gbytes-per-s", type=float, default=None,
                         help="the link's bandwidth (default: the reduce-scatter's bytes in T_compute)")
     parser.add_argument("--rows", type=int, default=256, help="rows of x per device")
-    parser.add_argument("--op", choices=("gather-scatter", "two-gathers"), default="gather-scatter")
+    parser.add_argument("--op", choices=("gather-scatter", "two-gathers", "contract-scatter"),
+                        default="gather-scatter")
     args = parser.parse_args(argv)
     if args.op == "two-gathers":
         return two_gathers(args)
+    if args.op == "contract-scatter":
+        return contract_scatter(args)
 
     mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
     m = args.rows
@@ -218,6 +253,55 @@ def two_gathers(args) -> None:
     print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
     for (name, _, left), t in zip(two_gather_ways(), measured):
         charged = t + {"first": t_x, "second": t_w, "both": t_x + t_w, None: 0.0}[left]
+        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+
+
+def contract_scatter(args) -> None:
+    """The weight gradient: x [F*kq, m] per device (its columns over tp), w [T*m, c]; dw [kq, c] (rows over fsdp)."""
+    mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
+    kq, m = args.rows, 128
+    # The gather moves (T-1) F kq m, the reduce-scatter (F-1) kq c: equal for c = (T-1) F m / (F-1).
+    c = (T - 1) * F * m // (F - 1)
+    rng = np.random.default_rng(0)
+    spec_in = P("fsdp", "tp")
+    x = jax.device_put(rng.standard_normal((F * F * kq, T * m), np.float32), NamedSharding(mesh, spec_in))
+    w = jax.device_put(rng.standard_normal((F * T * m, T * c), np.float32) / m, NamedSharding(mesh, spec_in))
+    spec = dict(mesh=mesh, in_specs=(spec_in, spec_in), out_specs=spec_in)
+
+    # T_compute: each device's whole local product at once, x's columns already gathered.
+    x_full = jax.device_put(np.asarray(x), NamedSharding(mesh, P("fsdp")))
+    compute = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("fsdp"), spec_in),
+                                    out_specs=spec_in))
+    os.environ.pop(LINK_VAR, None)
+    t_compute = _time([compute], (x_full, w), args.reps)[0]
+
+    gather_bytes = (T - 1) * F * kq * m * 4
+    scatter_bytes = (F - 1) * kq * c * 4
+    gbps = args.gbytes_per_s or scatter_bytes / t_compute / 1e9
+    link = lambda nbytes, steps: nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6  # noqa: E731
+    t_gather, t_scatter = link(gather_bytes, T - 1), link(scatter_bytes, F - 1)
+    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
+
+    fns = [jax.jit(jax.shard_map(body, **spec)) for _, body, _ in contract_scatter_ways()]
+    want = np.asarray(fns[0](x, w))
+    for (name, _, _), f in zip(contract_scatter_ways(), fns):
+        got = np.asarray(f(x, w))
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
+    measured = _time(fns, (x, w), args.reps)
+    os.environ.pop(LINK_VAR, None)
+
+    own, shared = max(t_compute, t_gather, t_scatter), max(t_compute, t_gather + t_scatter)
+    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; x per device "
+          f"[{F * kq}, {m}] (columns over tp), w per device [{T * m}, {c}], dw [{kq}, {c}] (rows over fsdp), f32; "
+          f"link {gbps:.4f} GB/s, {LATENCY_US:.0f} us, switch; medians of {args.reps} interleaved rounds")
+    print(f"T_compute {ms(t_compute)} ms; link: x's gather {ms(t_gather)} ms ({gather_bytes} B), reduce-scatter "
+          f"{ms(t_scatter)} ms ({scatter_bytes} B)")
+    print(f"floors: own links max(compute, gather, reduce-scatter) = {ms(own)} ms; one port "
+          f"max(compute, gather + reduce-scatter) = {ms(shared)} ms")
+    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
+    for (name, _, left), t in zip(contract_scatter_ways(), measured):
+        charged = t + {"first": t_gather, "second": t_scatter, "both": t_gather + t_scatter, None: 0.0}[left]
         print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
 
 

@@ -70,17 +70,29 @@ def _reported_calls(overlapped) -> int:
     return sum(p.fused for p in overlapped.last_partitioned)
 
 
+def _value_and_grads(program, fn, args):
+    """`fn`'s loss and its gradients for every argument, constrained to the
+    arguments' shardings where `program` keeps them there."""
+    grads = jax.value_and_grad(_loss(fn), argnums=tuple(range(len(args))))
+    if not program.grads_in_layout:
+        return grads
+
+    def in_layout(*a):
+        value, g = grads(*a)
+        return value, tuple(jax.lax.with_sharding_constraint(gi, ai.sharding) for gi, ai in zip(g, args))
+    return in_layout
+
+
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
 def test_jit_program_gradients_match_plain_and_fuse(program):
     mesh, scope, fn, args = _setup(program, 11)
-    argnums = tuple(range(len(args)))
     with jax.set_mesh(mesh):
-        want = jax.jit(jax.value_and_grad(_loss(fn), argnums=argnums))(*args)
+        want = jax.jit(_value_and_grads(program, fn, args))(*args)
         # Differentiating commfuse.matmul (its VJP: the same op, partitioned) ...
-        got = jax.jit(jax.value_and_grad(_loss(commfuse.overlap(fn)), argnums=argnums))(*args)
+        got = jax.jit(_value_and_grads(program, commfuse.overlap(fn), args))(*args)
         _close(got, want, f"{program.name}: grad(overlap(f))")
         # ... and rewriting the differentiated program (JAX's transposed dots).
-        overlapped = commfuse.overlap(jax.value_and_grad(_loss(fn), argnums=argnums))
+        overlapped = commfuse.overlap(_value_and_grads(program, fn, args))
         rewritten = jax.jit(overlapped)
         _close(rewritten(*args), want, f"{program.name}: overlap(grad(f))")
         text = rewritten.lower(*args).compile().as_text()
@@ -211,6 +223,48 @@ def test_a_weight_gather_beside_an_activation_collective_is_xlas_and_the_other_f
     scatter = both.otherwise
     assert (scatter.op, scatter.axes, scatter.dimension, scatter.w_spec) == ("matmul_reduce_scatter", ("tp",), 1,
                                                                              (("tp",), ())), scatter
+
+
+def test_a_gathered_contraction_beside_a_reduce_scatter_is_one_op_over_both_axes():
+    """A weight gradient of sequence-parallel activations for an FSDP
+    weight: the contraction (tokens) sharded over (dp, tp) on one operand
+    and over dp on the other, the result reduce-scattered over dp. As JAX's
+    transpose writes it (dyᵀ @ h: w's contraction gathered, the result's
+    columns scattered) and as hᵀ @ dy (x's contraction gathered, its rows
+    scattered): the gather-contract-scatter op over (tp, dp), and where it
+    does not run, XLA's gather of the contraction then the fused
+    reduce-scatter."""
+    # hᵀ @ dy: x [32, 64] its contraction over (dp, tp), w [64, 64] over dp; the result's rows over dp.
+    x_form = _matmul.choose(MESH, (32, 64), (64, 64), ((), ("dp", "tp")), (("dp",), ()), (("dp",), ()))
+    assert (x_form.op, x_form.axes, x_form.dimension, x_form.psum_axes) == (
+        "all_gather_contract_matmul_reduce_scatter", ("tp", "dp"), 0, ()), x_form
+    scatter = x_form.otherwise
+    assert (scatter.op, scatter.axes, scatter.dimension, scatter.x_spec) == (
+        "matmul_reduce_scatter", ("dp",), 0, ((), ("dp",))), scatter
+    assert "x's contraction gathered over ('tp',) by XLA first" in scatter.describe()
+    # dyᵀ @ h: x [64, 64] its contraction over dp, w [64, 32] over (dp, tp); the result's columns over dp.
+    w_form = _matmul.choose(MESH, (64, 64), (64, 32), ((), ("dp",)), (("dp", "tp"), ()), ((), ("dp",)))
+    assert (w_form.op, w_form.axes, w_form.dimension, w_form.psum_axes) == (
+        "all_gather_contract_matmul_reduce_scatter", ("tp", "dp"), 1, ()), w_form
+    assert w_form.otherwise.op == "matmul_reduce_scatter" and w_form.otherwise.w_spec == (("dp",), ()), w_form
+
+
+def test_a_flat_token_sp_fsdp_step_under_ring_leaves_xla_only_the_loss_sum():
+    # jit_sp_fsdp_flat_tokens's step, gradients in the parameters' layout: under "ring" each of its 6 products
+    # is one op over both axes (two-gather, two-axis, gather-contract-scatter), plain XLA gathers 8 times.
+    program = next(p for p in PROGRAMS if p.name == "jit_sp_fsdp_flat_tokens")
+    mesh, scope, fn, args = _setup(program, 13)
+    with jax.set_mesh(mesh):
+        step = _value_and_grads(program, fn, args)
+        overlapped = commfuse.overlap(step, schedule="ring")
+        _close(jax.jit(overlapped)(*args), jax.jit(step)(*args), "ring")
+        counts = collectives(jax.jit(overlapped).lower(*args).compile().as_text())
+        plain = collectives(jax.jit(step).lower(*args).compile().as_text())
+    assert plain.get("all-gather", 0) >= 6, plain
+    assert counts == {"all-reduce": 1, "commfuse": 6}, counts
+    ops = sorted(p.choice.op for p in overlapped.last_partitioned)
+    assert ops == ["all_gather_both_matmul"] * 2 + ["all_gather_contract_matmul_reduce_scatter"] * 2 + [
+        "all_gather_matmul_reduce_scatter"] * 2, ops
 
 
 @pytest.mark.parametrize("x_spec, w_spec, out_spec, why", [

@@ -299,6 +299,54 @@ def test_an_sp_fsdp_column_parallel_product_under_jit_is_one_op_over_both_axes(s
         assert_close(np.asarray(g), np.asarray(w_), np.float32)
 
 
+@pytest.mark.parametrize("schedule", ["ring", "bidirectional"])
+def test_a_product_with_its_contraction_gathered_and_rows_reduce_scattered_under_jit(schedule):
+    # commfuse.matmul(a, b): a [32, 64] its contraction over (fsdp, tp), b [64, 24] over fsdp, the result's rows
+    # over fsdp: under ring one op over both axes (the gather-contract-scatter kind); it has no bidirectional
+    # schedule, so there XLA gathers a's contraction over tp and the reduce-scatter is fused.
+    mesh = make_mesh({"fsdp": 2, "tp": 4})
+    a = jax.device_put(rand((32, 64), np.float32, seed=21), NamedSharding(mesh, P(None, ("fsdp", "tp"))))
+    b = jax.device_put(rand((64, 24), np.float32, seed=22), NamedSharding(mesh, P("fsdp", None)))
+    out = NamedSharding(mesh, P("fsdp", None))
+    f = jax.jit(lambda a, b: jax.lax.with_sharding_constraint(commfuse.matmul(a, b, schedule=schedule), out))
+    assert_close(np.asarray(f(a, b)), np.asarray(a, np.float64) @ np.asarray(b, np.float64), np.float32)
+    counts = collectives(f.lower(a, b).compile().as_text())
+    if schedule == "ring":
+        assert counts == {"commfuse": 1}, counts
+    else:
+        assert counts == {"all-gather": 1, "commfuse": 1}, counts
+
+
+def test_an_sp_fsdp_weight_gradient_under_jit_is_one_op_over_both_axes():
+    # Flat tokens h [64, 32] over (fsdp, tp), w [32, 24] rows over fsdp and columns over tp, the gradient kept in
+    # w's layout: JAX's transpose writes dw as dyᵀ @ h (h's tokens, the contraction, over (fsdp, tp); dy's over
+    # fsdp), which runs as the gather-contract-scatter op on its transpose; the forward as the two-gather op.
+    mesh = make_mesh({"fsdp": 2, "tp": 4})
+    h = jax.device_put(rand((64, 32), np.float32, seed=23), NamedSharding(mesh, P(("fsdp", "tp"), None)))
+    w = jax.device_put(rand((32, 24), np.float32, seed=24) / 6, NamedSharding(mesh, P("fsdp", "tp")))
+
+    def step(h, w):
+        def loss(w):
+            y = jax.lax.with_sharding_constraint(h @ w, NamedSharding(mesh, P("fsdp", "tp")))
+            return jnp.mean(y * y)
+
+        value, grad = jax.value_and_grad(loss)(w)
+        return value, jax.lax.with_sharding_constraint(grad, NamedSharding(mesh, P("fsdp", "tp")))
+
+    ov = commfuse.overlap(step, schedule="ring")
+    got, want = jax.jit(ov)(h, w), jax.jit(step)(h, w)
+    for g, w_ in zip(got, want):
+        assert_close(np.asarray(g), np.asarray(w_), np.float32)
+    plain = collectives(jax.jit(step).lower(h, w).compile().as_text())
+    counts = collectives(jax.jit(ov).lower(h, w).compile().as_text())
+    assert plain.get("all-gather", 0) >= 2, plain
+    # Left to XLA: the loss's all-reduces only.
+    assert "all-gather" not in counts and "reduce-scatter" not in counts and counts["commfuse"] == 2, counts
+    report = "\n".join(ov.last_report)
+    assert "all_gather_both_matmul over ('fsdp', 'tp'), dimension 0" in report, report
+    assert "all_gather_contract_matmul_reduce_scatter over ('tp', 'fsdp'), dimension 1" in report, report
+
+
 def test_an_sp_fsdp_column_parallel_layer_leaves_xla_no_gather():
     # sp_fsdp_column_parallel: both gathers into one dot. Under ring they run
     # inside one op over both axes; plain XLA runs each. Its gradient: dx and

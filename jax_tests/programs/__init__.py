@@ -66,6 +66,10 @@ class JitProgram:
     # Why XLA's own collectives differ between grad(overlap(f)) and
     # overlap(grad(f)), where they do (the fused products are the same).
     orders_differ: str = ""
+    # The gradients constrained to their arguments' shardings, as a
+    # training step whose optimizer state is sharded like the parameters
+    # keeps them (FSDP's weight gradients reduce-scattered, not all-reduced).
+    grads_in_layout: bool = False
 
 
 def _modules():

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _abi, _both_sides, _checks, _compat, _fused, _matmul_all_reduce
 from . import _all_gather_both_matmul as two_gathers_op
+from . import _all_gather_contract_matmul_reduce_scatter as contract_scatter_op
 from . import _all_gather_matmul_reduce_scatter as two_axis_op
 from ._decide import Policy, decide, decide_dot, mesh_of_trace
 from ._decision import Call, Decision
@@ -59,6 +60,7 @@ from ._abi import Kind
 
 TWO_AXIS_OP = two_axis_op.OP
 TWO_GATHERS_OP = two_gathers_op.OP
+CONTRACT_SCATTER_OP = contract_scatter_op.OP
 
 OP = "matmul"
 # The schedules the jit-level op takes ("sliced" and "tiled" need a shard_map
@@ -389,7 +391,8 @@ class Choice(NamedTuple):
         if self.op == "fallback":
             return f"XLA's collectives, then a local dot ({self.why})"
         where = f", dimension {self.dimension}" if self.op in ("all_gather_matmul", "matmul_reduce_scatter",
-                                                              TWO_AXIS_OP, TWO_GATHERS_OP) else ""
+                                                              TWO_AXIS_OP, TWO_GATHERS_OP,
+                                                              CONTRACT_SCATTER_OP) else ""
         then = f", then psum over {self.psum_axes}" if self.psum_axes else ""
         first = f" ({self.why})" if self.why else ""
         return f"{self.op} over {self.axes}{where}{then}{first}"
@@ -493,7 +496,37 @@ def choose(mesh_shape: dict, x_shape, w_shape, x_spec, w_spec, out_spec) -> Choi
                     # policy runs it (`_decide_two_gathers`).
                     return Choice(TWO_GATHERS_OP, Kind.ALL_GATHER_BOTH_MATMUL, axes + rows[1], rows[2], x_spec,
                                   w_spec, out_spec, otherwise=inner)
+                if what == "gather_w_k" and rows[0] == "scatter_n" and len(axes) == 1 and len(rows[1]) == 1 \
+                        and set(rows[1]) <= set(reduce):
+                    # w's contraction gathered over one axis, the result's
+                    # columns reduce-scattered over another (as JAX writes the
+                    # weight gradient of sequence-parallel activations for an
+                    # FSDP weight, dyᵀ @ h): the gather-contract-scatter op on
+                    # the transpose, where the policy runs it
+                    # (`_decide_contract_scatter`).
+                    rest = tuple(a for a in reduce if a not in rows[1])
+                    return Choice(CONTRACT_SCATTER_OP, Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER, axes + rows[1],
+                                  nr, x_spec, w_spec, out_spec, psum_axes=rest, otherwise=inner)
                 return inner
+        contraction = [e for e in events if e[0] == "gather_x_k"]
+        rows = [e for e in events if e[0] == "scatter_rows"]
+        if len(events) == 2 and contraction and rows and len(contraction[0][1]) == 1 and len(rows[0][1]) == 1 \
+                and set(rows[0][1]) <= set(reduce):
+            # x's contraction gathered over one axis, the result's rows
+            # reduce-scattered over another (a weight gradient of
+            # sequence-parallel activations for an FSDP weight, hᵀ @ dy):
+            # one op over both, where the policy runs it
+            # (`_decide_contract_scatter`); otherwise XLA gathers x's
+            # contraction first and the reduce-scatter is fused. The
+            # contraction's other axes are summed after either.
+            gathered_x = x_spec[:nr] + (reduce,)
+            inner = choose(mesh_shape, x_shape, w_shape, gathered_x, w_spec, out_spec)
+            if inner.op not in ("fallback", "local"):
+                inner = inner._replace(why=f"x's contraction gathered over {contraction[0][1]} by XLA first")
+                rest = tuple(a for a in reduce if a not in rows[0][1])
+                return Choice(CONTRACT_SCATTER_OP, Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER,
+                              contraction[0][1] + rows[0][1], rows[0][2], x_spec, w_spec, out_spec, psum_axes=rest,
+                              otherwise=inner)
         return fallback("more than one collective: " + ", ".join(f"{e[0]} over {e[1]}" for e in events))
     if not events:
         if reduce:
@@ -533,6 +566,7 @@ class Decided(NamedTuple):
     tiles_why: str = ""
     two_axis: object = None  # the op over both axes' settings
     two_gathers: object = None  # the two-gather op's settings
+    contract_scatter: object = None  # the gather-contract-scatter op's settings
 
     @property
     def fused(self) -> int:
@@ -591,6 +625,20 @@ def run_decided(decided: Decided, x, w, settings: Settings):
         # The op gathers x's leading dim: the gathered one moved there and back.
         d = choice.dimension
         return jnp.moveaxis(two_gathers_op.forward(jnp.moveaxis(x, d, 0), w, decided.two_gathers), 0, d)
+    if decided.contract_scatter is not None:
+        # The op reduce-scatters the rows of its (2-D) x.
+        scattered = decided.contract_scatter.scattered
+        if choice.dimension < x.ndim - 1:
+            # x's dim d: moved first, the rows flattened, and back.
+            moved = jnp.moveaxis(x, choice.dimension, 0)
+            out = contract_scatter_op.forward(_fused.rows_2d(moved), w, decided.contract_scatter)
+            out = out.reshape((moved.shape[0] // scattered, *moved.shape[1:-1], out.shape[-1]))
+            out = jnp.moveaxis(out, 0, choice.dimension)
+        else:
+            # The result's columns: (x @ w)ᵀ = wᵀ @ xᵀ, w's columns the op's rows.
+            out = contract_scatter_op.forward(w.T, _fused.rows_2d(x).T, decided.contract_scatter).T
+            out = out.reshape((*x.shape[:-1], out.shape[-1]))
+        return jax.lax.psum(out, choice.psum_axes) if choice.psum_axes else out
     if decided.tiling is not None:
         side, *_ = _gathered_operand(choice.kind, x.ndim, choice.dimension)
         operand = (x, w)[side]
@@ -752,6 +800,49 @@ def _decide_two_gathers(choice: Choice, x_shape, w_shape, dtype, settings: Setti
     return Decided(choice, (two.forward,), two_gathers=two), ""
 
 
+def _decide_contract_scatter(choice: Choice, x_shape, w_shape, dtype, settings: Settings,
+                             sizes: dict) -> tuple[Decided | None, str]:
+    """The gather-contract-scatter op on these shards where it runs: under
+    a schedule it has that was asked for, a decision imposed for it, or
+    "auto" where the cost model times it below the choice otherwise made
+    (`_both_sides`: XLA's gather of x's contraction, then the fused
+    reduce-scatter) and its own judgement fuses. (None, why not): that
+    choice."""
+    policy = settings.policy
+    gather_axis, scatter_axis = choice.axes
+    t, f = sizes[gather_axis], sizes[scatter_axis]
+    if 0 in x_shape or 0 in w_shape:
+        return None, "an operand has no elements"
+    d = choice.dimension
+    if d < len(x_shape) - 1:
+        # x's contraction gathered, its dim d reduce-scattered: moved first, the rows flattened.
+        moved = (x_shape[d], *x_shape[:d], *x_shape[d + 1:])
+        op_x, op_w = (math.prod(moved[:-1]), moved[-1]), tuple(w_shape)
+    else:
+        # w's contraction gathered, the result's columns reduce-scattered: the op on wᵀ and xᵀ.
+        op_x, op_w = (w_shape[1], w_shape[0]), (x_shape[-1], math.prod(x_shape[:-1]))
+    (rows, m), c = op_x, op_w[1]
+    two, why, weigh = _settle_two_axis(contract_scatter_op, policy, lambda asked: contract_scatter_op.settle(
+        op_x, op_w, dtype, settings.out_dtype, axes=choice.axes, sizes=(t, f), policy=asked,
+        fast_f32=settings.fast_f32))
+    if two is None:
+        return None, why
+    if weigh:
+        try:
+            # The gather side: x_all @ w as wᵀ @ all_gather(xᵀ) (`matmul_all_gather` of the contraction).
+            order, why = _both_sides.choose("matmul_all_gather", (c, t * m), (m, rows), t, 0, "psum_scatter", f,
+                                            (rows, t * m), (t * m, c), None, np.dtype(settings.out_dtype),
+                                            policy.resolved_machine(choice.axes), policy.decline,
+                                            two_axis=(CONTRACT_SCATTER_OP, op_x, op_w, f))
+        except (ValueError, TypeError, KeyError) as e:
+            return None, f"the cost model cannot time it ({e})"
+        if "two_axis" not in order:
+            return None, f"the cost model cannot time it: {why}"
+        if order.index("two_axis") > order.index("reduce"):
+            return None, f"the cost model fuses the reduce side: {why}"
+    return Decided(choice, (two.forward,), contract_scatter=two), ""
+
+
 # ----------------------------------------------------------------------------
 # What the partitioner calls, and who hears of it.
 # ----------------------------------------------------------------------------
@@ -873,7 +964,8 @@ def _partition(settings: Settings, mesh, arg_shapes, result_shape):
     choice = choose(sizes, x.shape, w.shape, x_spec, w_spec, out_spec)
     settings = settings._replace(policy=settings.policy.placed(mesh))
     decided = None
-    both = {TWO_AXIS_OP: _decide_two_axis, TWO_GATHERS_OP: _decide_two_gathers}.get(choice.op)
+    both = {TWO_AXIS_OP: _decide_two_axis, TWO_GATHERS_OP: _decide_two_gathers,
+            CONTRACT_SCATTER_OP: _decide_contract_scatter}.get(choice.op)
     if both is not None:
         decided, why = both(choice, _local(x.shape, choice.x_spec, sizes), _local(w.shape, choice.w_spec, sizes),
                             np.dtype(x.dtype), settings, sizes)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import commfuse
 from commfuse import _calibration
 from conftest import REPO_ROOT, assert_close
-from programs import all_jit_programs, all_programs, collectives, make_mesh
+from programs import all_jit_programs, all_programs, collectives, make_mesh, value_and_grads
 
 PROGRAMS = all_jit_programs()
 def _build(program, seed=0):
@@ -33,19 +33,15 @@ def _build(program, seed=0):
     return mesh, fn, args
 
 
-def _grads(fn, n):
-    return jax.value_and_grad(lambda *a: fn(*a)[0], argnums=tuple(range(n)))
-
-
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
 def test_auto_that_fuses_nothing_compiles_the_plain_programs_collectives(program, declining):
     mesh, fn, args = _build(program)
     with jax.set_mesh(mesh):
-        for what, f in (("forward", fn), ("gradient", _grads(fn, len(args)))):
+        for what, f in (("forward", fn), ("gradient", value_and_grads(program, fn, args))):
             plain = collectives(jax.jit(f).lower(*args).compile().as_text())
             rewritten = collectives(jax.jit(commfuse.overlap(f)).lower(*args).compile().as_text())
             assert rewritten == plain, f"{program.name} {what}: overlap(f) {rewritten} vs plain {plain}"
-        outer = _grads(commfuse.overlap(fn), len(args))
+        outer = value_and_grads(program, commfuse.overlap(fn), args)
         got = collectives(jax.jit(outer).lower(*args).compile().as_text())
         assert got == plain, f"{program.name}: grad(overlap(f)) {got} vs plain {plain}"
         reported = commfuse.overlap(fn)
@@ -76,12 +72,11 @@ def test_auto_that_fuses_nothing_in_shard_map_bodies_leaves_them_as_written(prog
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
 def test_both_orders_of_grad_and_overlap_make_the_same_fused_products(program):
     mesh, fn, args = _build(program)
-    n = len(args)
     with jax.set_mesh(mesh):
-        outer = collectives(jax.jit(_grads(commfuse.overlap(fn, schedule="ring"), n)).lower(*args).compile()
-                            .as_text())
-        inner = collectives(jax.jit(commfuse.overlap(_grads(fn, n), schedule="ring")).lower(*args).compile()
-                            .as_text())
+        grad_of_overlap = value_and_grads(program, commfuse.overlap(fn, schedule="ring"), args)
+        overlap_of_grad = commfuse.overlap(value_and_grads(program, fn, args), schedule="ring")
+        outer = collectives(jax.jit(grad_of_overlap).lower(*args).compile().as_text())
+        inner = collectives(jax.jit(overlap_of_grad).lower(*args).compile().as_text())
     if program.orders_differ:  # said in the program: the fused products alone are the same
         outer, inner = outer.get("commfuse", 0), inner.get("commfuse", 0)
     assert outer == inner, f"{program.name}: grad(overlap(f)) {outer} vs overlap(grad(f)) {inner}"
@@ -93,7 +88,7 @@ def test_the_report_names_every_fused_call_of_the_compiled_gradient(program):
     mesh, fn, args = _build(program)
     fused = commfuse.overlap(fn, schedule="ring")
     with jax.set_mesh(mesh):
-        step = jax.jit(_grads(fused, len(args)))
+        step = jax.jit(value_and_grads(program, fused, args))
         text = step.lower(*args).compile().as_text()
     in_program = collectives(text).get("commfuse", 0)
     assert sum(entry.fused for entry in fused.last_partitioned) == in_program, "\n".join(fused.last_report)

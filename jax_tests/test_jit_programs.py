@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import commfuse
 from commfuse import _matmul
 from conftest import assert_close
-from programs import all_jit_programs, collectives, make_mesh
+from programs import all_jit_programs, collectives, make_mesh, value_and_grads
 
 PROGRAMS = all_jit_programs()
 TARGET = 'custom_call_target="commfuse_collective_matmul'
@@ -70,29 +70,16 @@ def _reported_calls(overlapped) -> int:
     return sum(p.fused for p in overlapped.last_partitioned)
 
 
-def _value_and_grads(program, fn, args):
-    """`fn`'s loss and its gradients for every argument, constrained to the
-    arguments' shardings where `program` keeps them there."""
-    grads = jax.value_and_grad(_loss(fn), argnums=tuple(range(len(args))))
-    if not program.grads_in_layout:
-        return grads
-
-    def in_layout(*a):
-        value, g = grads(*a)
-        return value, tuple(jax.lax.with_sharding_constraint(gi, ai.sharding) for gi, ai in zip(g, args))
-    return in_layout
-
-
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
 def test_jit_program_gradients_match_plain_and_fuse(program):
     mesh, scope, fn, args = _setup(program, 11)
     with jax.set_mesh(mesh):
-        want = jax.jit(_value_and_grads(program, fn, args))(*args)
+        want = jax.jit(value_and_grads(program, fn, args))(*args)
         # Differentiating commfuse.matmul (its VJP: the same op, partitioned) ...
-        got = jax.jit(_value_and_grads(program, commfuse.overlap(fn), args))(*args)
+        got = jax.jit(value_and_grads(program, commfuse.overlap(fn), args))(*args)
         _close(got, want, f"{program.name}: grad(overlap(f))")
         # ... and rewriting the differentiated program (JAX's transposed dots).
-        overlapped = commfuse.overlap(_value_and_grads(program, fn, args))
+        overlapped = commfuse.overlap(value_and_grads(program, fn, args))
         rewritten = jax.jit(overlapped)
         _close(rewritten(*args), want, f"{program.name}: overlap(grad(f))")
         text = rewritten.lower(*args).compile().as_text()
@@ -255,7 +242,7 @@ def test_a_flat_token_sp_fsdp_step_under_ring_leaves_xla_only_the_loss_sum():
     program = next(p for p in PROGRAMS if p.name == "jit_sp_fsdp_flat_tokens")
     mesh, scope, fn, args = _setup(program, 13)
     with jax.set_mesh(mesh):
-        step = _value_and_grads(program, fn, args)
+        step = value_and_grads(program, fn, args)
         overlapped = commfuse.overlap(step, schedule="ring")
         _close(jax.jit(overlapped)(*args), jax.jit(step)(*args), "ring")
         counts = collectives(jax.jit(overlapped).lower(*args).compile().as_text())

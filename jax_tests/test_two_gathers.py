@@ -10,6 +10,8 @@ name the argument."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,17 +63,28 @@ def test_matches_jax_lax_and_the_model(shape, dtype, schedule):
 @pytest.mark.parametrize("schedule,slices", [("ring", 2), ("ring", 4), ("auto", 2)])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (3, 2), (1, 4)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_sliced_matches_jax_lax_and_the_model(shape, dtype, schedule, slices):
+def test_sliced_matches_jax_lax_and_the_model(shape, dtype, schedule, slices, tmp_path):
     # Each device's 4 rows of x travel in `slices` row chunks ("auto" with slices= runs that plan).
     f, t = shape
     mesh, x, w, xs, ws, spec = _case(shape, 4, 8 * f, 6 * t, dtype, seed=f * 10 + t + slices)
     op = lambda a, b: OP(a, b, "tp", "fsdp", schedule=schedule, slices=slices)  # noqa: E731
-    fused = jax.jit(jax.shard_map(op, **spec))(xs, ws)
+    with commfuse.trace(tmp_path / "t.json"):
+        fused = jax.block_until_ready(jax.jit(jax.shard_map(op, **spec))(xs, ws))
+    calls = [e["args"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("cat") == "call"]
+    assert calls and {c["schedule"] for c in calls} == {f"sliced({slices})"}, calls
     plain = jax.jit(jax.shard_map(lambda a, b: lax_two_gathers(a, b, "tp", "fsdp"), **spec))(xs, ws)
     assert_close(np.asarray(fused), np.asarray(plain), dtype)
     assert_close(np.asarray(fused), np.asarray(x, np.float64) @ np.asarray(w, np.float64), dtype)
     text = jax.jit(jax.shard_map(op, **spec)).lower(xs, ws).compile().as_text()
     assert collectives(text) == {"commfuse": 1}, collectives(text)
+
+
+def test_unfused_ignores_slices():
+    # "unfused" runs jax.lax's own gathers and dot: nothing is cut, so slices need not divide x's 4 rows.
+    mesh, x, w, xs, ws, spec = _case((2, 2), 4, 16, 12, np.float32, seed=9)
+    op = lambda a, b: OP(a, b, "tp", "fsdp", schedule="unfused", slices=3)  # noqa: E731
+    assert_close(np.asarray(jax.jit(jax.shard_map(op, **spec))(xs, ws)),
+                 np.asarray(x, np.float64) @ np.asarray(w, np.float64), np.float32)
 
 
 def test_a_sliced_product_of_a_rank_3_x_and_its_gradients_match_jax_lax():

@@ -27,7 +27,7 @@ pub mod reshard;
 pub mod sim;
 pub mod sync;
 #[allow(unsafe_code)]
-pub mod thread_priority;
+pub(crate) mod thread_priority;
 pub mod trace;
 #[allow(unsafe_code)]
 pub mod xla;

@@ -72,6 +72,22 @@ class JitProgram:
     grads_in_layout: bool = False
 
 
+def value_and_grads(program: JitProgram, fn, args):
+    """`fn`'s loss (its first output) and its gradients for every argument,
+    constrained to the arguments' shardings where `program` keeps them there
+    (`JitProgram.grads_in_layout`)."""
+    import jax
+
+    grads = jax.value_and_grad(lambda *a: fn(*a)[0], argnums=tuple(range(len(args))))
+    if not program.grads_in_layout:
+        return grads
+
+    def in_layout(*a):
+        value, g = grads(*a)
+        return value, tuple(jax.lax.with_sharding_constraint(gi, ai.sharding) for gi, ai in zip(g, args))
+    return in_layout
+
+
 def _modules():
     for info in pkgutil.iter_modules(__path__):
         yield importlib.import_module(f"{__name__}.{info.name}")

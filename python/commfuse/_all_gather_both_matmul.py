@@ -106,13 +106,12 @@ def decide(x, w, x_axis, w_axis, *, schedule="auto", slices=None, precision=None
         code = _checks.check_schedule(OP, schedule)
         cut = _checks.check_slices(OP, slices, code)
         rows = math.prod(x.shape[:-1])
-        if cut not in (None, 1):
+        if cut not in (None, 1) and code != _abi.UNFUSED:  # "unfused": jax.lax's own, nothing is cut
             if rows % cut:
                 raise ValueError(f"commfuse.{OP}: slices={cut} must divide x's {rows} rows (the product of its "
                                  f"dims but the last, x.shape={tuple(x.shape)}): each row block of x travels in "
                                  "slices chunks")
-            if code != _abi.UNFUSED:
-                code = _abi.schedule_code("sliced", cut)
+            code = _abi.schedule_code("sliced", cut)
         fast = _checks.fast_f32(OP, precision)
         dtype, out_dtype = _checks.promoted_dtypes(OP, x.dtype, w.dtype, preferred_element_type)
         asked = policy.with_asked(code)

@@ -3,8 +3,9 @@ gather_axis, axis=1) @ w, scatter_axis, scatter_dimension=0)``, a dot whose
 left operand is gathered along the contraction over one mesh axis and whose
 result's rows are reduce-scattered over another: the weight gradient of an
 SP x FSDP layer (``all_gather(h, "tp")ᵀ @ dy`` reduce-scattered over
-``fsdp``). Not public: the two-gather op's backward and ``overlap``'s
-rewrite of that form reach it.
+``fsdp``). Not public: the two-gather op's backward, ``overlap``'s
+rewrite of that form in a ``shard_map`` body and ``commfuse.matmul``
+under ``jax.jit`` (`_matmul.choose`) reach it.
 
 One fused op (``Kind.ALL_GATHER_CONTRACT_MATMUL_REDUCE_SCATTER``) over the
 group of both axes (``Pattern::GatherContractScatter`` in

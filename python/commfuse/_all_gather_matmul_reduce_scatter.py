@@ -106,12 +106,11 @@ def decide(x, w, gather_axis, scatter_axis, *, schedule="auto", slices=None, pre
                              "('sequential')")
         code = _checks.check_schedule(OP, schedule)
         cut = _checks.check_slices(OP, slices, code)
-        if cut not in (None, 1):
+        if cut not in (None, 1) and code != _abi.UNFUSED:  # "unfused": jax.lax's own, nothing is cut
             if w.shape[1] % cut:
                 raise ValueError(f"commfuse.{OP}: slices={cut} must divide w's {w.shape[1]} columns (each block "
                                  f"of w's columns is cut into slices chunks)")
-            if code != _abi.UNFUSED:
-                code = _abi.schedule_code("sliced", cut)
+            code = _abi.schedule_code("sliced", cut)
         if x.shape[0] % scattered:
             raise ValueError(f"commfuse.{OP}: x's leading dim ({x.shape[0]}, x.shape={tuple(x.shape)}) must be "
                              f"divisible by the size of scatter_axis {scatter_axis!r} ({scattered})")

@@ -22,9 +22,22 @@ nothing differs                                             a local dot
 =========================================================  ==============================
 
 Other axes may shard the rows and columns too, the same in the operands and
-the result (data parallelism beside the collective). Anything else is the
-fallback: each operand resharded by XLA to what a local dot of the result's
-shard needs, then that dot (same numbers, XLA's collectives).
+the result (data parallelism beside the collective). Two collectives over
+two axes (A, B) are one op over both where the dot has its form, and where
+that op does not run, XLA's first collective then the fused second:
+
+=========================================================  ==================================================
+shardings                                                   runs as
+=========================================================  ==================================================
+w's rows on A, x's rows on B                                ``all_gather_both_matmul``
+w's columns on A, the result's rows scattered on B          ``all_gather_matmul_reduce_scatter``
+one contraction on A and B, the other's and the result's    ``all_gather_contract_matmul_reduce_scatter``
+rows (or columns) on B                                      (on the transpose for the columns)
+=========================================================  ==================================================
+
+Anything else is the fallback: each operand resharded by XLA to what a
+local dot of the result's shard needs, then that dot (same numbers, XLA's
+collectives).
 
 The VJP is made of the same op: ``dx = dy @ wᵀ`` and ``dw = xᵀ @ dy`` (x's
 rows contracted), each partitioned by the same rule, so the backward pass
@@ -805,7 +818,7 @@ def _decide_contract_scatter(choice: Choice, x_shape, w_shape, dtype, settings: 
     """The gather-contract-scatter op on these shards where it runs: under
     a schedule it has that was asked for, a decision imposed for it, or
     "auto" where the cost model times it below the choice otherwise made
-    (`_both_sides`: XLA's gather of x's contraction, then the fused
+    (`_both_sides`: XLA's gather of the contraction, then the fused
     reduce-scatter) and its own judgement fuses. (None, why not): that
     choice."""
     policy = settings.policy

@@ -239,7 +239,7 @@ pub fn run(plan: &Plan, backend: &dyn Backend, observer: Option<&dyn Observer>) 
 }
 
 /// Threads for the compute lanes, kept between calls, running below the
-/// threads that post transfers (`thread_priority`). On a host with fewer
+/// threads that post transfers (`thread_priority`: 5 nice levels). On a host with fewer
 /// cores than lanes (8 CPU devices on 2 cores) a comm lane that woke to post
 /// its next ring step waited for a core behind the other devices' GEMMs,
 /// 1-3 ms at the head of every call and at each step, all of it exposed: a
@@ -437,6 +437,46 @@ mod tests {
         fn exchange(&self, _: &[Transfer], _: &[Transfer], _: &Wait) -> Result<Instant> {
             panic!("a bug in a backend");
         }
+    }
+
+    /// Records the thread and nice value each lane's steps ran with.
+    #[derive(Default)]
+    struct Recording {
+        compute: Mutex<Vec<(std::thread::ThreadId, i32)>>,
+        comm: Mutex<Vec<(std::thread::ThreadId, i32)>>,
+    }
+
+    impl Backend for Recording {
+        fn matmul(&self, _: usize, _: Buf, _: Buf, _: Buf, _: bool) -> Result<()> {
+            let here = (std::thread::current().id(), crate::thread_priority::nice_of_this_thread());
+            self.compute.lock().unwrap().push(here);
+            Ok(())
+        }
+        fn sum(&self, _: &[Buf], _: Buf) -> Result<()> {
+            Ok(())
+        }
+        fn exchange(&self, _: &[Transfer], _: &[Transfer], _: &Wait) -> Result<Instant> {
+            let here = (std::thread::current().id(), crate::thread_priority::nice_of_this_thread());
+            self.comm.lock().unwrap().push(here);
+            Ok(Instant::now())
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_comm_lane_runs_on_the_callers_thread_and_the_compute_lane_below_it() {
+        let p = plan(Pattern::Gather { accumulate: false }, Schedule::Ring, 4, 0);
+        let backend = Recording::default();
+        let caller = (std::thread::current().id(), crate::thread_priority::nice_of_this_thread());
+        run(&p, &backend, None).unwrap();
+        let (comm, compute) = (backend.comm.into_inner().unwrap(), backend.compute.into_inner().unwrap());
+        assert!(!comm.is_empty() && !compute.is_empty());
+        assert!(comm.iter().all(|&c| c == caller), "comm steps {comm:?}, the caller {caller:?}");
+        let lowered = (caller.1 + crate::thread_priority::COMPUTE_LANE_NICE).min(19);
+        assert!(
+            compute.iter().all(|&(thread, nice)| thread != caller.0 && nice == lowered),
+            "compute steps {compute:?}"
+        );
     }
 
     #[test]

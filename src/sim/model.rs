@@ -222,8 +222,9 @@ const TILED_MARGIN: f64 = 0.97;
 /// `machine`: the overlapped schedule (ring, bidirectional or tiled) the
 /// model predicts fastest, tiled only if it beats the per-step ones by 3%;
 /// the baselines (sequential, sliced) are never picked, except the sliced
-/// all-reduce: its chunks are what overlaps the all-gather half. `Schedule::resolve`'s
-/// rule if the model cannot time it.
+/// all-reduce (its chunks are what overlaps the all-gather half) and the
+/// sliced two-axis ops (their chunks shorten the tail after the last
+/// transfer). `Schedule::resolve`'s rule if the model cannot time it.
 pub fn auto_schedule(problem: &Problem, n: usize, machine: &Machine) -> Schedule {
     match choose(problem, n, machine) {
         Ok(choice) => auto_pick(&choice, n, problem.pattern()),

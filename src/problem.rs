@@ -477,7 +477,8 @@ impl Problem {
         };
         Ok(Problem {
             kind,
-            x_parts: nr,
+            // The gather-contract-scatter kind sends x by its F row blocks.
+            x_parts: if kind == OpKind::AllGatherContractMatmulReduceScatter { gathered } else { nr },
             group: nr,
             slices: None,
             gathered,
@@ -642,8 +643,8 @@ impl Problem {
             AllGatherMatmulReduceScatter => (self.x_len, self.out_len / self.gathered),
             // Blocks of w travel in slots of their own (`SlotKind::Weight`, `Sizes::w`).
             AllGatherBothMatmul => (self.x_len, 0),
-            // A partial is one row block of the result (the output's size).
-            AllGatherContractMatmulReduceScatter => (self.x_len, self.out_len),
+            // x travels in its F row blocks; a partial is one row block of the result (the output's size).
+            AllGatherContractMatmulReduceScatter => (self.x_len / self.gathered.max(1), self.out_len),
         };
         let parts = self.slices.unwrap_or(1);
         // Slices cut what travels, but a two-axis call's whole local w travels
@@ -670,12 +671,14 @@ impl Problem {
             return vec![self.two_axis_gemm(block, dst)];
         }
         if self.kind == AllGatherContractMatmulReduceScatter {
-            // Block q * T + p: row block q of x's block p (the step's source)
-            // times w's rows p, into the partial of the result's row block q.
+            // Block q * T + p: row block q of x's block p (the step's source:
+            // the own x, `XBlock(q)`, or a received row block) times w's rows
+            // p, into the partial of the result's row block q.
             let t = self.group / self.gathered;
             let (q, p) = (block / t, block % t);
+            let in_x = if matches!(src, Buf::XBlock(_) | Buf::X) { q * seg * k } else { 0 };
             return vec![Gemm {
-                lhs: (Side::Src, View::rows(q * seg * k, seg, k)),
+                lhs: (Side::Src, View::rows(in_x, seg, k)),
                 rhs: (Side::W, View::rows(p * k * n, k, n)),
                 dst: View::rows(0, seg, n),
             }];

@@ -956,7 +956,7 @@ impl Builder {
         let rank_of = |f: usize, t: usize| (f % f_size) * t_size + t % t_size;
         let (next_f, prev_f) = (rank_of(f + 1, t), rank_of(f + f_size - 1, t));
         let (next_t, prev_t) = (rank_of(f, t + 1), rank_of(f, t + t_size - 1));
-        let x_slots = self.slots(SlotKind::Input, t_size - 1);
+        let x_slots = self.slots(SlotKind::Input, (t_size - 1) * f_size);
         // Two partials in turn (sequential: all F, every product before the
         // ring): the ring's step s sends the partial computed s-th, and the
         // partial of step s + 2 is written into its slot once that send is
@@ -965,35 +965,47 @@ impl Builder {
         let partials = self.slots(SlotKind::Partial, kept);
         let partial_at = |s: usize| Buf::Slot(partials[s % kept]);
         let incoming = self.slots(SlotKind::Partial, (f_size - 1).min(2));
-        // The block of x held at step s (block t - s of the columns).
-        let x_at = |s: usize| if s == 0 { Buf::X } else { Buf::Slot(x_slots[s - 1]) };
-        let mut arrived: Vec<Option<StepId>> = vec![None];
-        for e in 0..t_size - 1 {
-            let tag = tag(Direction::Forward, e);
-            let sends = vec![Transfer { peer: next_t, buf: x_at(e), tag }];
-            let recvs = vec![Transfer { peer: prev_t, buf: x_at(e + 1), tag }];
-            arrived.push(Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![])));
-        }
         // The row block the ring reduces at its step s; the own one last.
         let block_at = |s: usize| (f + 2 * f_size - 1 - s) % f_size;
+        // Row block q of the block of x held at step e (block t - e of the
+        // columns): x travels in its F row blocks, each the rows of one
+        // partial, in the order the ring takes the partials. So the partial
+        // it sends first is complete once its rows have arrived, and is
+        // multiplied while the other rows travel: the ring starts as the
+        // gather ends. arrived[q][e]: the exchange that brought it.
+        let x_at = |e: usize, q: usize| if e == 0 { Buf::XBlock(q) } else { Buf::Slot(x_slots[(e - 1) * f_size + q]) };
+        let mut arrived: Vec<Vec<Option<StepId>>> = vec![vec![None; t_size]; f_size];
+        for s in 0..f_size {
+            let q = block_at(s);
+            for e in 0..t_size - 1 {
+                let tag = tag(Direction::Forward, s * (t_size - 1) + e);
+                let sends = vec![Transfer { peer: next_t, buf: x_at(e, q), tag }];
+                let recvs = vec![Transfer { peer: prev_t, buf: x_at(e + 1, q), tag }];
+                arrived[q][e + 1] = Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![]));
+            }
+        }
+        let gathered = self.steps.iter().rposition(|s| s.lane == Lane::Comm);
         // done[s]: the last product of the partial the ring takes at step s;
         // sent[s]: the ring's exchange of it. Each ring step is pushed once
         // its partial is complete (sequential: all after the last product).
         let mut done: Vec<StepId> = vec![];
         let mut sent: Vec<StepId> = vec![];
+        let mut waited: Option<StepId> = None;
         for s in 0..f_size {
             let q = block_at(s);
             for step in 0..t_size {
                 let p = (t + t_size - step) % t_size;
-                let waits = if sequential { arrived.last() } else { arrived.get(step) };
-                let mut deps: Vec<StepId> = waits.copied().flatten().filter(|_| s == 0).into_iter().collect();
+                // Its rows of x (sequential: the whole gather).
+                let needs = if sequential { gathered } else { arrived[q][step] };
+                let mut deps: Vec<StepId> = needs.filter(|&e| Some(e) > waited).into_iter().collect();
+                waited = waited.max(needs);
                 if step == 0 && s >= kept {
                     // The slot's previous partial has left.
                     deps.push(sent[s - kept]);
                 }
                 let action = Action::Matmul {
                     block: q * t_size + p,
-                    src: x_at(step),
+                    src: x_at(step, q),
                     with: Buf::W,
                     dst: partial_at(s),
                     accumulate: step > 0,

@@ -1159,15 +1159,16 @@ fn two_gather_products_wait_only_for_their_own_blocks() {
 /// What a buffer holds in the symbolic run of a gather-contract-scatter plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum ContractScatter {
-    /// Block p of x's columns, of the ranks with this f.
-    X { f: usize, p: usize },
+    /// Row block q of block p of x's columns, of the ranks with this f.
+    X { f: usize, p: usize, q: usize },
     /// Products (origin rank, block q * T + p) summed so far.
     Partials(Pieces),
 }
 
 /// Runs every rank's plan of `Pattern::GatherContractScatter { scattered:
-/// f_size }` message by message: each product multiplies block p of x's
-/// columns of the rank's own f (block `q * T + p`); rank f*T + t ends with
+/// f_size }` message by message: each product multiplies row block q of
+/// block p of x's columns of the rank's own f (block `q * T + p`), x
+/// travelling by row blocks; rank f*T + t ends with
 /// row block f of the result summed over every p and every rank of its t,
 /// each product once, written once.
 fn simulate_contract_scatter(plans: &[Plan], f_size: usize, label: &str) {
@@ -1180,7 +1181,7 @@ fn simulate_contract_scatter(plans: &[Plan], f_size: usize, label: &str) {
     let mut mailbox: HashMap<(usize, usize, Tag), ContractScatter> = HashMap::new();
     let read = |slots: &HashMap<usize, ContractScatter>, r: usize, b: Buf| -> ContractScatter {
         match b {
-            Buf::X => ContractScatter::X { f: r / t_size, p: r % t_size },
+            Buf::XBlock(q) => ContractScatter::X { f: r / t_size, p: r % t_size, q },
             Buf::Slot(i) => slots.get(&i).cloned().unwrap_or_else(|| panic!("{label}: rank {r} reads empty slot {i}")),
             other => panic!("{label}: rank {r} reads {other:?}"),
         }
@@ -1192,8 +1193,9 @@ fn simulate_contract_scatter(plans: &[Plan], f_size: usize, label: &str) {
             while let Some(step) = plans[r].steps.get(cursor[r]) {
                 match &step.action {
                     Action::Matmul { block, src, with: Buf::W, dst: Buf::Slot(i), accumulate } => {
-                        let p = block % t_size;
-                        assert_eq!(read(&slots[r], r, *src), ContractScatter::X { f, p }, "{label}: rank {r} {block}");
+                        let (q, p) = (block / t_size, block % t_size);
+                        let want = ContractScatter::X { f, p, q };
+                        assert_eq!(read(&slots[r], r, *src), want, "{label}: rank {r} {block}");
                         let mut acc = match (accumulate, slots[r].get(i)) {
                             (true, Some(ContractScatter::Partials(v))) => v.clone(),
                             (true, other) => panic!("{label}: rank {r} accumulates onto {other:?}"),
@@ -1303,12 +1305,22 @@ fn gather_contract_scatter_steps_wait_only_for_their_own_products() {
                     .expect("every step is an exchange")
                     .id
             };
+            // x travels by row blocks in the order the ring takes the partials: exchange e of partial s's rows.
+            let x_exchange = |s: usize, e: usize| exchange(Direction::Forward, s * (t_size - 1) + e);
             for (i, &product) in products.iter().enumerate() {
                 let (s, step) = (i / t_size, i % t_size);
-                for e in 0..t_size - 1 {
-                    let waits = hb[exchange(Direction::Forward, e)][product];
-                    assert_eq!(waits, s > 0 || e < step, "{label}: product {i} and x's exchange {e}");
+                for (s2, e) in (0..f_size).flat_map(|s2| (0..t_size - 1).map(move |e| (s2, e))) {
+                    // Its own rows up to its step, and what the products before it waited for (a partial from
+                    // the third on reuses the slot of one the ring sent, after the whole gather).
+                    let want = s2 < s || (s2 == s && e < step) || s >= 2;
+                    let waits = hb[x_exchange(s2, e)][product];
+                    assert_eq!(waits, want, "{label}: product {i} and exchange {e} of partial {s2}'s rows");
                 }
+            }
+            if f_size > 1 && t_size > 1 {
+                // The partial the ring sends first is complete before the gather's last transfer has arrived.
+                let last = x_exchange(f_size - 1, t_size - 2);
+                assert!(!hb[last][products[t_size - 1]], "{label}: the first partial waits for the whole gather");
             }
             for s in 0..f_size - 1 {
                 let ring = exchange(Direction::Backward, s);

@@ -939,16 +939,18 @@ impl Builder {
     /// A gather along the contraction, then a reduce-scatter
     /// (`Pattern::GatherContractScatter`): rank `f * T + t` holds block t of
     /// x's columns (the contraction). They travel round the T ranks that
-    /// share f, every received block kept. The product of x's block p (its
-    /// row block q) with the second operand's rows p is added into the
-    /// partial of the result's row block q, and the F partials are
+    /// share f by row blocks, every received one kept: the rows of the
+    /// partial the ring sends first, then the next one's. The product of
+    /// row block q of x's block p with the second operand's rows p is added
+    /// into the partial of the result's row block q, and the F partials are
     /// reduce-scattered round the F ranks that share t, the adds on the
     /// comm lane. The first partial the ring sends is computed first, each
-    /// of its products as its block of x arrives; every other partial
-    /// while the ring's previous step travels; the own partial, which the
-    /// ring ends with, last. Two slots hold the partials in turn, so the
-    /// workspace holds two of them, not F. Sequential: the gather, then
-    /// every product (F slots), then the reduce-scatter.
+    /// of its products as its rows arrive, so it is complete while the
+    /// other rows travel and the ring starts as the gather ends; every
+    /// other partial while the ring's previous step travels; the own
+    /// partial, which the ring ends with, last. Two slots hold the partials
+    /// in turn, so the workspace holds two of them, not F. Sequential: the
+    /// gather, then every product (F slots), then the reduce-scatter.
     fn gather_contract_scatter(&mut self, scattered: usize, sequential: bool) {
         let (n, f_size) = (self.n, scattered);
         let t_size = n / f_size;

@@ -765,19 +765,30 @@ def _decide_two_axis(choice: Choice, x_shape, w_shape, dtype, settings: Settings
     if two is None:
         return None, why
     if weigh:
-        machine = policy.resolved_machine(choice.axes)
-        try:
-            order, why = _both_sides.choose("matmul_all_gather", (rows, k), w_shape, f, 1, "psum_scatter", t,
-                                            (rows, k), (k, f * c), None, np.dtype(settings.out_dtype), machine,
-                                            policy.decline,
-                                            two_axis=(TWO_AXIS_OP, (rows, k), tuple(w_shape), f))
-        except (ValueError, TypeError, KeyError) as e:
-            return None, f"the cost model cannot time it ({e})"
-        if "two_axis" not in order:
-            return None, f"the cost model cannot time it: {why}"
-        if order.index("two_axis") > order.index("reduce"):
-            return None, f"the cost model fuses the reduce side: {why}"
+        why = _beats_the_reduce_side(("matmul_all_gather", (rows, k), w_shape, f, 1), (t, (rows, k), (k, f * c)),
+                                     (TWO_AXIS_OP, (rows, k), tuple(w_shape), f), settings, choice.axes)
+        if why:
+            return None, why
     return Decided(choice, (two.forward,), two_axis=two), ""
+
+
+def _beats_the_reduce_side(gather: tuple, reduce: tuple, both: tuple, settings: Settings, axes) -> str:
+    """"" where the cost model (`_both_sides.choose`) times the op over both
+    axes `both` (its library call: op, x, w, F) below the dot's reduce side
+    fused (XLA's gather first), else why not. `gather`: the gather side's
+    fused op (op, x, w, ranks, dimension); `reduce`: the reduce-scatter's
+    ranks and its dot's shapes (x, w)."""
+    policy = settings.policy
+    try:
+        order, why = _both_sides.choose(*gather, "psum_scatter", *reduce, None, np.dtype(settings.out_dtype),
+                                        policy.resolved_machine(axes), policy.decline, two_axis=both)
+    except (ValueError, TypeError, KeyError) as e:
+        return f"the cost model cannot time it ({e})"
+    if "two_axis" not in order:
+        return f"the cost model cannot time it: {why}"
+    if order.index("two_axis") > order.index("reduce"):
+        return f"the cost model fuses the reduce side: {why}"
+    return ""
 
 
 def _decide_two_gathers(choice: Choice, x_shape, w_shape, dtype, settings: Settings,
@@ -841,18 +852,11 @@ def _decide_contract_scatter(choice: Choice, x_shape, w_shape, dtype, settings: 
     if two is None:
         return None, why
     if weigh:
-        try:
-            # The gather side: x_all @ w as wᵀ @ all_gather(xᵀ) (`matmul_all_gather` of the contraction).
-            order, why = _both_sides.choose("matmul_all_gather", (c, t * m), (m, rows), t, 0, "psum_scatter", f,
-                                            (rows, t * m), (t * m, c), None, np.dtype(settings.out_dtype),
-                                            policy.resolved_machine(choice.axes), policy.decline,
-                                            two_axis=(CONTRACT_SCATTER_OP, op_x, op_w, f))
-        except (ValueError, TypeError, KeyError) as e:
-            return None, f"the cost model cannot time it ({e})"
-        if "two_axis" not in order:
-            return None, f"the cost model cannot time it: {why}"
-        if order.index("two_axis") > order.index("reduce"):
-            return None, f"the cost model fuses the reduce side: {why}"
+        # The gather side: x_all @ w as wᵀ @ all_gather(xᵀ) (`matmul_all_gather` of the contraction).
+        why = _beats_the_reduce_side(("matmul_all_gather", (c, t * m), (m, rows), t, 0), (f, (rows, t * m), (t * m, c)),
+                                     (CONTRACT_SCATTER_OP, op_x, op_w, f), settings, choice.axes)
+        if why:
+            return None, why
     return Decided(choice, (two.forward,), contract_scatter=two), ""
 
 

@@ -995,10 +995,10 @@ impl Builder {
         let mut waited: Option<StepId> = None;
         for s in 0..f_size {
             let q = block_at(s);
-            for step in 0..t_size {
+            for (step, &rows_arrived) in arrived[q].iter().enumerate() {
                 let p = (t + t_size - step) % t_size;
                 // Its rows of x (sequential: the whole gather).
-                let needs = if sequential { gathered } else { arrived[q][step] };
+                let needs = if sequential { gathered } else { rows_arrived };
                 let mut deps: Vec<StepId> = needs.filter(|&e| Some(e) > waited).into_iter().collect();
                 waited = waited.max(needs);
                 if step == 0 && s >= kept {

@@ -179,8 +179,9 @@ pub struct Gemm {
 pub struct Problem {
     pub kind: OpKind,
     /// How many equal parts `Buf::XBlock` cuts the local `x` into (see
-    /// `x_block`): the group size, except in a sliced gather, whose
-    /// `XBlock(c)` is chunk c of the local x (see `sliced`).
+    /// `x_block`): the group size, except in a sliced gather (the two-gather
+    /// op's too), whose `XBlock(c)` is chunk c of the local x (see
+    /// `sliced`), and the gather-contract-scatter kind: F, its row blocks.
     x_parts: usize,
     /// The group size.
     group: usize,
@@ -676,7 +677,7 @@ impl Problem {
             // p, into the partial of the result's row block q.
             let t = self.group / self.gathered;
             let (q, p) = (block / t, block % t);
-            let in_x = if matches!(src, Buf::XBlock(_) | Buf::X) { q * seg * k } else { 0 };
+            let in_x = if matches!(src, Buf::XBlock(_)) { q * seg * k } else { 0 };
             return vec![Gemm {
                 lhs: (Side::Src, View::rows(in_x, seg, k)),
                 rhs: (Side::W, View::rows(p * k * n, k, n)),

@@ -12,8 +12,9 @@ group of both axes (``Pattern::GatherContractScatter`` in
 ``src/plan/build.rs``): x's blocks travel round ``gather_axis``'s ring by
 row blocks (the rows of the partial the ring sends first, first), each
 product added into the partial of its row block of the result, and the
-partials are reduce-scattered round ``scatter_axis``'s ring, each while the
-next partial is multiplied: the reduce-scatter starts as the gather ends. x is ``[F*kq, m]`` (F ``scatter_axis``'s
+partials are reduce-scattered round ``scatter_axis``'s ring, each while
+the next partial is multiplied: the reduce-scatter starts as the gather
+ends. x is ``[F*kq, m]`` (F ``scatter_axis``'s
 size), w ``[T*m, c]`` (T ``gather_axis``'s), the result ``[kq, c]``.
 
 VJP: jax.lax's, of the expression above (it is itself a gradient; a

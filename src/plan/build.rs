@@ -986,7 +986,8 @@ impl Builder {
                 arrived[q][e + 1] = Some(self.push(Lane::Comm, Action::Exchange { sends, recvs }, vec![]));
             }
         }
-        let gathered = self.steps.iter().rposition(|s| s.lane == Lane::Comm);
+        // The gather's last exchange (what a sequential plan's products wait for).
+        let gather_end = arrived.iter().flatten().flatten().max().copied();
         // done[s]: the last product of the partial the ring takes at step s;
         // sent[s]: the ring's exchange of it. Each ring step is pushed once
         // its partial is complete (sequential: all after the last product).
@@ -998,7 +999,7 @@ impl Builder {
             for (step, &rows_arrived) in arrived[q].iter().enumerate() {
                 let p = (t + t_size - step) % t_size;
                 // Its rows of x (sequential: the whole gather).
-                let needs = if sequential { gathered } else { rows_arrived };
+                let needs = if sequential { gather_end } else { rows_arrived };
                 let mut deps: Vec<StepId> = needs.filter(|&e| Some(e) > waited).into_iter().collect();
                 waited = waited.max(needs);
                 if step == 0 && s >= kept {

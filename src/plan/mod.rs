@@ -88,10 +88,12 @@ pub enum Pattern {
     GatherGather { gathered: usize, into_out: bool },
     /// A gather along the contraction, then a reduce-scatter, over a group
     /// of F x T ranks (rank `f * T + t`): the blocks of `x` (the left
-    /// operand's columns) travel round the T ranks that share `f`, each
-    /// product adding into the partial of its row block of the result, and
-    /// the F partials are reduce-scattered round the F ranks that share `t`.
-    /// `scattered` is F (0: not known from the op kind alone).
+    /// operand's columns) travel round the T ranks that share `f` by row
+    /// blocks (`XBlock(q)` the own rows of partial q), each product adding
+    /// into the partial of its row block of the result (block `q * T + p`:
+    /// row block q of x's block p), and the F partials are reduce-scattered
+    /// round the F ranks that share `t`. `scattered` is F (0: not known
+    /// from the op kind alone).
     GatherContractScatter { scattered: usize },
 }
 
@@ -248,7 +250,9 @@ pub enum Buf {
     /// unless a received block of it is named (`Action::Matmul::with`), and
     /// what a plan that gathers it too (`Pattern::GatherGather`) sends.
     W,
-    /// The part of the local `x` that belongs to block j.
+    /// The part of the local `x` that belongs to block j (a chunk of it in
+    /// a sliced plan; a row block in a gather-contract-scatter plan: see
+    /// `Problem::x_block`).
     XBlock(usize),
     /// Workspace slot i.
     Slot(usize),

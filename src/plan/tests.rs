@@ -1280,11 +1280,13 @@ fn every_gather_contract_scatter_plan_is_correct_and_race_free() {
     assert_eq!(checked, 36 * SCHEDULES.len());
 }
 
-/// The point of the gather-contract-scatter plan: only the first partial's
-/// products wait for blocks of x (each for its own), the reduce-scatter's
-/// step s waits for partial s's products only (it runs while the next
-/// partial is multiplied), and only the own partial's sum is left after the
-/// last product.
+/// The point of the gather-contract-scatter plan: x travels by row blocks,
+/// each partial's products waiting for their own rows (and those before
+/// them, the compute lane in order), so the partial the ring sends first is
+/// complete before the gather ends; the reduce-scatter's step s waits for
+/// partial s's products only (it runs while the next partial is
+/// multiplied); and only the own partial's sum is left after the last
+/// product.
 #[test]
 fn gather_contract_scatter_steps_wait_only_for_their_own_products() {
     for (f_size, t_size) in [(2, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1), (5, 3)] {
@@ -1317,11 +1319,6 @@ fn gather_contract_scatter_steps_wait_only_for_their_own_products() {
                     assert_eq!(waits, want, "{label}: product {i} and exchange {e} of partial {s2}'s rows");
                 }
             }
-            if f_size > 1 && t_size > 1 {
-                // The partial the ring sends first is complete before the gather's last transfer has arrived.
-                let last = x_exchange(f_size - 1, t_size - 2);
-                assert!(!hb[last][products[t_size - 1]], "{label}: the first partial waits for the whole gather");
-            }
             for s in 0..f_size - 1 {
                 let ring = exchange(Direction::Backward, s);
                 assert!(hb[products[(s + 1) * t_size - 1]][ring], "{label}: ring step {s} before its partial");
@@ -1335,8 +1332,9 @@ fn gather_contract_scatter_steps_wait_only_for_their_own_products() {
                     assert!(!hb[next_ring][after_next], "{label}: partial {} waits for ring step {}", s + 2, s + 1);
                 }
             }
-            let partial_slots = p.slots.iter().filter(|&&k| k == SlotKind::Partial).count();
-            assert_eq!(partial_slots, f_size.min(2) + (f_size - 1).min(2), "{label}: partial slots");
+            let count = |kind: SlotKind| p.slots.iter().filter(|&&k| k == kind).count();
+            assert_eq!(count(SlotKind::Partial), f_size.min(2) + (f_size - 1).min(2), "{label}: partial slots");
+            assert_eq!(count(SlotKind::Input), (t_size - 1) * f_size, "{label}: row blocks of x received");
         }
     }
 }

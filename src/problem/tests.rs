@@ -47,6 +47,14 @@ fn every_gemm_of_every_plan_stays_inside_its_buffers() {
                     };
                     let side_len = |side| if side == Side::Src { src_len } else { sizes.w };
                     assert!(g.lhs.1.end() <= side_len(g.lhs.0), "{kind:?} lhs {:?}", g.lhs);
+                    // A row block of x names the rows a product reads (the
+                    // gather-contract-scatter kind's row blocks: strided
+                    // kinds read across them).
+                    if let (Buf::XBlock(j), OpKind::AllGatherContractMatmulReduceScatter) = (src, kind) {
+                        let rows = p.x_block(j).expect("a row block of x");
+                        let (start, end) = (g.lhs.1.offset, g.lhs.1.end());
+                        assert!(rows.start <= start && end <= rows.end, "{kind:?} {src:?} {rows:?}: {:?}", g.lhs);
+                    }
                     assert!(g.rhs.1.end() <= side_len(g.rhs.0), "{kind:?} rhs {:?}", g.rhs);
                     let dst_len = match dst {
                         Buf::Slot(i) => match pl.slots[i] {

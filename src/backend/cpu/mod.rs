@@ -694,6 +694,21 @@ mod tests {
         late: Option<(usize, usize)>,
         lanes: Lanes,
     ) -> Vec<RankRun> {
+        run_ranks_over(kind, schedule, n, dims, site, late, lanes, example_dimension(kind))
+    }
+
+    /// `run_ranks_as` with the `dimension` attribute given (a two-axis kind's F).
+    #[allow(clippy::too_many_arguments)]
+    fn run_ranks_over(
+        kind: OpKind,
+        schedule: Schedule,
+        n: usize,
+        dims: [&[i64]; 3],
+        site: i64,
+        late: Option<(usize, usize)>,
+        lanes: Lanes,
+        dimension: i64,
+    ) -> Vec<RankRun> {
         let products = Arc::new(Products::default());
         let products = &products;
         std::thread::scope(|scope| {
@@ -702,7 +717,6 @@ mod tests {
                     scope.spawn(move || {
                         let group = Group { devices: (0..n as i64).map(|d| 900 + d).collect(), rank };
                         let [x, w, out] = dims.map(|d| (d, DType::F32));
-                        let dimension = example_dimension(kind);
                         let (problem, plan) = problem_and_plan(kind, schedule, [x, w, out], dimension, &group).unwrap();
                         let bytes = |d: &[i64]| d.iter().product::<i64>() as usize * 4;
                         // f32 values of a few bits each, different on every rank: exact sums.
@@ -936,14 +950,19 @@ mod tests {
             (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f64 - 8.0).collect()
         };
         let kind = OpKind::AllGatherContractMatmulReduceScatter;
-        let f_size = example_dimension(kind) as usize;
-        for (i, (n, schedule)) in
-            [(4, Schedule::Ring), (4, Schedule::Sequential), (6, Schedule::Ring)].into_iter().enumerate()
-        {
+        // (n, F): F > 2 reuses the two partial slots and receives F row blocks per step.
+        let cases = [(4, 2, Schedule::Ring), (4, 2, Schedule::Sequential), (6, 2, Schedule::Ring)].into_iter().chain([
+            (6, 3, Schedule::Ring),
+            (8, 4, Schedule::Ring),
+            (6, 3, Schedule::Sequential),
+        ]);
+        for (i, (n, f_size, schedule)) in cases.enumerate() {
             let t_size = n / f_size;
-            let dims = example_dims(kind, n as i64, m as i64, k as i64, c as i64);
+            let dims =
+                [vec![(f_size * m) as i64, k as i64], vec![(t_size * k) as i64, c as i64], vec![m as i64, c as i64]];
             let dims: [&[i64]; 3] = [&dims[0], &dims[1], &dims[2]];
-            let runs = run_ranks_as(kind, schedule, n, dims, 7700 + i as i64, None, Lanes::Threads);
+            let site = 7700 + i as i64;
+            let runs = run_ranks_over(kind, schedule, n, dims, site, None, Lanes::Threads, f_size as i64);
             for (r, run) in runs.iter().enumerate() {
                 let (f, t) = (r / t_size, r % t_size);
                 let got: Vec<f32> = bytemuck::cast_slice(&run.out).to_vec();

@@ -42,9 +42,9 @@ if __name__ == "__main__":  # before JAX creates its CPU backend
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -64,7 +64,8 @@ def _scatter(y):
 
 
 def ways():
-    """(name, per-device body, collective left to XLA or None) of the gather-scatter layer."""
+    """(name, per-device body, collective left to XLA: "first" (the gather), "second" (the reduce-scatter),
+    "both" or None) of the gather-scatter layer."""
     fused = commfuse.all_gather_matmul_reduce_scatter
     return [
         ("xla", lambda x, w: _scatter(x @ _gather(w)), "both"),
@@ -74,9 +75,9 @@ def ways():
         ("two-axis auto", lambda x, w: fused(x, w, "fsdp", "tp", schedule="auto"), None),
         ("two-axis sequential", lambda x, w: fused(x, w, "fsdp", "tp", schedule="sequential"), None),
         ("gather fused (ring)", lambda x, w: _scatter(commfuse.matmul_all_gather(x, w, "fsdp", gather_dimension=1,
-                                                                                 schedule="ring")), "scatter"),
+                                                                                 schedule="ring")), "second"),
         ("reduce fused (ring)", lambda x, w: commfuse.matmul_reduce_scatter(x, _gather(w), "tp", scatter_dimension=0,
-                                                                            schedule="ring"), "gather"),
+                                                                            schedule="ring"), "first"),
     ]
 
 
@@ -144,72 +145,89 @@ def _time(fns, args, reps):
     return [statistics.median(t) for t in times]
 
 
+class _Case(NamedTuple):
+    """One mode's measurement: the header's shapes, its ways, the shard_map
+    spec and operands, the local product alone (function, operands), and
+    each collective (name, bytes, ring steps); the link's default bandwidth
+    makes collective `paced` (0 or 1) as long as the local product."""
+    shapes: str
+    ways: list
+    spec: dict
+    operands: tuple
+    compute: object
+    compute_operands: tuple
+    collectives: tuple
+    paced: int
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--gbytes-per-s", type=float, default=None,
-                        help="the link's bandwidth (default: the reduce-scatter's bytes in T_compute)")
+                        help="the link's bandwidth (default: one collective's bytes in T_compute)")
     parser.add_argument("--rows", type=int, default=256, help="rows of x per device")
     parser.add_argument("--op", choices=("gather-scatter", "two-gathers", "contract-scatter"),
                         default="gather-scatter")
     args = parser.parse_args(argv)
-    if args.op == "two-gathers":
-        return two_gathers(args)
-    if args.op == "contract-scatter":
-        return contract_scatter(args)
-
     mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
-    m = args.rows
+    case = {"gather-scatter": gather_scatter, "two-gathers": two_gathers,
+            "contract-scatter": contract_scatter}[args.op](mesh, args.rows)
+    _measure(case, args)
+
+
+def _measure(case: _Case, args) -> None:
+    """Times `case`'s ways under the link model (each checked against the
+    first, XLA's) and prints them against both floors."""
+    os.environ.pop(LINK_VAR, None)
+    t_compute = _time([case.compute], case.compute_operands, args.reps)[0]
+    gbps = args.gbytes_per_s or case.collectives[case.paced][1] / t_compute / 1e9
+    t_first, t_second = (nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6 for _, nbytes, steps in case.collectives)
+    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
+    fns = [jax.jit(jax.shard_map(body, **case.spec)) for _, body, _ in case.ways]
+    want = np.asarray(fns[0](*case.operands))
+    for (name, _, _), f in zip(case.ways, fns):
+        got = np.asarray(f(*case.operands))
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
+    measured = _time(fns, case.operands, args.reps)
+    os.environ.pop(LINK_VAR, None)
+
+    (first, first_bytes, _), (second, second_bytes, _) = case.collectives
+    own, shared = max(t_compute, t_first, t_second), max(t_compute, t_first + t_second)
+    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; {case.shapes}, f32; "
+          f"link {gbps:.4f} GB/s, {LATENCY_US:.0f} us, switch; medians of {args.reps} interleaved rounds")
+    print(f"T_compute {ms(t_compute)} ms; link: {first} {ms(t_first)} ms ({first_bytes} B), {second} "
+          f"{ms(t_second)} ms ({second_bytes} B)")
+    print(f"floors: own links max(compute, {first}, {second}) = {ms(own)} ms; one port "
+          f"max(compute, {first} + {second}) = {ms(shared)} ms")
+    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
+    for (name, _, left), t in zip(case.ways, measured):
+        charged = t + {"first": t_first, "second": t_second, "both": t_first + t_second, None: 0.0}[left]
+        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+
+
+def gather_scatter(mesh, m) -> _Case:
+    """The FSDP x TP layer: x [m, kb] per device (its rows over fsdp, its columns over tp), w [kb, c] (its rows over tp,
+    its columns over fsdp); the result's rows over (fsdp, tp)."""
     # The gather moves (F-1) kb*c, the reduce-scatter F (T-1) (m/T) c: equal for kb = F (T-1) m / (T (F-1)).
     kb, c = F * (T - 1) * m // (T * (F - 1)), 256
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((F * m, T * kb), np.float32), NamedSharding(mesh, P("fsdp", "tp")))
     w = jax.device_put(rng.standard_normal((T * kb, F * c), np.float32) / kb, NamedSharding(mesh, P("tp", "fsdp")))
     spec = dict(mesh=mesh, in_specs=(P("fsdp", "tp"), P("tp", "fsdp")), out_specs=P(("fsdp", "tp")))
-
-    # T_compute: each device's whole local product at once, w already gathered.
+    # The local product alone: each device's whole product at once, w already gathered.
     w_full = jax.device_put(np.asarray(w).reshape(T, kb, F * c).repeat(F, axis=0).reshape(F * T * kb, F * c),
                             NamedSharding(mesh, P(("fsdp", "tp"))))
     compute = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("fsdp", "tp"), P(("fsdp", "tp"))),
                                     out_specs=P(("fsdp", "tp"))))
-    os.environ.pop(LINK_VAR, None)
-    t_compute = _time([compute], (x, w_full), args.reps)[0]
-
-    gather_bytes = (F - 1) * kb * c * 4
-    scatter_bytes = F * (T - 1) * (m // T) * c * 4
-    gbps = args.gbytes_per_s or scatter_bytes / t_compute / 1e9
-    link = lambda nbytes, steps: nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6  # noqa: E731
-    t_gather, t_scatter = link(gather_bytes, F - 1), link(scatter_bytes, F * (T - 1))
-    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
-
-    fns = [jax.jit(jax.shard_map(body, **spec)) for _, body, _ in ways()]
-    want = np.asarray(fns[0](x, w))
-    for (name, _, _), f in zip(ways(), fns):
-        got = np.asarray(f(x, w))
-        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
-    measured = _time(fns, (x, w), args.reps)
-    os.environ.pop(LINK_VAR, None)
-
-    own = max(t_compute, t_gather, t_scatter)
-    shared = max(t_compute, t_gather + t_scatter)
-    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
-    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; x per device "
-          f"[{m}, {kb}], w per device [{kb}, {c}], f32; link {gbps:.4f} GB/s, {LATENCY_US:.0f} us, switch; "
-          f"medians of {args.reps} interleaved rounds")
-    print(f"T_compute {ms(t_compute)} ms; link: gather {ms(t_gather)} ms ({gather_bytes} B), reduce-scatter "
-          f"{ms(t_scatter)} ms ({scatter_bytes} B)")
-    print(f"floors: own links max(compute, gather, reduce-scatter) = {ms(own)} ms; one port "
-          f"max(compute, gather + reduce-scatter) = {ms(shared)} ms")
-    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
-    for (name, _, left), t in zip(ways(), measured):
-        charged = t + {"scatter": t_scatter, "gather": t_gather, "both": t_gather + t_scatter, None: 0.0}[left]
-        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+    collectives = (("gather", (F - 1) * kb * c * 4, F - 1), ("reduce-scatter", F * (T - 1) * (m // T) * c * 4,
+                                                             F * (T - 1)))
+    return _Case(f"x per device [{m}, {kb}], w per device [{kb}, {c}]", ways(), spec, (x, w), compute, (x, w_full),
+                 collectives, paced=1)
 
 
-def two_gathers(args) -> None:
+def two_gathers(mesh, m) -> _Case:
     """The SP x FSDP layer: x [m, F*kb] per device (rows over tp), w [kb, c] (rows over fsdp)."""
-    mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
-    m = args.rows
     # x's gather moves (T-1) m F kb, w's (F-1) kb c: equal for c = (T-1) m F / (F-1).
     kb, c = m, (T - 1) * m * F // (F - 1)
     rng = np.random.default_rng(0)
@@ -217,49 +235,19 @@ def two_gathers(args) -> None:
     x = jax.device_put(rng.standard_normal((F * T * m, F * kb), np.float32), NamedSharding(mesh, x_spec))
     w = jax.device_put(rng.standard_normal((F * kb, T * c), np.float32) / kb, NamedSharding(mesh, w_spec))
     spec = dict(mesh=mesh, in_specs=(x_spec, w_spec), out_specs=P("fsdp", "tp"))
-
-    # T_compute: each device's whole local product at once, both operands already gathered.
+    # The local product alone: both operands already gathered.
     x_full = jax.device_put(np.asarray(x), NamedSharding(mesh, P("fsdp")))
     w_full = jax.device_put(np.asarray(w), NamedSharding(mesh, P(None, "tp")))
     compute = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("fsdp"), P(None, "tp")),
                                     out_specs=P("fsdp", "tp")))
-    os.environ.pop(LINK_VAR, None)
-    t_compute = _time([compute], (x_full, w_full), args.reps)[0]
-
-    x_bytes = (T - 1) * m * F * kb * 4
-    w_bytes = (F - 1) * kb * c * 4
-    gbps = args.gbytes_per_s or x_bytes / t_compute / 1e9
-    link = lambda nbytes, steps: nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6  # noqa: E731
-    t_x, t_w = link(x_bytes, T - 1), link(w_bytes, F - 1)
-    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
-
-    fns = [jax.jit(jax.shard_map(body, **spec)) for _, body, _ in two_gather_ways()]
-    want = np.asarray(fns[0](x, w))
-    for (name, _, _), f in zip(two_gather_ways(), fns):
-        got = np.asarray(f(x, w))
-        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
-    measured = _time(fns, (x, w), args.reps)
-    os.environ.pop(LINK_VAR, None)
-
-    own, shared = max(t_compute, t_x, t_w), max(t_compute, t_x + t_w)
-    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
-    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; x per device "
-          f"[{m}, {F * kb}] (rows over tp), w per device [{kb}, {c}] (rows over fsdp), f32; link {gbps:.4f} GB/s, "
-          f"{LATENCY_US:.0f} us, switch; medians of {args.reps} interleaved rounds")
-    print(f"T_compute {ms(t_compute)} ms; link: x's gather {ms(t_x)} ms ({x_bytes} B), w's gather {ms(t_w)} ms "
-          f"({w_bytes} B)")
-    print(f"floors: own links max(compute, x's gather, w's gather) = {ms(own)} ms; one port "
-          f"max(compute, both gathers) = {ms(shared)} ms")
-    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
-    for (name, _, left), t in zip(two_gather_ways(), measured):
-        charged = t + {"first": t_x, "second": t_w, "both": t_x + t_w, None: 0.0}[left]
-        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+    collectives = (("x's gather", (T - 1) * m * F * kb * 4, T - 1), ("w's gather", (F - 1) * kb * c * 4, F - 1))
+    return _Case(f"x per device [{m}, {F * kb}] (rows over tp), w per device [{kb}, {c}] (rows over fsdp)",
+                 two_gather_ways(), spec, (x, w), compute, (x_full, w_full), collectives, paced=0)
 
 
-def contract_scatter(args) -> None:
+def contract_scatter(mesh, kq) -> _Case:
     """The weight gradient: x [F*kq, m] per device (its columns over tp), w [T*m, c]; dw [kq, c] (rows over fsdp)."""
-    mesh = jax.make_mesh((F, T), ("fsdp", "tp"), devices=jax.devices()[:F * T])
-    kq, m = args.rows, 128
+    m = 128
     # The gather moves (T-1) F kq m, the reduce-scatter (F-1) kq c: equal for c = (T-1) F m / (F-1).
     c = (T - 1) * F * m // (F - 1)
     rng = np.random.default_rng(0)
@@ -267,42 +255,14 @@ def contract_scatter(args) -> None:
     x = jax.device_put(rng.standard_normal((F * F * kq, T * m), np.float32), NamedSharding(mesh, spec_in))
     w = jax.device_put(rng.standard_normal((F * T * m, T * c), np.float32) / m, NamedSharding(mesh, spec_in))
     spec = dict(mesh=mesh, in_specs=(spec_in, spec_in), out_specs=spec_in)
-
-    # T_compute: each device's whole local product at once, x's columns already gathered.
+    # The local product alone: x's columns already gathered.
     x_full = jax.device_put(np.asarray(x), NamedSharding(mesh, P("fsdp")))
     compute = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("fsdp"), spec_in),
                                     out_specs=spec_in))
-    os.environ.pop(LINK_VAR, None)
-    t_compute = _time([compute], (x_full, w), args.reps)[0]
-
-    gather_bytes = (T - 1) * F * kq * m * 4
-    scatter_bytes = (F - 1) * kq * c * 4
-    gbps = args.gbytes_per_s or scatter_bytes / t_compute / 1e9
-    link = lambda nbytes, steps: nbytes / (gbps * 1e9) + steps * LATENCY_US * 1e-6  # noqa: E731
-    t_gather, t_scatter = link(gather_bytes, T - 1), link(scatter_bytes, F - 1)
-    os.environ[LINK_VAR] = f"gbytes_per_s={gbps},latency_us={LATENCY_US},topology=switch"
-
-    fns = [jax.jit(jax.shard_map(body, **spec)) for _, body, _ in contract_scatter_ways()]
-    want = np.asarray(fns[0](x, w))
-    for (name, _, _), f in zip(contract_scatter_ways(), fns):
-        got = np.asarray(f(x, w))
-        assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), name
-    measured = _time(fns, (x, w), args.reps)
-    os.environ.pop(LINK_VAR, None)
-
-    own, shared = max(t_compute, t_gather, t_scatter), max(t_compute, t_gather + t_scatter)
-    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
-    print(f"jax {jax.__version__}, {F} x {T} CPU devices (fsdp x tp) on {os.cpu_count()} cores; x per device "
-          f"[{F * kq}, {m}] (columns over tp), w per device [{T * m}, {c}], dw [{kq}, {c}] (rows over fsdp), f32; "
-          f"link {gbps:.4f} GB/s, {LATENCY_US:.0f} us, switch; medians of {args.reps} interleaved rounds")
-    print(f"T_compute {ms(t_compute)} ms; link: x's gather {ms(t_gather)} ms ({gather_bytes} B), reduce-scatter "
-          f"{ms(t_scatter)} ms ({scatter_bytes} B)")
-    print(f"floors: own links max(compute, gather, reduce-scatter) = {ms(own)} ms; one port "
-          f"max(compute, gather + reduce-scatter) = {ms(shared)} ms")
-    print(f"{'way':<22} {'ms':>8} {'+link ms':>9} {'/ own floor':>11} {'/ one-port floor':>16}")
-    for (name, _, left), t in zip(contract_scatter_ways(), measured):
-        charged = t + {"first": t_gather, "second": t_scatter, "both": t_gather + t_scatter, None: 0.0}[left]
-        print(f"{name:<22} {ms(t)} {ms(charged):>9} {charged / own:>11.2f} {charged / shared:>16.2f}")
+    collectives = (("x's gather", (T - 1) * F * kq * m * 4, T - 1), ("reduce-scatter", (F - 1) * kq * c * 4, F - 1))
+    return _Case(f"x per device [{F * kq}, {m}] (columns over tp), w per device [{T * m}, {c}], dw [{kq}, {c}] "
+                 "(rows over fsdp)", contract_scatter_ways(), spec, (x, w), compute, (x_full, w), collectives,
+                 paced=1)
 
 
 if __name__ == "__main__":
